@@ -1,0 +1,50 @@
+"""shardckpt: sharded, pickle-free, checksummed checkpoints with atomic commit and elastic restore.
+
+Public API (a contract): save, load, latest, open, commit, ShardWriter, Checkpoint, and the errors.
+"""
+
+from shardckpt.api import latest, load, save
+from shardckpt.coordinator import commit
+from shardckpt.errors import (
+    AlreadyExistsError,
+    CommitConflictError,
+    CoverageError,
+    FormatError,
+    IntegrityError,
+    NotCommittedError,
+    NotFoundError,
+    ShardckptError,
+    ShardckptUsageError,
+    StorageError,
+    TruncatedError,
+)
+from shardckpt.planner import Box, ReadPlan
+from shardckpt.restorer import Checkpoint
+from shardckpt.restorer import open_checkpoint as open
+from shardckpt.writer import ShardWriter
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AlreadyExistsError",
+    "Box",
+    "Checkpoint",
+    "CommitConflictError",
+    "CoverageError",
+    "FormatError",
+    "IntegrityError",
+    "NotCommittedError",
+    "NotFoundError",
+    "ReadPlan",
+    "ShardWriter",
+    "ShardckptError",
+    "ShardckptUsageError",
+    "StorageError",
+    "TruncatedError",
+    "__version__",
+    "commit",
+    "latest",
+    "load",
+    "open",
+    "save",
+]

@@ -1,0 +1,304 @@
+"""The commit: gather every rank's local manifest, prove exact coverage, write the global manifest, then COMMITTED.
+
+(coordinator only) 1. read or receive the W local manifests of one attempt and check each against its data file;
+2. validate: same dtype/shape/layout on every rank, pieces cover every tensor exactly once;
+3. write manifest-<attempt>.msgpack (create-only); 4. create COMMITTED atomically — always the last write.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from shardckpt.errors import (
+    AlreadyExistsError,
+    CommitConflictError,
+    CoverageError,
+    FormatError,
+    IntegrityError,
+    NotFoundError,
+)
+from shardckpt.format import layout, limits
+from shardckpt.format.manifest import (
+    CommitMarker,
+    FileEntry,
+    GlobalManifest,
+    LocalManifest,
+    ObjectEntry,
+    PieceTable,
+    TensorEntry,
+    crc32c_of,
+    decode_global_manifest,
+    decode_local_manifest,
+    encode_commit_marker,
+    encode_global_manifest,
+)
+from shardckpt.format.values import pack_value
+from shardckpt.planner import check_cover
+from shardckpt.restorer import read_commit_marker, read_global_manifest
+from shardckpt.storage import Storage, open_storage
+
+
+def commit(
+    url: str | Storage,
+    *,
+    world_size: int | None = None,
+    attempt: str | None = None,
+    step: int | None = None,
+    metadata: dict[str, Any] | None = None,
+    local_manifests: Sequence[bytes] | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> GlobalManifest:
+    """Validate the local manifests of one attempt and commit the checkpoint at `url` atomically.
+
+    `local_manifests`: the encoded local manifests, rank-ordered, when the caller gathered them (distributed
+    saves); otherwise they are read from storage. Re-committing the attempt that already committed is a no-op
+    that returns its manifest; any other attempt gets CommitConflictError.
+    """
+    storage = open_storage(url, storage_options)
+    committed = _existing_commit(storage, attempt)
+    if committed is not None:
+        return committed
+    if local_manifests is None:
+        attempt = attempt or _find_attempt(storage, world_size)
+        local_manifests = _read_local_manifests(storage, attempt, world_size)
+    locals_ = _decode_all(storage, local_manifests, attempt, world_size)
+    attempt, world_size = locals_[0].attempt, locals_[0].world_size
+    _check_data_files(storage, locals_)
+    manifest = GlobalManifest(
+        attempt=attempt,
+        world_size=world_size,
+        block_size=_agree(locals_, "block_size"),
+        files=tuple(
+            FileEntry(
+                m.rank, m.data, m.data_size, layout.local_manifest_path(m.rank, attempt), len(raw), crc32c_of(raw)
+            )
+            for m, raw in zip(locals_, local_manifests)
+        ),
+        tensors=merge_tensors(locals_),
+        objects=_merge_objects(locals_),
+        step=step if step is not None else _agree(locals_, "step"),
+        created=time.time(),
+        metadata=dict(metadata or {}),
+    )
+    encoded = _write_manifest(storage, manifest)
+    marker = CommitMarker(
+        attempt=attempt,
+        manifest=layout.global_manifest_path(attempt),
+        manifest_size=len(encoded),
+        manifest_crc32c=crc32c_of(encoded),
+        world_size=world_size,
+        total_bytes=manifest.total_bytes,
+        step=manifest.step,
+        created=manifest.created,
+    )
+    try:
+        storage.commit_marker(layout.COMMITTED, encode_commit_marker(marker))
+    except AlreadyExistsError:
+        # A concurrent committer won the race: success only if it committed this very manifest.
+        winner = _existing_commit(storage, attempt)
+        if winner is None:
+            raise
+        return winner
+    return decode_global_manifest(encoded, storage.describe(marker.manifest))
+
+
+def _existing_commit(storage: Storage, attempt: str | None) -> GlobalManifest | None:
+    marker = read_commit_marker(storage)
+    if marker is None:
+        return None
+    if attempt is None or marker.attempt == attempt:
+        # Committing what is already committed is a no-op (a retried commit after a lost reply).
+        return read_global_manifest(storage, marker)
+    raise CommitConflictError(
+        f"{storage.url} is already committed by attempt {marker.attempt} (step {marker.step}); "
+        "a committed checkpoint never changes: save to a new URL"
+    )
+
+
+def _find_attempt(storage: Storage, world_size: int | None) -> str:
+    """The one attempt whose local manifests are all present, when the caller did not name it."""
+    ranks: dict[str, set[int]] = defaultdict(set)
+    for name in storage.list(layout.RANKS_DIR):
+        try:
+            rank, attempt = layout.parse_local_manifest_path(f"{layout.RANKS_DIR}/{name}")
+        except FormatError:
+            continue  # not ours (an editor's swap file, a temp file): never a reason to fail a commit
+        ranks[attempt].add(rank)
+    if not ranks:
+        raise CoverageError(f"{storage.url}: no local manifest found under {layout.RANKS_DIR}/; nothing to commit")
+    complete = [a for a, found in ranks.items() if world_size is None or found == set(range(world_size))]
+    if world_size is None:
+        complete = [a for a in complete if ranks[a] == set(range(max(ranks[a]) + 1))]
+    if len(complete) == 1:
+        return complete[0]
+    summary = "; ".join(f"attempt {a}: ranks {sorted(r)}" for a, r in sorted(ranks.items()))
+    if not complete:
+        raise CoverageError(f"{storage.url}: no attempt has the local manifests of every rank ({summary})")
+    raise CoverageError(f"{storage.url}: several complete attempts, pass attempt= to choose ({summary})")
+
+
+def _read_local_manifests(storage: Storage, attempt: str, world_size: int | None) -> list[bytes]:
+    if world_size is None:
+        first = decode_local_manifest(
+            storage.read_small(layout.local_manifest_path(0, attempt), limits.MAX_LOCAL_MANIFEST_BYTES),
+            storage.describe(layout.local_manifest_path(0, attempt)),
+        )
+        world_size = first.world_size
+    paths = [layout.local_manifest_path(rank, attempt) for rank in range(world_size)]
+
+    def read(path: str) -> bytes:
+        try:
+            return storage.read_small(path, limits.MAX_LOCAL_MANIFEST_BYTES)
+        except NotFoundError:
+            raise CoverageError(
+                f"{storage.describe(path)} is missing: that rank did not finish its part of attempt {attempt}"
+            ) from None
+
+    with ThreadPoolExecutor(max_workers=min(16, len(paths))) as pool:
+        return list(pool.map(read, paths))
+
+
+def _decode_all(
+    storage: Storage, raws: Sequence[bytes], attempt: str | None, world_size: int | None
+) -> list[LocalManifest]:
+    if not raws:
+        raise CoverageError(f"{storage.url}: no local manifests to commit")
+    manifests = []
+    for index, raw in enumerate(raws):
+        where = storage.describe(layout.local_manifest_path(index, attempt or "0"))
+        manifest = decode_local_manifest(raw, where)
+        expected = (attempt or manifest.attempt, world_size or len(raws), index)
+        if (manifest.attempt, manifest.world_size, manifest.rank) != expected:
+            raise CoverageError(
+                f"{where}: belongs to attempt {manifest.attempt}, rank {manifest.rank} of {manifest.world_size}; "
+                f"expected attempt {expected[0]}, rank {index} of {expected[1]}"
+            )
+        attempt = manifest.attempt
+        manifests.append(manifest)
+    if len(manifests) != manifests[0].world_size:
+        raise CoverageError(f"{storage.url}: {len(manifests)} local manifests for world size {manifests[0].world_size}")
+    return manifests
+
+
+def _check_data_files(storage: Storage, manifests: list[LocalManifest]) -> None:
+    def size(manifest: LocalManifest) -> None:
+        try:
+            actual = storage.size(manifest.data)
+        except NotFoundError:
+            raise IntegrityError(f"{storage.describe(manifest.data)} is missing (rank {manifest.rank})") from None
+        if actual != manifest.data_size:
+            raise IntegrityError(
+                f"{storage.describe(manifest.data)} is {actual} bytes but its local manifest says "
+                f"{manifest.data_size} (truncated or still being written)"
+            )
+
+    with ThreadPoolExecutor(max_workers=min(16, len(manifests))) as pool:
+        list(pool.map(size, manifests))
+
+
+def _agree(manifests: list[LocalManifest], field: str) -> Any:
+    values = {getattr(m, field) for m in manifests}
+    if len(values) != 1:
+        raise CoverageError(f"ranks disagree on {field}: {sorted(values, key=repr)}")
+    return values.pop()
+
+
+def merge_tensors(manifests: Sequence[LocalManifest]) -> tuple[TensorEntry, ...]:
+    """One global entry per tensor: pieces of every rank, file index = rank position; coverage checked."""
+    parts: dict[str, list[tuple[int, TensorEntry]]] = defaultdict(list)
+    for file_index, manifest in enumerate(manifests):
+        for entry in manifest.tensors:
+            parts[entry.name].append((file_index, entry))
+    merged = []
+    for name in sorted(parts):
+        merged.append(_merge_one(name, parts[name], manifests))
+    return tuple(merged)
+
+
+def _merge_one(name: str, parts: list[tuple[int, TensorEntry]], manifests: Sequence[LocalManifest]) -> TensorEntry:
+    first = parts[0][1]
+    for file_index, entry in parts[1:]:
+        if (entry.dtype, entry.shape) != (first.dtype, first.shape):
+            raise CoverageError(
+                f"tensor {name!r}: rank {manifests[parts[0][0]].rank} stores dtype {first.dtype} shape "
+                f"{list(first.shape)}, rank {manifests[file_index].rank} stores dtype {entry.dtype} shape "
+                f"{list(entry.shape)} (mismatch)"
+            )
+    layout_name = "flat" if any(e.layout == "flat" for _, e in parts) else "box"
+    files, offsets, starts, lengths = [], [], [], []
+    for file_index, entry in parts:
+        _, offset, start, length = entry.pieces.arrays()
+        if layout_name == "flat" and entry.layout == "box":
+            start, length = _box_to_flat(name, entry.shape, start, length, manifests[file_index].rank)
+        files.append(np.full(entry.pieces.count, file_index, dtype=np.int64))
+        offsets.append(offset)
+        starts.append(start)
+        lengths.append(length)
+    k = 1 if layout_name == "flat" else len(first.shape)
+    count = sum(entry.pieces.count for _, entry in parts)
+    start_all = np.concatenate(starts).reshape(count, k)
+    length_all = np.concatenate(lengths).reshape(count, k)
+    check_cover(name, first.shape, layout_name, start_all, length_all)
+    table = PieceTable(np.concatenate(files), np.concatenate(offsets), start_all, length_all)
+    return TensorEntry(name, first.dtype, first.shape, layout_name, table)
+
+
+def _box_to_flat(
+    name: str, shape: tuple[int, ...], start: np.ndarray, length: np.ndarray, rank: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Box pieces as element ranges, when each box is one contiguous run of the row-major tensor."""
+    flat_start, flat_length = [], []
+    for box_start, box_length in zip(start.tolist(), length.tolist()):
+        outer = next((d for d, n in enumerate(box_length) if n > 1), len(shape))
+        contiguous = all(box_start[d] == 0 and box_length[d] == shape[d] for d in range(outer + 1, len(shape)))
+        if not contiguous:
+            raise CoverageError(
+                f"tensor {name!r}: rank {rank} stores a box piece at {box_start} of shape {box_length} that is "
+                "not a contiguous element range, while other ranks store flat ranges (mixed layouts)"
+            )
+        strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+        flat_start.append(sum(o * s for o, s in zip(box_start, strides)))
+        flat_length.append(math.prod(box_length))
+    return np.array(flat_start, dtype=np.int64).reshape(-1, 1), np.array(flat_length, dtype=np.int64).reshape(-1, 1)
+
+
+def _merge_objects(manifests: Sequence[LocalManifest]) -> tuple[ObjectEntry, ...]:
+    shared: dict[str, tuple[int, ObjectEntry, bytes]] = {}
+    per_rank: list[ObjectEntry] = []
+    for manifest in manifests:
+        for entry in manifest.objects:
+            if entry.rank is not None:
+                per_rank.append(ObjectEntry(entry.name, manifest.rank, entry.value))
+                continue
+            packed = pack_value(entry.value)
+            seen = shared.get(entry.name)
+            if seen is None:
+                shared[entry.name] = (manifest.rank, entry, packed)
+            elif seen[2] != packed:
+                raise CoverageError(
+                    f"shared object {entry.name!r} differs between rank {seen[0]} and rank {manifest.rank}"
+                )
+    return tuple(entry for _, entry, _ in shared.values()) + tuple(per_rank)
+
+
+def _write_manifest(storage: Storage, manifest: GlobalManifest) -> bytes:
+    path = layout.global_manifest_path(manifest.attempt)
+    encoded = encode_global_manifest(manifest)
+    try:
+        storage.write_new(path, encoded)
+    except AlreadyExistsError:
+        # A coordinator of this attempt died between manifest and COMMITTED: reuse its manifest if it
+        # describes the same files (nothing is ever overwritten).
+        existing = storage.read_small(path, limits.MAX_GLOBAL_MANIFEST_BYTES)
+        previous = decode_global_manifest(existing, storage.describe(path))
+        if previous.files != manifest.files:
+            raise CommitConflictError(f"{storage.describe(path)} exists and describes other files") from None
+        return existing
+    return encoded

@@ -1,0 +1,50 @@
+"""The error hierarchy of shardckpt: one root, one subclass per kind of failure.
+
+Messages name the file, the tensor and what is wrong, so a user can act without a debugger.
+"""
+
+from __future__ import annotations
+
+
+class ShardckptError(Exception):
+    """Root of every error shardckpt raises on purpose."""
+
+
+class FormatError(ShardckptError, ValueError):
+    """A manifest or data file does not follow the format (bad type, limit, path, unknown version)."""
+
+
+class CoverageError(ShardckptError, ValueError):
+    """Stored pieces do not cover a tensor exactly once, or ranks disagree on its dtype or shape."""
+
+
+class IntegrityError(ShardckptError):
+    """Stored bytes do not match their checksums or declared sizes (corruption, truncation)."""
+
+
+class NotCommittedError(ShardckptError):
+    """The checkpoint has no valid COMMITTED marker: it is incomplete or still being written."""
+
+
+class CommitConflictError(ShardckptError):
+    """Another attempt already committed this checkpoint with a different manifest."""
+
+
+class StorageError(ShardckptError, OSError):
+    """The storage backend failed (I/O error, short read, refused write)."""
+
+
+class NotFoundError(StorageError, FileNotFoundError):
+    """An object that must exist is missing."""
+
+
+class AlreadyExistsError(StorageError, FileExistsError):
+    """A create-only write found the object already there (nothing is ever overwritten)."""
+
+
+class ShardckptUsageError(ShardckptError, ValueError):
+    """The caller asked for something impossible (unknown tensor, bad box, mismatched destination)."""
+
+
+class TruncatedError(IntegrityError, StorageError):
+    """A read found fewer bytes than the manifest promises: the object was truncated."""

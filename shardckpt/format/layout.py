@@ -1,0 +1,69 @@
+"""Names of the objects that make up one checkpoint, and the rules every stored path must follow.
+
+A manifest may only name files that these functions could have produced: no '..', no absolute paths, no URLs.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+
+from shardckpt.errors import FormatError
+from shardckpt.format.limits import MAX_ATTEMPT_CHARS, MAX_PATH_CHARS
+
+COMMITTED = "COMMITTED"
+DATA_DIR = "data"
+RANKS_DIR = "ranks"
+
+_ATTEMPT = re.compile(rf"[0-9a-z]{{1,{MAX_ATTEMPT_CHARS}}}")
+_DATA = re.compile(rf"{DATA_DIR}/(\d{{5,8}})-([0-9a-z]{{1,{MAX_ATTEMPT_CHARS}}})\.safetensors")
+_LOCAL = re.compile(rf"{RANKS_DIR}/(\d{{5,8}})-([0-9a-z]{{1,{MAX_ATTEMPT_CHARS}}})\.msgpack")
+_GLOBAL = re.compile(rf"manifest-([0-9a-z]{{1,{MAX_ATTEMPT_CHARS}}})\.msgpack")
+
+
+def new_attempt() -> str:
+    """A fresh random attempt id: every save attempt writes files no other attempt can name."""
+    return secrets.token_hex(8)
+
+
+def validate_attempt(attempt: object) -> str:
+    if not isinstance(attempt, str) or not _ATTEMPT.fullmatch(attempt):
+        raise FormatError(f"attempt id must be 1..{MAX_ATTEMPT_CHARS} characters of [0-9a-z], got {attempt!r}")
+    return attempt
+
+
+def data_path(rank: int, attempt: str) -> str:
+    return f"{DATA_DIR}/{rank:05d}-{validate_attempt(attempt)}.safetensors"
+
+
+def local_manifest_path(rank: int, attempt: str) -> str:
+    return f"{RANKS_DIR}/{rank:05d}-{validate_attempt(attempt)}.msgpack"
+
+
+def global_manifest_path(attempt: str) -> str:
+    return f"manifest-{validate_attempt(attempt)}.msgpack"
+
+
+def _check_path(path: object, pattern: re.Pattern[str], what: str) -> re.Match[str]:
+    if not isinstance(path, str) or len(path) > MAX_PATH_CHARS:
+        raise FormatError(f"{what} path must be a string of at most {MAX_PATH_CHARS} characters, got {path!r}")
+    match = pattern.fullmatch(path)
+    if match is None:
+        # One message for traversal, absolute paths, URLs and plain typos alike: only layout names are legal.
+        raise FormatError(f"{what} path {path!r} is not a name this format allows (expected {pattern.pattern})")
+    return match
+
+
+def parse_data_path(path: object) -> tuple[int, str]:
+    """(rank, attempt) of a data file path; FormatError for anything else."""
+    match = _check_path(path, _DATA, "data file")
+    return int(match.group(1)), match.group(2)
+
+
+def parse_local_manifest_path(path: object) -> tuple[int, str]:
+    match = _check_path(path, _LOCAL, "local manifest")
+    return int(match.group(1)), match.group(2)
+
+
+def parse_global_manifest_path(path: object) -> str:
+    return _check_path(path, _GLOBAL, "global manifest").group(1)

@@ -1,0 +1,22 @@
+"""Limits a reader enforces on untrusted manifests, in one place so SPEC.md and code agree.
+
+Each bound keeps decoding in bounded time and memory whatever a hostile file claims.
+"""
+
+from __future__ import annotations
+
+MAX_GLOBAL_MANIFEST_BYTES = 1 << 30
+MAX_LOCAL_MANIFEST_BYTES = 256 << 20
+MAX_COMMIT_MARKER_BYTES = 64 << 10
+MAX_DEPTH = 64
+MAX_NAME_CHARS = 1024
+MAX_PATH_CHARS = 512
+MAX_NDIM = 64
+MAX_EXTENT = (1 << 62) - 1  # per dimension, per tensor (elements) and per file (bytes)
+MAX_PIECES_PER_TENSOR = 1 << 32
+MAX_FILES = 1 << 24
+MAX_WORLD_SIZE = 1 << 24
+MIN_BLOCK_SIZE = 4 << 10
+MAX_BLOCK_SIZE = 64 << 20
+DEFAULT_BLOCK_SIZE = 256 << 10
+MAX_ATTEMPT_CHARS = 32

@@ -1,0 +1,612 @@
+"""Manifest types of format v1 (global manifest, local manifest, COMMITTED marker) and their strict codecs.
+
+Decoding checks every type, size, name, path and range before a value reaches the library; see SPEC.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import crc32c
+import numpy as np
+
+from shardckpt.errors import FormatError
+from shardckpt.format import limits
+from shardckpt.format.columns import (
+    Int64Array,
+    UInt32Array,
+    decode_int_column,
+    decode_u32_column,
+    encode_int_column,
+    encode_u32_column,
+)
+from shardckpt.format.dtypes import DTYPE_SIZES, itemsize
+from shardckpt.format.layout import (
+    parse_data_path,
+    parse_global_manifest_path,
+    parse_local_manifest_path,
+    validate_attempt,
+)
+from shardckpt.format.values import pack_value, unpack_value
+
+FORMAT_NAME = "shardckpt"
+FORMAT_VERSION = (1, 0)
+LAYOUTS = ("box", "flat")
+# Feature names this reader understands when a writer lists them in "must_understand".
+UNDERSTOOD_FEATURES: frozenset[str] = frozenset()
+
+
+# ----------------------------------------------------------------------------------------------- types
+
+
+class PieceTable:
+    """The stored pieces of one tensor as columns; decoded from the manifest on first use.
+
+    start/length have shape (count, k): k = ndim for layout "box", 1 for layout "flat".
+    """
+
+    __slots__ = ("_arrays", "_check", "_encoded", "count", "k")
+
+    def __init__(
+        self,
+        file: Int64Array,
+        offset: Int64Array,
+        start: Int64Array,
+        length: Int64Array,
+    ) -> None:
+        count = int(file.shape[0])
+        self.count = count
+        self.k = int(start.shape[1]) if start.ndim == 2 else 0
+        self._arrays: tuple[Int64Array, Int64Array, Int64Array, Int64Array] | None = (
+            np.ascontiguousarray(file, dtype=np.int64),
+            np.ascontiguousarray(offset, dtype=np.int64),
+            np.ascontiguousarray(start, dtype=np.int64).reshape(count, self.k),
+            np.ascontiguousarray(length, dtype=np.int64).reshape(count, self.k),
+        )
+        self._encoded: dict[str, Any] | None = None
+        self._check: Any = None
+
+    @classmethod
+    def lazy(cls, encoded: dict[str, Any], count: int, k: int, check: Any) -> PieceTable:
+        table = cls.__new__(cls)
+        table.count, table.k = count, k
+        table._arrays, table._encoded, table._check = None, encoded, check
+        return table
+
+    def arrays(self) -> tuple[Int64Array, Int64Array, Int64Array, Int64Array]:
+        """(file, offset, start, length), decoding and range-checking them on first call."""
+        if self._arrays is None:
+            assert self._encoded is not None
+            decoded = _decode_piece_columns(self._encoded, self.count, self.k, self._check.where)
+            self._check(*decoded)
+            self._arrays, self._encoded = decoded, None
+        return self._arrays
+
+    @property
+    def file(self) -> Int64Array:
+        return self.arrays()[0]
+
+    @property
+    def offset(self) -> Int64Array:
+        return self.arrays()[1]
+
+    @property
+    def start(self) -> Int64Array:
+        return self.arrays()[2]
+
+    @property
+    def length(self) -> Int64Array:
+        return self.arrays()[3]
+
+    def encode(self) -> dict[str, Any]:
+        if self._encoded is not None:
+            return self._encoded
+        file, offset, start, length = self.arrays()
+        # Dimension-major: all dim-0 starts, then all dim-1 starts; each run compresses on its own.
+        return {
+            "count": self.count,
+            "file": encode_int_column(file),
+            "offset": encode_int_column(offset),
+            "start": encode_int_column(start.T.reshape(-1)),
+            "length": encode_int_column(length.T.reshape(-1)),
+        }
+
+
+@dataclass(frozen=True, eq=False)
+class TensorEntry:
+    """One global tensor: name, dtype, global shape and the pieces that store it."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    layout: str
+    pieces: PieceTable
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One rank's data file and the local manifest that holds its checksums."""
+
+    rank: int
+    data: str
+    data_size: int
+    index: str
+    index_size: int
+    index_crc32c: int
+
+
+@dataclass(frozen=True)
+class ObjectEntry:
+    """A plain (non-tensor) value; rank None means shared by all ranks."""
+
+    name: str
+    rank: int | None
+    value: Any
+
+
+@dataclass(frozen=True, eq=False)
+class GlobalManifest:
+    attempt: str
+    world_size: int
+    block_size: int
+    files: tuple[FileEntry, ...]
+    tensors: tuple[TensorEntry, ...]
+    objects: tuple[ObjectEntry, ...] = ()
+    step: int | None = None
+    created: float = 0.0
+    metadata: dict[str, Any] = field(default_factory=dict)
+    version: tuple[int, int] = FORMAT_VERSION
+
+    def tensor(self, name: str) -> TensorEntry | None:
+        return self.tensor_index().get(name)
+
+    def tensor_index(self) -> dict[str, TensorEntry]:
+        index: dict[str, TensorEntry] | None = self.__dict__.get("_index")
+        if index is None:
+            index = {entry.name: entry for entry in self.tensors}
+            object.__setattr__(self, "_index", index)
+        return index
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(entry.data_size for entry in self.files)
+
+
+@dataclass(frozen=True, eq=False)
+class LocalManifest:
+    attempt: str
+    rank: int
+    world_size: int
+    data: str
+    data_size: int
+    header_size: int
+    block_size: int
+    tensors: tuple[TensorEntry, ...]
+    crc32c: UInt32Array
+    objects: tuple[ObjectEntry, ...] = ()
+    step: int | None = None
+    version: tuple[int, int] = FORMAT_VERSION
+
+
+@dataclass(frozen=True)
+class CommitMarker:
+    attempt: str
+    manifest: str
+    manifest_size: int
+    manifest_crc32c: int
+    world_size: int
+    total_bytes: int
+    step: int | None = None
+    created: float = 0.0
+    version: tuple[int, int] = FORMAT_VERSION
+
+
+# ------------------------------------------------------------------------------------- strict reading
+
+
+class _Fields:
+    """Typed access to one decoded msgpack map, naming the file and field in every error."""
+
+    def __init__(self, raw: object, where: str) -> None:
+        if not isinstance(raw, dict):
+            raise FormatError(f"{where}: expected a map, got {type(raw).__name__}")
+        self.raw, self.where = raw, where
+
+    def get(self, key: str, kind: type | tuple[type, ...], *, optional: bool = False) -> Any:
+        if key not in self.raw:
+            if optional:
+                return None
+            raise FormatError(f"{self.where}: missing field {key!r}")
+        value = self.raw[key]
+        if value is None and optional:
+            return None
+        # bool is an int in Python; the format never accepts one for the other.
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+            raise FormatError(f"{self.where}: field {key!r} must be {_kind_name(kind)}, got {type(value).__name__}")
+        return value
+
+    def integer(self, key: str, low: int, high: int, *, optional: bool = False) -> Any:
+        value = self.get(key, int, optional=optional)
+        if value is not None and not low <= value <= high:
+            raise FormatError(f"{self.where}: field {key!r} = {value} is outside {low}..{high}")
+        return value
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(k.__name__ for k in kinds)
+
+
+def _check_header(fields: _Fields, kind: str) -> tuple[int, int]:
+    if fields.get("format", str) != FORMAT_NAME:
+        raise FormatError(f"{fields.where}: not a shardckpt manifest (format field is not {FORMAT_NAME!r})")
+    if fields.get("kind", str) != kind:
+        raise FormatError(f"{fields.where}: expected a {kind} manifest, got kind {fields.raw.get('kind')!r}")
+    version = _check_version(fields.get("version", list), fields.where)
+    must = fields.get("must_understand", list, optional=True) or []
+    unknown = [feature for feature in must if feature not in UNDERSTOOD_FEATURES]
+    if unknown:
+        raise FormatError(f"{fields.where}: requires features this reader does not understand: {unknown!r}")
+    return version
+
+
+def _check_version(version: list[Any], where: str) -> tuple[int, int]:
+    if len(version) != 2 or not all(type(part) is int and 0 <= part < 1 << 16 for part in version):
+        raise FormatError(f"{where}: version must be [major, minor], got {version!r}")
+    if version[0] != FORMAT_VERSION[0]:
+        raise FormatError(
+            f"{where}: format version {version[0]}.{version[1]} is not supported "
+            f"(this reader reads major version {FORMAT_VERSION[0]}); upgrade shardckpt"
+        )
+    return version[0], version[1]
+
+
+def check_name(name: object, where: str) -> str:
+    if not isinstance(name, str) or not 1 <= len(name) <= limits.MAX_NAME_CHARS or "\x00" in name:
+        raise FormatError(f"{where}: a name must be 1..{limits.MAX_NAME_CHARS} characters without NUL, got {name!r}")
+    return name
+
+
+def check_shape(shape: object, where: str) -> tuple[int, ...]:
+    if not isinstance(shape, (list, tuple)) or len(shape) > limits.MAX_NDIM:
+        raise FormatError(f"{where}: shape must be a list of at most {limits.MAX_NDIM} integers, got {shape!r}")
+    dims = tuple(shape)
+    if not all(type(dim) is int and 0 <= dim <= limits.MAX_EXTENT for dim in dims):
+        raise FormatError(f"{where}: shape {list(dims)!r} has a dimension that is not an integer in 0..2^62")
+    if math.prod(dims) > limits.MAX_EXTENT:
+        raise FormatError(f"{where}: shape {list(dims)!r} has more than 2^62 elements")
+    return dims
+
+
+def _decode_piece_columns(
+    raw: dict[str, Any], count: int, k: int, where: str
+) -> tuple[Int64Array, Int64Array, Int64Array, Int64Array]:
+    file = decode_int_column(raw.get("file"), f"{where} pieces.file", count)
+    offset = decode_int_column(raw.get("offset"), f"{where} pieces.offset", count)
+    start = decode_int_column(raw.get("start"), f"{where} pieces.start", count * k).reshape(k, count).T
+    length = decode_int_column(raw.get("length"), f"{where} pieces.length", count * k).reshape(k, count).T
+    return file, offset, np.ascontiguousarray(start), np.ascontiguousarray(length)
+
+
+class _PieceCheck:
+    """Range checks of one tensor's decoded piece columns against its shape and the file table."""
+
+    def __init__(self, where: str, entry_shape: tuple[int, ...], layout: str, size: int, file_sizes: list[int]):
+        self.where, self.shape, self.layout, self.size, self.file_sizes = (
+            where,
+            entry_shape,
+            layout,
+            size,
+            file_sizes,
+        )
+
+    def __call__(self, file: Int64Array, offset: Int64Array, start: Int64Array, length: Int64Array) -> None:
+        where = self.where
+        if file.size and (file.min() < 0 or file.max() >= len(self.file_sizes)):
+            raise FormatError(f"{where}: a piece names a file index outside 0..{len(self.file_sizes) - 1}")
+        extents = [math.prod(self.shape)] if self.layout == "flat" else list(self.shape)
+        bound = np.array(extents, dtype=np.int64).reshape(1, -1) if extents else np.zeros((1, 0), np.int64)
+        if start.size and (start.min() < 0 or length.min() < 1 or (length > bound).any() or (start > bound).any()):
+            raise FormatError(f"{where}: a piece has a negative start, an empty length or lies outside the shape")
+        if start.size and (start + length > bound).any():
+            bad = int(np.nonzero((start + length > bound).any(axis=1))[0][0])
+            raise FormatError(
+                f"{where}: piece {bad} (start {start[bad].tolist()}, length {length[bad].tolist()}) "
+                f"extends past shape {list(self.shape)}"
+            )
+        # Lengths are bounded by the shape (numel < 2^62), so the products below cannot overflow int64.
+        nbytes = np.prod(length, axis=1, dtype=np.int64) * self.size
+        sizes = np.array(self.file_sizes, dtype=np.int64)[file] if file.size else np.zeros(0, np.int64)
+        if offset.size and (offset.min() < 0 or (offset > sizes).any() or (offset + nbytes > sizes).any()):
+            raise FormatError(f"{where}: a piece's bytes lie outside its data file")
+
+
+def _decode_tensor(raw: object, where: str, file_sizes: list[int]) -> TensorEntry:
+    fields = _Fields(raw, where)
+    name = check_name(fields.get("name", str), where)
+    where = f"{where.rsplit(' tensors', 1)[0]} tensor {name!r}"
+    dtype = fields.get("dtype", str)
+    if dtype not in DTYPE_SIZES:
+        raise FormatError(f"{where}: unknown dtype {dtype!r}")
+    size = DTYPE_SIZES[dtype]
+    shape = check_shape(fields.get("shape", list), where)
+    layout = fields.get("layout", str)
+    if layout not in LAYOUTS:
+        raise FormatError(f"{where}: layout must be one of {LAYOUTS}, got {layout!r}")
+    if math.prod(shape) * size > limits.MAX_EXTENT:
+        raise FormatError(f"{where}: tensor holds more than 2^62 bytes")
+    pieces_raw = _Fields(fields.get("pieces", dict), f"{where} pieces")
+    count = pieces_raw.integer("count", 0, limits.MAX_PIECES_PER_TENSOR)
+    k = 1 if layout == "flat" else len(shape)
+    if math.prod(shape) == 0 and count:
+        raise FormatError(f"{where}: a tensor with no elements cannot have stored pieces")
+    check = _PieceCheck(where, shape, layout, size, file_sizes)
+    return TensorEntry(name, dtype, shape, layout, PieceTable.lazy(pieces_raw.raw, count, k, check))
+
+
+def _decode_objects(raw: list[Any], where: str, world_size: int) -> tuple[ObjectEntry, ...]:
+    entries = []
+    seen: set[tuple[str, int | None]] = set()
+    for index, item in enumerate(raw):
+        fields = _Fields(item, f"{where} objects[{index}]")
+        name = check_name(fields.get("name", str), fields.where)
+        rank = fields.integer("rank", 0, world_size - 1, optional=True)
+        if (name, rank) in seen:
+            raise FormatError(f"{where}: object {name!r} (rank {rank}) appears twice")
+        seen.add((name, rank))
+        entries.append(ObjectEntry(name, rank, fields.raw.get("value")))
+    return tuple(entries)
+
+
+def _decode_tensors(raw: list[Any], where: str, file_sizes: list[int]) -> tuple[TensorEntry, ...]:
+    tensors = tuple(_decode_tensor(item, f"{where} tensors[{i}]", file_sizes) for i, item in enumerate(raw))
+    names = [entry.name for entry in tensors]
+    if len(set(names)) != len(names):
+        duplicate = next(name for name in names if names.count(name) > 1)
+        raise FormatError(f"{where}: tensor {duplicate!r} appears twice")
+    return tensors
+
+
+def _unpack_manifest(data: bytes, where: str, max_bytes: int) -> _Fields:
+    if len(data) > max_bytes:
+        raise FormatError(f"{where}: manifest is {len(data)} bytes, over the {max_bytes} byte limit")
+    return _Fields(unpack_value(data, where), where)
+
+
+# ------------------------------------------------------------------------------------ global manifest
+
+
+def encode_global_manifest(manifest: GlobalManifest) -> bytes:
+    document = {
+        "format": FORMAT_NAME,
+        "kind": "global",
+        "version": list(manifest.version),
+        "attempt": manifest.attempt,
+        "world_size": manifest.world_size,
+        "step": manifest.step,
+        "created": manifest.created,
+        "block_size": manifest.block_size,
+        "files": [
+            {
+                "rank": f.rank,
+                "data": f.data,
+                "data_size": f.data_size,
+                "index": f.index,
+                "index_size": f.index_size,
+                "index_crc32c": f.index_crc32c,
+            }
+            for f in manifest.files
+        ],
+        "tensors": [_encode_tensor(entry) for entry in manifest.tensors],
+        "objects": [{"name": o.name, "rank": o.rank, "value": o.value} for o in manifest.objects],
+        "metadata": manifest.metadata,
+    }
+    return pack_value(document)
+
+
+def _encode_tensor(entry: TensorEntry) -> dict[str, Any]:
+    return {
+        "name": entry.name,
+        "dtype": entry.dtype,
+        "shape": list(entry.shape),
+        "layout": entry.layout,
+        "pieces": entry.pieces.encode(),
+    }
+
+
+def decode_global_manifest(data: bytes, where: str = "manifest") -> GlobalManifest:
+    """Strictly decode a global manifest. Piece columns are range-checked when first used."""
+    fields = _unpack_manifest(data, where, limits.MAX_GLOBAL_MANIFEST_BYTES)
+    version = _check_header(fields, "global")
+    attempt = _attempt(fields)
+    world_size = fields.integer("world_size", 1, limits.MAX_WORLD_SIZE)
+    block_size = _block_size(fields)
+    raw_files = fields.get("files", list)
+    if len(raw_files) > limits.MAX_FILES:
+        raise FormatError(f"{where}: {len(raw_files)} files exceed the limit of {limits.MAX_FILES}")
+    files = tuple(_decode_file(item, f"{where} files[{i}]", world_size, attempt) for i, item in enumerate(raw_files))
+    tensors = _decode_tensors(fields.get("tensors", list), where, [f.data_size for f in files])
+    metadata = fields.get("metadata", dict, optional=True) or {}
+    return GlobalManifest(
+        attempt=attempt,
+        world_size=world_size,
+        block_size=block_size,
+        files=files,
+        tensors=tensors,
+        objects=_decode_objects(fields.get("objects", list, optional=True) or [], where, world_size),
+        step=fields.integer("step", -(1 << 63), (1 << 63) - 1, optional=True),
+        created=float(fields.get("created", (int, float), optional=True) or 0.0),
+        metadata=metadata,
+        version=version,
+    )
+
+
+def _attempt(fields: _Fields) -> str:
+    try:
+        return validate_attempt(fields.get("attempt", str))
+    except FormatError as exc:
+        raise FormatError(f"{fields.where}: {exc}") from None
+
+
+def _block_size(fields: _Fields) -> int:
+    block: int = fields.integer("block_size", limits.MIN_BLOCK_SIZE, limits.MAX_BLOCK_SIZE)
+    if block & (block - 1):
+        raise FormatError(f"{fields.where}: block_size {block} is not a power of two")
+    return block
+
+
+def _decode_file(raw: object, where: str, world_size: int, attempt: str) -> FileEntry:
+    fields = _Fields(raw, where)
+    rank = fields.integer("rank", 0, world_size - 1)
+    data, index = fields.get("data", str), fields.get("index", str)
+    for path, parse in ((data, parse_data_path), (index, parse_local_manifest_path)):
+        try:
+            path_rank, path_attempt = parse(path)
+        except FormatError as exc:
+            raise FormatError(f"{where}: {exc}") from None
+        if (path_rank, path_attempt) != (rank, attempt):
+            raise FormatError(f"{where}: path {path!r} does not belong to rank {rank} of attempt {attempt}")
+    return FileEntry(
+        rank=rank,
+        data=data,
+        data_size=fields.integer("data_size", 8, limits.MAX_EXTENT),
+        index=index,
+        index_size=fields.integer("index_size", 1, limits.MAX_LOCAL_MANIFEST_BYTES),
+        index_crc32c=fields.integer("index_crc32c", 0, (1 << 32) - 1),
+    )
+
+
+# ------------------------------------------------------------------------------------- local manifest
+
+
+def encode_local_manifest(manifest: LocalManifest) -> bytes:
+    document = {
+        "format": FORMAT_NAME,
+        "kind": "local",
+        "version": list(manifest.version),
+        "attempt": manifest.attempt,
+        "rank": manifest.rank,
+        "world_size": manifest.world_size,
+        "step": manifest.step,
+        "data": manifest.data,
+        "data_size": manifest.data_size,
+        "header_size": manifest.header_size,
+        "block_size": manifest.block_size,
+        "tensors": [_encode_tensor(entry) for entry in manifest.tensors],
+        "crc32c": encode_u32_column(manifest.crc32c),
+        "objects": [{"name": o.name, "rank": o.rank, "value": o.value} for o in manifest.objects],
+    }
+    return pack_value(document)
+
+
+def decode_local_manifest(data: bytes, where: str = "local manifest") -> LocalManifest:
+    fields = _unpack_manifest(data, where, limits.MAX_LOCAL_MANIFEST_BYTES)
+    version = _check_header(fields, "local")
+    attempt = _attempt(fields)
+    world_size = fields.integer("world_size", 1, limits.MAX_WORLD_SIZE)
+    rank = fields.integer("rank", 0, world_size - 1)
+    path = fields.get("data", str)
+    try:
+        path_rank, path_attempt = parse_data_path(path)
+    except FormatError as exc:
+        raise FormatError(f"{where}: {exc}") from None
+    if (path_rank, path_attempt) != (rank, attempt):
+        raise FormatError(f"{where}: data path {path!r} does not belong to rank {rank} of attempt {attempt}")
+    data_size = fields.integer("data_size", 8, limits.MAX_EXTENT)
+    header_size = fields.integer("header_size", 8, data_size)
+    tensors = _decode_tensors(fields.get("tensors", list), where, [data_size])
+    crcs = decode_u32_column(fields.get("crc32c", dict), f"{where} crc32c")
+    return LocalManifest(
+        attempt=attempt,
+        rank=rank,
+        world_size=world_size,
+        data=path,
+        data_size=data_size,
+        header_size=header_size,
+        block_size=_block_size(fields),
+        tensors=tensors,
+        crc32c=crcs,
+        objects=_decode_objects(fields.get("objects", list, optional=True) or [], where, world_size),
+        step=fields.integer("step", -(1 << 63), (1 << 63) - 1, optional=True),
+        version=version,
+    )
+
+
+# -------------------------------------------------------------------------------------- commit marker
+
+
+def encode_commit_marker(marker: CommitMarker) -> bytes:
+    document = {
+        "format": FORMAT_NAME,
+        "kind": "committed",
+        "version": list(marker.version),
+        "attempt": marker.attempt,
+        "manifest": marker.manifest,
+        "manifest_size": marker.manifest_size,
+        "manifest_crc32c": marker.manifest_crc32c,
+        "world_size": marker.world_size,
+        "total_bytes": marker.total_bytes,
+        "step": marker.step,
+        "created": marker.created,
+    }
+    return (json.dumps(document, indent=1) + "\n").encode()
+
+
+def decode_commit_marker(data: bytes, where: str = "COMMITTED") -> CommitMarker:
+    if len(data) > limits.MAX_COMMIT_MARKER_BYTES:
+        raise FormatError(f"{where}: {len(data)} bytes, over the {limits.MAX_COMMIT_MARKER_BYTES} byte limit")
+    try:
+        raw = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as exc:
+        raise FormatError(f"{where}: not a valid JSON commit marker ({exc})") from None
+    fields = _Fields(raw, where)
+    version = _check_header(fields, "committed")
+    attempt = _attempt(fields)
+    manifest = fields.get("manifest", str)
+    try:
+        manifest_attempt = parse_global_manifest_path(manifest)
+    except FormatError as exc:
+        raise FormatError(f"{where}: {exc}") from None
+    if manifest_attempt != attempt:
+        raise FormatError(f"{where}: manifest {manifest!r} does not belong to attempt {attempt}")
+    return CommitMarker(
+        attempt=attempt,
+        manifest=manifest,
+        manifest_size=fields.integer("manifest_size", 1, limits.MAX_GLOBAL_MANIFEST_BYTES),
+        manifest_crc32c=fields.integer("manifest_crc32c", 0, (1 << 32) - 1),
+        world_size=fields.integer("world_size", 1, limits.MAX_WORLD_SIZE),
+        total_bytes=fields.integer("total_bytes", 0, 1 << 63),
+        step=fields.integer("step", -(1 << 63), (1 << 63) - 1, optional=True),
+        created=float(fields.get("created", (int, float), optional=True) or 0.0),
+        version=version,
+    )
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not allowed")
+
+
+def tensor_entry(name: str, dtype: str, shape: tuple[int, ...], layout: str, table: PieceTable) -> TensorEntry:
+    """Build an entry from trusted in-memory parts (the writer and coordinator), checking the same rules."""
+    check_name(name, "tensor")
+    itemsize(dtype)
+    check_shape(shape, f"tensor {name!r}")
+    if layout not in LAYOUTS:
+        raise FormatError(f"tensor {name!r}: layout must be one of {LAYOUTS}, got {layout!r}")
+    return TensorEntry(name, dtype, tuple(shape), layout, table)
+
+
+def crc32c_of(data: bytes) -> int:
+    """Checksum used for manifests and blocks (CRC32C, as S3 computes natively)."""
+    return int(crc32c.crc32c(data))

@@ -1,0 +1,104 @@
+"""Plain values stored beside tensors (step, RNG state, scheduler, data position, user metadata) in msgpack.
+
+Tuples survive the round trip as msgpack extension type 1; everything else is msgpack's own types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgpack
+
+from shardckpt.errors import FormatError
+from shardckpt.format.limits import MAX_DEPTH
+
+TUPLE_EXT = 1
+_INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
+
+
+def _default(value: object) -> Any:
+    if isinstance(value, tuple):
+        return msgpack.ExtType(TUPLE_EXT, pack_value(list(value)))
+    if isinstance(value, Mapping):
+        return dict(value)
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, list):
+        return list(value)
+    raise FormatError(f"cannot store a value of type {type(value).__name__} (plain values only)")
+
+
+def check_plain(value: object, where: str, depth: int = 0) -> None:
+    """Reject what msgpack cannot hold faithfully, before anything is written."""
+    if depth > MAX_DEPTH:
+        raise FormatError(f"{where}: value nested deeper than {MAX_DEPTH}")
+    if value is None or isinstance(value, (bool, float, str, bytes, bytearray, memoryview)):
+        return
+    if isinstance(value, int):
+        if not _INT_MIN <= value <= _INT_MAX:
+            raise FormatError(f"{where}: integer {value} does not fit in 64 bits")
+        return
+    if isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            check_plain(item, f"{where}[{index}]", depth + 1)
+        return
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if isinstance(key, bool) or not isinstance(key, (str, int)):
+                raise FormatError(f"{where}: map keys must be str or int, got {type(key).__name__}")
+            check_plain(item, f"{where}[{key!r}]", depth + 1)
+        return
+    raise FormatError(f"{where}: cannot store a value of type {type(value).__name__} (plain values only)")
+
+
+def pack_value(value: object) -> bytes:
+    packed: bytes = msgpack.packb(value, default=_default, strict_types=True, use_bin_type=True)
+    return packed
+
+
+def unpack_value(data: bytes, where: str, depth: int = 0) -> Any:
+    """Decode msgpack with tuple extensions, bounded nesting, and any failure turned into FormatError."""
+    if depth > MAX_DEPTH:
+        raise FormatError(f"{where}: value nested deeper than {MAX_DEPTH}")
+
+    def ext_hook(code: int, payload: bytes) -> Any:
+        if code != TUPLE_EXT:
+            raise FormatError(f"{where}: unknown msgpack extension type {code}")
+        items = unpack_value(payload, where, depth + 1)
+        if not isinstance(items, list):
+            raise FormatError(f"{where}: tuple extension must hold an array")
+        return tuple(items)
+
+    try:
+        value = msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=ext_hook, use_list=True)
+    except FormatError:
+        raise
+    except Exception as exc:  # msgpack raises a zoo of types for bad input; all mean the same to a reader
+        raise FormatError(f"{where}: not valid msgpack ({type(exc).__name__}: {exc})") from None
+    _check_depth(value, where, depth)
+    return value
+
+
+def _check_depth(value: object, where: str, depth: int) -> None:
+    # Iterative, so a hostile nesting cannot exhaust Python's recursion limit.
+    stack: list[tuple[object, int]] = [(value, depth)]
+    while stack:
+        item, level = stack.pop()
+        if level > MAX_DEPTH:
+            raise FormatError(f"{where}: value nested deeper than {MAX_DEPTH}")
+        if isinstance(item, (list, tuple)):
+            stack.extend((child, level + 1) for child in item)
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                if isinstance(key, bool) or not isinstance(key, (str, int)):
+                    raise FormatError(f"{where}: map keys must be str or int, got {type(key).__name__}")
+                stack.append((child, level + 1))

@@ -1,0 +1,97 @@
+"""Boxes: an n-dimensional region of a tensor given by offsets and lengths, and the arithmetic on them.
+
+A flat element range of a row-major tensor decomposes into at most 2*ndim-1 boxes (linear_range_boxes).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Box:
+    """offsets[i] .. offsets[i] + shape[i] in every dimension i."""
+
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.offsets) != len(self.shape):
+            raise ValueError(f"box offsets {self.offsets} and shape {self.shape} differ in rank")
+        if any(o < 0 for o in self.offsets) or any(s < 0 for s in self.shape):
+            raise ValueError(f"box offsets {self.offsets} and shape {self.shape} must be non-negative")
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def volume(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def end(self) -> tuple[int, ...]:
+        return tuple(o + s for o, s in zip(self.offsets, self.shape))
+
+    def within(self, shape: tuple[int, ...]) -> bool:
+        return len(shape) == self.ndim and all(e <= s for e, s in zip(self.end, shape))
+
+    @classmethod
+    def full(cls, shape: tuple[int, ...]) -> Box:
+        return cls((0,) * len(shape), tuple(shape))
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.shape)) + "]"
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The common region of two boxes of the same rank, or None when it holds no element."""
+    starts = tuple(max(x, y) for x, y in zip(a.offsets, b.offsets))
+    ends = tuple(min(x, y) for x, y in zip(a.end, b.end))
+    if any(e <= s for s, e in zip(starts, ends)):
+        return None
+    return Box(starts, tuple(e - s for s, e in zip(starts, ends)))
+
+
+def row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Element strides of a C-contiguous array of this shape."""
+    strides = [1] * len(shape)
+    for dim in range(len(shape) - 2, -1, -1):
+        strides[dim] = strides[dim + 1] * shape[dim + 1]
+    return tuple(strides)
+
+
+def linear_index(shape: tuple[int, ...], offsets: tuple[int, ...]) -> int:
+    return sum(o * s for o, s in zip(offsets, row_major_strides(shape)))
+
+
+def linear_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> Iterator[Box]:
+    """Boxes whose union is the row-major element range [start, stop) of a tensor of this shape.
+
+    Worked example: shape (3, 4), range [2, 11) -> [0:1, 2:4] (rest of row 0), [1:2, 0:4] (row 1),
+    [2:3, 0:3] (head of row 2).
+    """
+    if start >= stop:
+        return
+    if not shape:
+        yield Box((), ())
+        return
+    inner = math.prod(shape[1:])
+    rest = tuple(shape[1:])
+    first_row, first_col = divmod(start, inner)
+    last_row, last_col = divmod(stop, inner)
+    if first_row == last_row:
+        for box in linear_range_boxes(rest, first_col, last_col):
+            yield Box((first_row, *box.offsets), (1, *box.shape))
+        return
+    if first_col:
+        for box in linear_range_boxes(rest, first_col, inner):
+            yield Box((first_row, *box.offsets), (1, *box.shape))
+        first_row += 1
+    if last_row > first_row:
+        yield Box((first_row,) + (0,) * len(rest), (last_row - first_row, *rest))
+    if last_col:
+        for box in linear_range_boxes(rest, 0, last_col):
+            yield Box((last_row, *box.offsets), (1, *box.shape))

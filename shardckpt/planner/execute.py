@@ -1,0 +1,30 @@
+"""Carrying out a planned copy between byte buffers with numpy strided views (no Python loop per run).
+
+Pure: the restorer hands in the bytes it fetched and the destination's bytes; tests hand in plain arrays.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+from numpy.lib.stride_tricks import as_strided
+
+from shardckpt.planner.plan import Copy
+
+ByteArray = npt.NDArray[np.uint8]
+
+
+def apply_copy(copy: Copy, fetched: ByteArray, fetched_start: int, destination: ByteArray) -> None:
+    """Copy `copy` from `fetched` (file bytes beginning at absolute offset `fetched_start`) into `destination`."""
+    src_offset = copy.src - fetched_start
+    if src_offset < 0 or src_offset + _span(copy.shape, copy.src_strides) > fetched.size:
+        raise ValueError(f"copy {copy} reads outside the fetched range")
+    if copy.dst < 0 or copy.dst + _span(copy.shape, copy.dst_strides) > destination.size:
+        raise ValueError(f"copy {copy} writes outside its destination of {destination.size} bytes")
+    source = as_strided(fetched[src_offset:], shape=copy.shape, strides=(*copy.src_strides, 1), writeable=False)
+    target = as_strided(destination[copy.dst :], shape=copy.shape, strides=(*copy.dst_strides, 1))
+    np.copyto(target, source)
+
+
+def _span(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:
+    return sum((n - 1) * s for n, s in zip(shape[:-1], strides)) + shape[-1]

@@ -1,0 +1,105 @@
+"""The backend interface every storage implements: paths are '/'-separated and relative to its root.
+
+Contract: writes never replace an existing object; reads return exactly the bytes asked for or raise.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from shardckpt.errors import StorageError, TruncatedError
+
+
+class NewFile(abc.ABC):
+    """A file being created; visible under its name only as a whole after `close()` (or partially on crash)."""
+
+    @abc.abstractmethod
+    def write(self, data: bytes | memoryview) -> None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Flush and make durable."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Stop writing after a failure; what was written may remain as a leftover of a failed attempt."""
+
+    def __enter__(self) -> NewFile:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class Storage(abc.ABC):
+    """One checkpoint's (or one root's) objects. `url` names the root for messages and for child URLs."""
+
+    url: str
+    #: True when `commit_marker` is an atomic create-if-absent of the backend itself.
+    atomic_create: bool = True
+    read_threads: int = 8
+
+    @abc.abstractmethod
+    def child(self, name: str) -> Storage:
+        """The storage rooted at `name` below this root."""
+
+    @abc.abstractmethod
+    def open_new(self, path: str) -> NewFile:
+        """Start creating `path`; AlreadyExistsError if it exists."""
+
+    def write_new(self, path: str, data: bytes) -> None:
+        with self.open_new(path) as handle:
+            handle.write(data)
+
+    @abc.abstractmethod
+    def commit_marker(self, path: str, data: bytes) -> None:
+        """Create `path` with `data` atomically and durably, only if absent (else AlreadyExistsError)."""
+
+    @abc.abstractmethod
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        """Exactly bytes [start, end) of `path`; StorageError on a short read, NotFoundError if missing."""
+
+    def read_ranges(self, requests: Sequence[tuple[str, int, int]]) -> list[bytes]:
+        """Several exact range reads, concurrently."""
+        if len(requests) <= 1:
+            return [self.read_range(*request) for request in requests]
+        with ThreadPoolExecutor(max_workers=min(self.read_threads, len(requests))) as pool:
+            return list(pool.map(lambda request: self.read_range(*request), requests))
+
+    def read_small(self, path: str, max_bytes: int) -> bytes:
+        """The whole object, refusing one larger than `max_bytes` before reading it."""
+        size = self.size(path)
+        if size > max_bytes:
+            raise StorageError(f"{self.describe(path)} is {size} bytes, over the {max_bytes} byte limit")
+        return self.read_range(path, 0, size) if size else b""
+
+    @abc.abstractmethod
+    def size(self, path: str) -> int:
+        """Size in bytes; NotFoundError if missing."""
+
+    @abc.abstractmethod
+    def exists(self, path: str) -> bool: ...
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> list[str]:
+        """Names (not paths) of the objects and sub-directories directly under `prefix`, sorted."""
+
+    @abc.abstractmethod
+    def delete(self, path: str) -> None: ...
+
+    def describe(self, path: str) -> str:
+        return f"{self.url.rstrip('/')}/{path}"
+
+
+def check_length(storage: Storage, path: str, start: int, end: int, data: bytes) -> bytes:
+    if len(data) != end - start:
+        raise TruncatedError(
+            f"short read of {storage.describe(path)}: asked for bytes {start}:{end}, got {len(data)} bytes "
+            "(file truncated?)"
+        )
+    return data

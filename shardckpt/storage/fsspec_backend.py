@@ -1,0 +1,111 @@
+"""Backend over any fsspec filesystem (memory, s3, gcs, ...), using its create-only open mode 'xb'.
+
+Object stores implement 'xb' as a conditional create (If-None-Match: *), which is their atomic commit.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from typing import Any
+
+from shardckpt.errors import AlreadyExistsError, NotFoundError, StorageError
+from shardckpt.storage.base import NewFile, Storage, check_length
+
+
+class _FsspecNewFile(NewFile):
+    def __init__(self, storage: FsspecStorage, path: str) -> None:
+        self._storage, self._path = storage, path
+        try:
+            self._handle = storage.fs.open(storage.full(path), "xb")
+        except FileExistsError:
+            raise AlreadyExistsError(f"{storage.describe(path)} already exists; nothing is ever overwritten") from None
+        except Exception as exc:
+            raise StorageError(f"cannot create {storage.describe(path)}: {exc}") from exc
+
+    def write(self, data: bytes | memoryview) -> None:
+        try:
+            self._handle.write(data)
+        except Exception as exc:
+            raise StorageError(f"cannot write {self._storage.describe(self._path)}: {exc}") from exc
+
+    def close(self) -> None:
+        try:
+            self._handle.close()
+        except FileExistsError:
+            raise AlreadyExistsError(f"{self._storage.describe(self._path)} already exists") from None
+        except Exception as exc:
+            raise StorageError(f"cannot finish {self._storage.describe(self._path)}: {exc}") from exc
+
+    def abort(self) -> None:
+        discard = getattr(self._handle, "discard", None)
+        try:
+            if callable(discard):
+                discard()
+            else:
+                self._handle.close()
+        except Exception:
+            pass  # the attempt failed already; its leftovers are garbage for gc
+
+
+class FsspecStorage(Storage):
+    def __init__(self, fs: Any, root: str, url: str | None = None) -> None:
+        self.fs = fs
+        self.root = root.rstrip("/")
+        protocol = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else fs.protocol
+        self.url = url or f"{protocol}://{self.root.lstrip('/')}"
+
+    def full(self, path: str) -> str:
+        return posixpath.join(self.root, path) if path else self.root
+
+    def child(self, name: str) -> FsspecStorage:
+        return FsspecStorage(self.fs, self.full(name), f"{self.url.rstrip('/')}/{name}")
+
+    def open_new(self, path: str) -> NewFile:
+        return _FsspecNewFile(self, path)
+
+    def commit_marker(self, path: str, data: bytes) -> None:
+        self.write_new(path, data)
+
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        try:
+            data = self.fs.cat_file(self.full(path), start=start, end=end)
+        except FileNotFoundError:
+            raise NotFoundError(f"{self.describe(path)} does not exist") from None
+        except Exception as exc:
+            raise StorageError(f"cannot read {self.describe(path)} bytes {start}:{end}: {exc}") from exc
+        return check_length(self, path, start, end, bytes(data))
+
+    def size(self, path: str) -> int:
+        try:
+            return int(self.fs.size(self.full(path)))
+        except FileNotFoundError:
+            raise NotFoundError(f"{self.describe(path)} does not exist") from None
+        except Exception as exc:
+            raise StorageError(f"cannot stat {self.describe(path)}: {exc}") from exc
+
+    def exists(self, path: str) -> bool:
+        try:
+            return bool(self.fs.exists(self.full(path)))
+        except Exception as exc:
+            raise StorageError(f"cannot stat {self.describe(path)}: {exc}") from exc
+
+    def list(self, prefix: str = "") -> list[str]:
+        try:
+            entries = self.fs.ls(self.full(prefix), detail=False, refresh=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except TypeError:
+            entries = self.fs.ls(self.full(prefix), detail=False)
+        except Exception as exc:
+            raise StorageError(f"cannot list {self.describe(prefix)}: {exc}") from exc
+        base = self.full(prefix).rstrip("/").lstrip("/")
+        names = {posixpath.basename(str(e).rstrip("/")) for e in entries if str(e).strip("/") != base}
+        return sorted(names)
+
+    def delete(self, path: str) -> None:
+        try:
+            self.fs.rm(self.full(path), recursive=False)
+        except FileNotFoundError:
+            return
+        except Exception as exc:
+            raise StorageError(f"cannot delete {self.describe(path)}: {exc}") from exc

@@ -1,0 +1,266 @@
+"""ShardWriter: one rank's part of a save — its data file (safetensors) and its local manifest.
+
+Pieces are collected by `add`, then `close` streams them into a create-only file, computing the CRC32C of
+every block while the bytes are hot, makes the file durable, and only then writes the local manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import crc32c
+import numpy as np
+import torch
+
+from shardckpt.errors import ShardckptError, ShardckptUsageError
+from shardckpt.format import layout
+from shardckpt.format.limits import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
+from shardckpt.format.manifest import (
+    FORMAT_VERSION,
+    LocalManifest,
+    ObjectEntry,
+    PieceTable,
+    check_name,
+    check_shape,
+    encode_local_manifest,
+    tensor_entry,
+)
+from shardckpt.format.values import check_plain
+from shardckpt.storage import Storage, open_storage
+from shardckpt.torch_bytes import format_dtype, host_bytes
+
+WRITE_CHUNK = 16 << 20  # bytes handed to the backend per call: large enough for disks and multipart uploads
+
+
+@dataclass
+class _Piece:
+    name: str
+    key: str
+    tensor: torch.Tensor
+    start: tuple[int, ...]
+    length: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass
+class _TensorInfo:
+    dtype: str
+    shape: tuple[int, ...]
+    layout: str
+
+
+@dataclass(frozen=True)
+class WriteStats:
+    bytes_written: int
+    seconds: float
+
+
+class ShardWriter:
+    """Writes one rank's pieces of a checkpoint at `url`.
+
+    All ranks of one save use the same `attempt` id; a retry after a failure uses a new one, so it never
+    touches a file of the failed attempt. Tensors handed to `add` must not change until `close` returns.
+    """
+
+    def __init__(
+        self,
+        url: str | Storage,
+        *,
+        rank: int,
+        world_size: int,
+        attempt: str = "0",
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        step: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ShardckptUsageError(f"rank {rank} is outside 0..{world_size - 1}")
+        if not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE or block_size & (block_size - 1):
+            raise ShardckptUsageError(f"block_size must be a power of two in {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE}")
+        self.storage = open_storage(url, storage_options)
+        self.rank, self.world_size, self.block_size, self.step = rank, world_size, block_size, step
+        self.attempt = layout.validate_attempt(attempt)
+        self._pieces: list[_Piece] = []
+        self._tensors: dict[str, _TensorInfo] = {}
+        self._keys: set[str] = set()
+        self._objects: dict[str, ObjectEntry] = {}
+        self._closed = False
+        self.stats: WriteStats | None = None
+
+    # ------------------------------------------------------------------------------------------ adding
+
+    def add(
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        *,
+        global_shape: Sequence[int] | None = None,
+        offsets: Sequence[int] | None = None,
+        flat_offset: int | None = None,
+    ) -> None:
+        """Add this rank's piece of global tensor `name`.
+
+        Box piece: `tensor` is the region at `offsets` of a tensor of `global_shape` (default: the whole
+        tensor). Flat piece (ZeRO partitions): `tensor` holds elements [flat_offset, flat_offset + numel) of
+        the row-major flattened global tensor.
+        """
+        self._check_open()
+        check_name(name, "tensor name")
+        if not isinstance(tensor, torch.Tensor):
+            raise ShardckptUsageError(f"tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+        dtype = format_dtype(tensor.dtype)
+        shape = tuple(int(d) for d in (tensor.shape if global_shape is None else global_shape))
+        check_shape(shape, f"tensor {name!r}")
+        start: tuple[int, ...]
+        length: tuple[int, ...]
+        if flat_offset is not None:
+            if offsets is not None:
+                raise ShardckptUsageError(f"tensor {name!r}: give offsets or flat_offset, not both")
+            layout_name, start, length = "flat", (int(flat_offset),), (tensor.numel(),)
+            if flat_offset < 0 or flat_offset + tensor.numel() > math.prod(shape):
+                raise ShardckptUsageError(
+                    f"tensor {name!r}: elements {flat_offset}:{flat_offset + tensor.numel()} lie outside "
+                    f"its {math.prod(shape)} elements"
+                )
+        else:
+            layout_name = "box"
+            start = tuple(int(o) for o in (offsets if offsets is not None else (0,) * len(shape)))
+            length = tuple(int(d) for d in tensor.shape)
+            if len(start) != len(shape) or len(length) != len(shape):
+                raise ShardckptUsageError(
+                    f"tensor {name!r}: piece of shape {list(length)} at offsets {list(start)} does not match "
+                    f"the rank of global shape {list(shape)}"
+                )
+            if any(o < 0 or o + n > d for o, n, d in zip(start, length, shape)):
+                raise ShardckptUsageError(
+                    f"tensor {name!r}: piece of shape {list(length)} at offsets {list(start)} lies outside "
+                    f"global shape {list(shape)}"
+                )
+        info = _TensorInfo(dtype, shape, layout_name)
+        known = self._tensors.setdefault(name, info)
+        if known != info:
+            raise ShardckptUsageError(f"tensor {name!r}: added as {known} and again as {info}")
+        if tensor.numel() == 0:
+            return  # an empty piece stores nothing; the entry above still records dtype and shape
+        count = sum(1 for piece in self._pieces if piece.name == name)
+        key = name if count == 0 else f"{name}#{count}"
+        if key in self._keys:
+            raise ShardckptUsageError(f"tensor {name!r}: safetensors key {key!r} collides with another tensor")
+        self._keys.add(key)
+        nbytes = tensor.numel() * tensor.element_size()
+        self._pieces.append(_Piece(name, key, tensor, start, length, nbytes))
+
+    def add_object(self, name: str, value: Any, *, per_rank: bool = False) -> None:
+        """Add a plain value (step, RNG state, scheduler, ...); per_rank values are kept for this rank only."""
+        self._check_open()
+        check_name(name, "object name")
+        check_plain(value, f"object {name!r}")
+        self._objects[name] = ObjectEntry(name, self.rank if per_rank else None, value)
+
+    # ----------------------------------------------------------------------------------------- writing
+
+    def close(self) -> LocalManifest:
+        """Write the data file, make it durable, then write the local manifest; returns the manifest."""
+        self._check_open()
+        self._closed = True
+        began = time.perf_counter()
+        data_path = layout.data_path(self.rank, self.attempt)
+        header = self._header()
+        offsets, crcs = [], []
+        position = len(header)
+        with self.storage.open_new(data_path) as handle:
+            handle.write(header)
+            for piece in self._pieces:
+                offsets.append(position)
+                crcs.append(self._write_piece(handle, piece))
+                position += piece.nbytes
+        manifest = LocalManifest(
+            attempt=self.attempt,
+            rank=self.rank,
+            world_size=self.world_size,
+            data=data_path,
+            data_size=position,
+            header_size=len(header),
+            block_size=self.block_size,
+            tensors=self._entries(offsets),
+            crc32c=np.concatenate(crcs).astype(np.uint32) if crcs else np.zeros(0, np.uint32),
+            objects=tuple(self._objects.values()),
+            step=self.step,
+            version=FORMAT_VERSION,
+        )
+        self.storage.write_new(layout.local_manifest_path(self.rank, self.attempt), encode_local_manifest(manifest))
+        self.stats = WriteStats(position, time.perf_counter() - began)
+        return manifest
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ShardckptUsageError("this ShardWriter is closed")
+
+    def _header(self) -> bytes:
+        """The safetensors header: u64 length, JSON padded with spaces to a multiple of 8."""
+        entries: dict[str, Any] = {
+            "__metadata__": {
+                "format": "shardckpt",
+                "version": f"{FORMAT_VERSION[0]}.{FORMAT_VERSION[1]}",
+                "attempt": self.attempt,
+                "rank": str(self.rank),
+            }
+        }
+        position = 0
+        for piece in self._pieces:
+            info = self._tensors[piece.name]
+            shape = list(piece.length)
+            entries[piece.key] = {
+                "dtype": info.dtype,
+                "shape": shape,
+                "data_offsets": [position, position + piece.nbytes],
+            }
+            position += piece.nbytes
+        text = json.dumps(entries, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        return len(text).to_bytes(8, "little") + text
+
+    def _write_piece(self, handle: Any, piece: _Piece) -> np.ndarray:
+        data = host_bytes(piece.tensor)
+        if data.size != piece.nbytes:
+            raise ShardckptError(f"tensor {piece.name!r}: changed size while being saved")
+        block = self.block_size
+        crcs = np.empty(-(-piece.nbytes // block), dtype=np.uint32)
+        view = data.data
+        # A whole number of blocks per chunk, so a block never straddles two chunks.
+        chunk_size = max(WRITE_CHUNK // block, 1) * block
+        for chunk_start in range(0, piece.nbytes, chunk_size):
+            chunk = view[chunk_start : chunk_start + chunk_size]
+            for offset in range(0, len(chunk), block):
+                crcs[(chunk_start + offset) // block] = crc32c.crc32c(chunk[offset : offset + block])
+            handle.write(chunk)
+        return crcs
+
+    def _entries(self, offsets: list[int]) -> tuple[Any, ...]:
+        by_name: dict[str, list[int]] = {name: [] for name in self._tensors}
+        for index, piece in enumerate(self._pieces):
+            by_name[piece.name].append(index)
+        entries = []
+        for name, info in self._tensors.items():
+            indices = by_name[name]
+            k = 1 if info.layout == "flat" else len(info.shape)
+            table = PieceTable(
+                np.zeros(len(indices), dtype=np.int64),
+                np.array([offsets[i] for i in indices], dtype=np.int64),
+                np.array([self._pieces[i].start for i in indices], dtype=np.int64).reshape(len(indices), k),
+                np.array([self._pieces[i].length for i in indices], dtype=np.int64).reshape(len(indices), k),
+            )
+            entries.append(tensor_entry(name, info.dtype, info.shape, info.layout, table))
+        return tuple(entries)
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None and not self._closed:
+            self.close()

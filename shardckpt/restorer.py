@@ -79,8 +79,11 @@ def read_global_manifest(storage: Storage, marker: CommitMarker) -> GlobalManife
             f"{marker.manifest_size} bytes with CRC32C {marker.manifest_crc32c:#010x}"
         )
     manifest = decode_global_manifest(raw, where)
-    if manifest.attempt != marker.attempt:
-        raise FormatError(f"{where}: belongs to attempt {manifest.attempt}, COMMITTED names {marker.attempt}")
+    if (manifest.attempt, manifest.world_size, manifest.step) != (marker.attempt, marker.world_size, marker.step):
+        raise FormatError(
+            f"{where}: attempt {manifest.attempt}, {manifest.world_size} ranks, step {manifest.step} disagree with "
+            f"COMMITTED (attempt {marker.attempt}, {marker.world_size} ranks, step {marker.step})"
+        )
     return manifest
 
 
@@ -270,10 +273,10 @@ class Checkpoint:
         first_block = np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64) if blocks.size else blocks
         if int(blocks.sum()) != local.crc32c.size:
             raise FormatError(f"{where}: {local.crc32c.size} checksums for {int(blocks.sum())} blocks")
-        if all_offsets.size and (
-            all_offsets[0] < local.header_size or (all_offsets[1:] < all_offsets[:-1] + all_sizes[:-1]).any()
-        ):
-            raise FormatError(f"{where}: pieces overlap each other or the header")
+        # Pieces sit back to back from the end of the header to the end of the file, as the writer packs them.
+        ends = np.concatenate([[local.header_size], all_offsets + all_sizes])
+        if (all_offsets != ends[:-1]).any() or int(ends[-1]) != local.data_size:
+            raise FormatError(f"{where}: pieces are not packed back to back between the header and the end of file")
         return _FileIndex(all_offsets, all_sizes, first_block, local.crc32c)
 
     def _verify(self, file: int, span: VerifySpan, fetched: ByteArray, fetched_start: int) -> None:

@@ -111,6 +111,8 @@ class ShardWriter:
         """
         self._check_open()
         check_name(name, "tensor name")
+        if name == "__metadata__":
+            raise ShardckptUsageError("'__metadata__' is reserved by safetensors and cannot name a tensor")
         if not isinstance(tensor, torch.Tensor):
             raise ShardckptUsageError(f"tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
         dtype = format_dtype(tensor.dtype)

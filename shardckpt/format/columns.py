@@ -19,7 +19,8 @@ UInt32Array = npt.NDArray[np.uint32]
 
 DELTA_ZLIB = "delta-zlib"
 U32LE = "u32le"
-MAX_COLUMN_VALUES = 1 << 34
+# 2^28 values decode to 2 GiB at most, whatever a hostile column claims.
+MAX_COLUMN_VALUES = 1 << 28
 
 
 def encode_int_column(values: npt.ArrayLike) -> dict[str, Any]:
@@ -59,7 +60,7 @@ def decode_int_column(column: object, where: str, expected_n: int | None = None)
         raw = inflater.decompress(data, 8 * n + 1)
     except zlib.error as exc:
         raise FormatError(f"{where}: column data is not valid zlib ({exc})") from None
-    if len(raw) != 8 * n or inflater.unconsumed_tail or not inflater.eof:
+    if len(raw) != 8 * n or inflater.unconsumed_tail or inflater.unused_data or not inflater.eof:
         raise FormatError(f"{where}: column data does not decode to exactly {n} int64 values")
     deltas = np.frombuffer(raw, dtype="<i8").astype(np.int64)
     # Overflow wraps silently in numpy; every caller range-checks the decoded values, which catches it.

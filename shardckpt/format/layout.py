@@ -16,8 +16,9 @@ DATA_DIR = "data"
 RANKS_DIR = "ranks"
 
 _ATTEMPT = re.compile(rf"[0-9a-z]{{1,{MAX_ATTEMPT_CHARS}}}")
-_DATA = re.compile(rf"{DATA_DIR}/(\d{{5,8}})-([0-9a-z]{{1,{MAX_ATTEMPT_CHARS}}})\.safetensors")
-_LOCAL = re.compile(rf"{RANKS_DIR}/(\d{{5,8}})-([0-9a-z]{{1,{MAX_ATTEMPT_CHARS}}})\.msgpack")
+# ASCII digits only (\d also matches other scripts' digits); the rank must be written exactly as data_path does.
+_DATA = re.compile(rf"{DATA_DIR}/([0-9]{{5,8}})-([0-9a-z]{{1,{MAX_ATTEMPT_CHARS}}})\.safetensors")
+_LOCAL = re.compile(rf"{RANKS_DIR}/([0-9]{{5,8}})-([0-9a-z]{{1,{MAX_ATTEMPT_CHARS}}})\.msgpack")
 _GLOBAL = re.compile(rf"manifest-([0-9a-z]{{1,{MAX_ATTEMPT_CHARS}}})\.msgpack")
 
 
@@ -57,12 +58,19 @@ def _check_path(path: object, pattern: re.Pattern[str], what: str) -> re.Match[s
 def parse_data_path(path: object) -> tuple[int, str]:
     """(rank, attempt) of a data file path; FormatError for anything else."""
     match = _check_path(path, _DATA, "data file")
-    return int(match.group(1)), match.group(2)
+    return _canonical_rank(match, path), match.group(2)
 
 
 def parse_local_manifest_path(path: object) -> tuple[int, str]:
     match = _check_path(path, _LOCAL, "local manifest")
-    return int(match.group(1)), match.group(2)
+    return _canonical_rank(match, path), match.group(2)
+
+
+def _canonical_rank(match: re.Match[str], path: object) -> int:
+    rank = int(match.group(1))
+    if match.group(1) != f"{rank:05d}":
+        raise FormatError(f"path {path!r} does not write its rank {rank} as exactly {rank:05d}")
+    return rank
 
 
 def parse_global_manifest_path(path: object) -> str:

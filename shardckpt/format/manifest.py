@@ -255,6 +255,8 @@ def _check_header(fields: _Fields, kind: str) -> tuple[int, int]:
         raise FormatError(f"{fields.where}: expected a {kind} manifest, got kind {fields.raw.get('kind')!r}")
     version = _check_version(fields.get("version", list), fields.where)
     must = fields.get("must_understand", list, optional=True) or []
+    if not all(isinstance(feature, str) for feature in must):
+        raise FormatError(f"{fields.where}: must_understand must be a list of strings")
     unknown = [feature for feature in must if feature not in UNDERSTOOD_FEATURES]
     if unknown:
         raise FormatError(f"{fields.where}: requires features this reader does not understand: {unknown!r}")
@@ -436,6 +438,8 @@ def decode_global_manifest(data: bytes, where: str = "manifest") -> GlobalManife
     if len(raw_files) > limits.MAX_FILES:
         raise FormatError(f"{where}: {len(raw_files)} files exceed the limit of {limits.MAX_FILES}")
     files = tuple(_decode_file(item, f"{where} files[{i}]", world_size, attempt) for i, item in enumerate(raw_files))
+    if [f.rank for f in files] != list(range(world_size)):
+        raise FormatError(f"{where}: files must list one data file per rank, in rank order 0..{world_size - 1}")
     tensors = _decode_tensors(fields.get("tensors", list), where, [f.data_size for f in files])
     metadata = fields.get("metadata", dict, optional=True) or {}
     return GlobalManifest(
@@ -446,10 +450,17 @@ def decode_global_manifest(data: bytes, where: str = "manifest") -> GlobalManife
         tensors=tensors,
         objects=_decode_objects(fields.get("objects", list, optional=True) or [], where, world_size),
         step=fields.integer("step", -(1 << 63), (1 << 63) - 1, optional=True),
-        created=float(fields.get("created", (int, float), optional=True) or 0.0),
+        created=_created(fields),
         metadata=metadata,
         version=version,
     )
+
+
+def _created(fields: _Fields) -> float:
+    value = fields.get("created", (int, float), optional=True)
+    if isinstance(value, bool):
+        raise FormatError(f"{fields.where}: field 'created' must be a number of seconds, got a bool")
+    return float(value or 0.0)
 
 
 def _attempt(fields: _Fields) -> str:
@@ -537,10 +548,17 @@ def decode_local_manifest(data: bytes, where: str = "local manifest") -> LocalMa
         block_size=_block_size(fields),
         tensors=tensors,
         crc32c=crcs,
-        objects=_decode_objects(fields.get("objects", list, optional=True) or [], where, world_size),
+        objects=_local_objects(fields, where, world_size, rank),
         step=fields.integer("step", -(1 << 63), (1 << 63) - 1, optional=True),
         version=version,
     )
+
+
+def _local_objects(fields: _Fields, where: str, world_size: int, rank: int) -> tuple[ObjectEntry, ...]:
+    objects = _decode_objects(fields.get("objects", list, optional=True) or [], where, world_size)
+    if any(entry.rank not in (None, rank) for entry in objects):
+        raise FormatError(f"{where}: a local manifest may only hold shared objects and objects of rank {rank}")
+    return objects
 
 
 # -------------------------------------------------------------------------------------- commit marker
@@ -586,9 +604,9 @@ def decode_commit_marker(data: bytes, where: str = "COMMITTED") -> CommitMarker:
         manifest_size=fields.integer("manifest_size", 1, limits.MAX_GLOBAL_MANIFEST_BYTES),
         manifest_crc32c=fields.integer("manifest_crc32c", 0, (1 << 32) - 1),
         world_size=fields.integer("world_size", 1, limits.MAX_WORLD_SIZE),
-        total_bytes=fields.integer("total_bytes", 0, 1 << 63),
+        total_bytes=fields.integer("total_bytes", 0, limits.MAX_EXTENT),
         step=fields.integer("step", -(1 << 63), (1 << 63) - 1, optional=True),
-        created=float(fields.get("created", (int, float), optional=True) or 0.0),
+        created=_created(fields),
         version=version,
     )
 

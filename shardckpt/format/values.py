@@ -95,6 +95,8 @@ def _check_depth(value: object, where: str, depth: int) -> None:
         item, level = stack.pop()
         if level > MAX_DEPTH:
             raise FormatError(f"{where}: value nested deeper than {MAX_DEPTH}")
+        if isinstance(item, msgpack.Timestamp):
+            raise FormatError(f"{where}: msgpack timestamps are not part of the format")
         if isinstance(item, (list, tuple)):
             stack.extend((child, level + 1) for child in item)
         elif isinstance(item, dict):

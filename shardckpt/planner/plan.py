@@ -20,7 +20,7 @@ from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import TensorEntry
 from shardckpt.planner.box import Box, intersect, linear_index, linear_range_boxes, row_major_strides
 
-DEFAULT_MAX_GAP = 1 << 20
+DEFAULT_MAX_GAP = 32 << 10
 DEFAULT_MAX_REQUEST = 64 << 20
 
 

@@ -133,15 +133,23 @@ def _find_attempt(storage: Storage, world_size: int | None) -> str:
         ranks[attempt].add(rank)
     if not ranks:
         raise CoverageError(f"{storage.url}: no local manifest found under {layout.RANKS_DIR}/; nothing to commit")
-    complete = [a for a, found in ranks.items() if world_size is None or found == set(range(world_size))]
-    if world_size is None:
-        complete = [a for a in complete if ranks[a] == set(range(max(ranks[a]) + 1))]
+    complete = [a for a, found in ranks.items() if found == set(range(world_size or _world_size_of(storage, a)))]
     if len(complete) == 1:
         return complete[0]
     summary = "; ".join(f"attempt {a}: ranks {sorted(r)}" for a, r in sorted(ranks.items()))
     if not complete:
         raise CoverageError(f"{storage.url}: no attempt has the local manifests of every rank ({summary})")
     raise CoverageError(f"{storage.url}: several complete attempts, pass attempt= to choose ({summary})")
+
+
+def _world_size_of(storage: Storage, attempt: str) -> int:
+    """The world size rank 0 of `attempt` recorded (0 when rank 0 left no readable manifest)."""
+    path = layout.local_manifest_path(0, attempt)
+    try:
+        raw = storage.read_small(path, limits.MAX_LOCAL_MANIFEST_BYTES)
+        return decode_local_manifest(raw, storage.describe(path)).world_size
+    except (NotFoundError, FormatError):
+        return 0
 
 
 def _read_local_manifests(storage: Storage, attempt: str, world_size: int | None) -> list[bytes]:

@@ -161,6 +161,8 @@ def _check_header(checkpoint: Checkpoint, local: LocalManifest, path: str, repor
     except ShardckptError as exc:
         report.problems.append(Problem(path, None, f"cannot read the safetensors header: {exc}"))
         return
+    if crc32c.crc32c(raw) != local.header_crc32c:
+        report.problems.append(Problem(path, None, "the safetensors header fails its checksum"))
     length = int.from_bytes(raw[:8], "little")
     if length + 8 != local.header_size:
         report.problems.append(Problem(path, None, f"safetensors header length {length} does not match the manifest"))
@@ -172,6 +174,15 @@ def _check_header(checkpoint: Checkpoint, local: LocalManifest, path: str, repor
     except ValueError as exc:
         report.problems.append(Problem(path, None, f"safetensors header is not valid JSON: {exc}"))
         return
+    expected_keys = {"__metadata__"} | {
+        tensor.name if number == 0 else f"{tensor.name}#{number}"
+        for tensor in local.tensors
+        for number in range(tensor.pieces.count)
+    }
+    if set(header) != expected_keys:
+        extra = sorted(set(header) - expected_keys)[:5]
+        missing = sorted(expected_keys - set(header))[:5]
+        report.problems.append(Problem(path, None, f"safetensors header keys differ: extra {extra}, missing {missing}"))
     for tensor in local.tensors:
         sizes = np.prod(tensor.pieces.length, axis=1, dtype=np.int64) * itemsize(tensor.dtype)
         for number, (offset, size, length_row) in enumerate(

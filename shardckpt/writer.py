@@ -188,6 +188,7 @@ class ShardWriter:
             data=data_path,
             data_size=position,
             header_size=len(header),
+            header_crc32c=int(crc32c.crc32c(header)),
             block_size=self.block_size,
             tensors=self._entries(offsets),
             crc32c=np.concatenate(crcs).astype(np.uint32) if crcs else np.zeros(0, np.uint32),

@@ -191,6 +191,7 @@ class LocalManifest:
     data: str
     data_size: int
     header_size: int
+    header_crc32c: int
     block_size: int
     tensors: tuple[TensorEntry, ...]
     crc32c: UInt32Array
@@ -513,6 +514,7 @@ def encode_local_manifest(manifest: LocalManifest) -> bytes:
         "data": manifest.data,
         "data_size": manifest.data_size,
         "header_size": manifest.header_size,
+        "header_crc32c": manifest.header_crc32c,
         "block_size": manifest.block_size,
         "tensors": [_encode_tensor(entry) for entry in manifest.tensors],
         "crc32c": encode_u32_column(manifest.crc32c),
@@ -545,6 +547,7 @@ def decode_local_manifest(data: bytes, where: str = "local manifest") -> LocalMa
         data=path,
         data_size=data_size,
         header_size=header_size,
+        header_crc32c=fields.integer("header_crc32c", 0, (1 << 32) - 1),
         block_size=_block_size(fields),
         tensors=tensors,
         crc32c=crcs,

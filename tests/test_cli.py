@@ -1,0 +1,78 @@
+"""The shardckpt command: inspect, verify and ls outputs, --json, and exit codes 0/1/2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import sample_state, save_sharded
+
+import shardckpt
+from shardckpt.cli import main as cli_main
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "shardckpt.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_inspect_json_and_table(tmp_path) -> None:
+    url = str(tmp_path / "ck")
+    save_sharded(sample_state(), url, 2)
+    result = run("inspect", "--json", url)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["status"] == "committed" and summary["world_size"] == 2
+    tensors = {t["name"]: t for t in summary["tensors"]}
+    assert tensors["w"]["shape"] == [37, 11] and tensors["w"]["dtype"] == "F32"
+    assert tensors["w"]["pieces_per_rank"] == {"0": 1, "1": 1}
+    table = run("inspect", url)
+    assert table.returncode == 0 and "committed" in table.stdout and "rank_info" in table.stdout
+
+
+def test_verify_exit_codes(tmp_path) -> None:
+    url = str(tmp_path / "ck")
+    save_sharded(sample_state(), url, 2)
+    ok = run("verify", "--json", url)
+    assert ok.returncode == 0 and json.loads(ok.stdout)["ok"] is True
+    data = sorted(os.listdir(os.path.join(url, "data")))[0]
+    path = os.path.join(url, "data", data)
+    with open(path, "r+b") as handle:
+        handle.seek(os.path.getsize(path) - 5)
+        handle.write(b"\xff")
+    bad = run("verify", url)
+    assert bad.returncode == 1 and data in bad.stdout and "FAILED" in bad.stdout
+    assert run("verify").returncode == 2
+    assert run("frobnicate", url).returncode == 2
+
+
+def test_inspect_incomplete_and_ls(tmp_path) -> None:
+    root = tmp_path / "root"
+    shardckpt.save({"a": torch.ones(3)}, str(root / "step-1"), step=1)
+    writer = shardckpt.ShardWriter(str(root / "step-2"), rank=0, world_size=2, step=2)
+    writer.add("a", torch.ones(1), global_shape=(2,), offsets=(0,))
+    writer.close()
+    assert cli_main(["inspect", str(root / "step-2")]) == 1
+    listing = run("ls", "--json", str(root))
+    assert listing.returncode == 0
+    rows = {r["name"]: r for r in json.loads(listing.stdout)["checkpoints"]}
+    assert rows["step-1"]["status"] == "committed" and rows["step-1"]["step"] == 1
+    assert rows["step-2"]["status"] == "incomplete"
+    table = run("ls", str(root))
+    assert "incomplete" in table.stdout and "committed" in table.stdout
+
+
+def test_errors_are_one_line(tmp_path) -> None:
+    result = run("inspect", str(tmp_path / "missing"))
+    assert result.returncode == 1
+    result = run("verify", str(tmp_path / "missing"))
+    assert result.returncode == 1 and "Traceback" not in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "ls"])
+def test_help_for_every_command(command: str) -> None:
+    result = run(command, "--help")
+    assert result.returncode == 0 and "--json" in result.stdout

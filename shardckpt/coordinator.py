@@ -7,14 +7,11 @@
 
 from __future__ import annotations
 
-import math
 import time
 from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-
-import numpy as np
 
 from shardckpt.errors import (
     AlreadyExistsError,
@@ -25,22 +22,17 @@ from shardckpt.errors import (
     NotFoundError,
 )
 from shardckpt.format import layout, limits
+from shardckpt.format.local_manifest import LocalManifest, decode_local_manifest
 from shardckpt.format.manifest import (
     CommitMarker,
     FileEntry,
     GlobalManifest,
-    LocalManifest,
-    ObjectEntry,
-    PieceTable,
-    TensorEntry,
     crc32c_of,
     decode_global_manifest,
-    decode_local_manifest,
     encode_commit_marker,
     encode_global_manifest,
 )
-from shardckpt.format.values import pack_value
-from shardckpt.planner import check_cover
+from shardckpt.merge import merge_objects, merge_tensors
 from shardckpt.restorer import read_commit_marker, read_global_manifest
 from shardckpt.storage import Storage, open_storage
 
@@ -82,7 +74,7 @@ def commit(
             for m, raw in zip(locals_, local_manifests)
         ),
         tensors=merge_tensors(locals_),
-        objects=_merge_objects(locals_),
+        objects=merge_objects(locals_),
         step=step if step is not None else _agree(locals_, "step"),
         created=time.time(),
         metadata=dict(metadata or {}),
@@ -216,84 +208,6 @@ def _agree(manifests: list[LocalManifest], field: str) -> Any:
     if len(values) != 1:
         raise CoverageError(f"ranks disagree on {field}: {sorted(values, key=repr)}")
     return values.pop()
-
-
-def merge_tensors(manifests: Sequence[LocalManifest]) -> tuple[TensorEntry, ...]:
-    """One global entry per tensor: pieces of every rank, file index = rank position; coverage checked."""
-    parts: dict[str, list[tuple[int, TensorEntry]]] = defaultdict(list)
-    for file_index, manifest in enumerate(manifests):
-        for entry in manifest.tensors:
-            parts[entry.name].append((file_index, entry))
-    merged = []
-    for name in sorted(parts):
-        merged.append(_merge_one(name, parts[name], manifests))
-    return tuple(merged)
-
-
-def _merge_one(name: str, parts: list[tuple[int, TensorEntry]], manifests: Sequence[LocalManifest]) -> TensorEntry:
-    first = parts[0][1]
-    for file_index, entry in parts[1:]:
-        if (entry.dtype, entry.shape) != (first.dtype, first.shape):
-            raise CoverageError(
-                f"tensor {name!r}: rank {manifests[parts[0][0]].rank} stores dtype {first.dtype} shape "
-                f"{list(first.shape)}, rank {manifests[file_index].rank} stores dtype {entry.dtype} shape "
-                f"{list(entry.shape)} (mismatch)"
-            )
-    layout_name = "flat" if any(e.layout == "flat" for _, e in parts) else "box"
-    files, offsets, starts, lengths = [], [], [], []
-    for file_index, entry in parts:
-        _, offset, start, length = entry.pieces.arrays()
-        if layout_name == "flat" and entry.layout == "box":
-            start, length = _box_to_flat(name, entry.shape, start, length, manifests[file_index].rank)
-        files.append(np.full(entry.pieces.count, file_index, dtype=np.int64))
-        offsets.append(offset)
-        starts.append(start)
-        lengths.append(length)
-    k = 1 if layout_name == "flat" else len(first.shape)
-    count = sum(entry.pieces.count for _, entry in parts)
-    start_all = np.concatenate(starts).reshape(count, k)
-    length_all = np.concatenate(lengths).reshape(count, k)
-    check_cover(name, first.shape, layout_name, start_all, length_all)
-    table = PieceTable(np.concatenate(files), np.concatenate(offsets), start_all, length_all)
-    return TensorEntry(name, first.dtype, first.shape, layout_name, table)
-
-
-def _box_to_flat(
-    name: str, shape: tuple[int, ...], start: np.ndarray, length: np.ndarray, rank: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Box pieces as element ranges, when each box is one contiguous run of the row-major tensor."""
-    flat_start, flat_length = [], []
-    for box_start, box_length in zip(start.tolist(), length.tolist()):
-        outer = next((d for d, n in enumerate(box_length) if n > 1), len(shape))
-        contiguous = all(box_start[d] == 0 and box_length[d] == shape[d] for d in range(outer + 1, len(shape)))
-        if not contiguous:
-            raise CoverageError(
-                f"tensor {name!r}: rank {rank} stores a box piece at {box_start} of shape {box_length} that is "
-                "not a contiguous element range, while other ranks store flat ranges (mixed layouts)"
-            )
-        strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
-        flat_start.append(sum(o * s for o, s in zip(box_start, strides)))
-        flat_length.append(math.prod(box_length))
-    return np.array(flat_start, dtype=np.int64).reshape(-1, 1), np.array(flat_length, dtype=np.int64).reshape(-1, 1)
-
-
-def _merge_objects(manifests: Sequence[LocalManifest]) -> tuple[ObjectEntry, ...]:
-    shared: dict[str, tuple[int, ObjectEntry, bytes]] = {}
-    per_rank: list[ObjectEntry] = []
-    for manifest in manifests:
-        for entry in manifest.objects:
-            if entry.rank is not None:
-                per_rank.append(ObjectEntry(entry.name, manifest.rank, entry.value))
-                continue
-            packed = pack_value(entry.value)
-            seen = shared.get(entry.name)
-            if seen is None:
-                shared[entry.name] = (manifest.rank, entry, packed)
-            elif seen[2] != packed:
-                raise CoverageError(
-                    f"shared object {entry.name!r} differs between rank {seen[0]} and rank {manifest.rank}"
-                )
-    return tuple(entry for _, entry, _ in shared.values()) + tuple(per_rank)
 
 
 def _write_manifest(storage: Storage, manifest: GlobalManifest) -> bytes:

@@ -27,7 +27,7 @@ from shardckpt.errors import (
     TruncatedError,
 )
 from shardckpt.format import layout, limits
-from shardckpt.format.dtypes import itemsize
+from shardckpt.format.local_manifest import LocalManifest, decode_local_manifest
 from shardckpt.format.manifest import (
     CommitMarker,
     GlobalManifest,
@@ -35,9 +35,9 @@ from shardckpt.format.manifest import (
     crc32c_of,
     decode_commit_marker,
     decode_global_manifest,
-    decode_local_manifest,
 )
 from shardckpt.planner import Box, ReadPlan, ReadRequest, Target, VerifySpan, check_cover, plan_reads
+from shardckpt.planner.box import box_as_flat_range
 from shardckpt.planner.execute import apply_copy
 from shardckpt.planner.plan import DEFAULT_MAX_GAP, DEFAULT_MAX_REQUEST
 from shardckpt.storage import Storage, open_storage
@@ -87,11 +87,36 @@ def read_global_manifest(storage: Storage, marker: CommitMarker) -> GlobalManife
     return manifest
 
 
-class _FileIndex:
-    """The checksums of one data file: piece offsets (sorted), sizes, first block of each, CRC32C per block."""
+class FileIndex:
+    """One data file's local manifest as a lookup: piece offsets (file order), sizes, first block, checksums."""
 
-    def __init__(self, offsets: np.ndarray, sizes: np.ndarray, first_block: np.ndarray, crcs: np.ndarray) -> None:
-        self.offsets, self.sizes, self.first_block, self.crcs = offsets, sizes, first_block, crcs
+    def __init__(self, local: LocalManifest) -> None:
+        self.local = local
+        self.offsets, self.sizes, self.crcs = local.pieces.offset, local.pieces.nbytes, local.crc32c
+        blocks = -(-self.sizes // local.block_size)
+        self.first_block = np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64) if blocks.size else blocks
+
+    def find(self, entry: TensorEntry, piece: int) -> int | str:
+        """Position of piece `piece` of `entry` in this file, or why the local manifest does not hold it."""
+        offset = int(entry.pieces.offset[piece])
+        position = int(np.searchsorted(self.offsets, offset))
+        if position >= self.offsets.size or self.offsets[position] != offset:
+            return f"the local manifest has no piece at byte {offset}"
+        spec = self.local.tensors[int(self.local.pieces.tensor[position])]
+        first = int(self.local.pieces.position[position])
+        start = tuple(self.local.pieces.start[first : first + spec.k].tolist())
+        length = tuple(self.local.pieces.length[first : first + spec.k].tolist())
+        if spec.layout != entry.layout:  # stored as a box by this rank, described as an element range globally
+            flat = box_as_flat_range(spec.shape, start, length)
+            start, length = ((flat[0],), (flat[1],)) if flat else (start, length)
+        wanted = (tuple(entry.pieces.start[piece].tolist()), tuple(entry.pieces.length[piece].tolist()))
+        if (spec.name, spec.dtype, spec.shape, start, length) != (entry.name, entry.dtype, entry.shape, *wanted):
+            return (
+                f"the piece at byte {offset} is {spec.name!r} {spec.dtype} {list(spec.shape)} start {list(start)} "
+                f"length {list(length)} in the local manifest, but start {list(wanted[0])} length "
+                f"{list(wanted[1])} of {entry.name!r} {entry.dtype} {list(entry.shape)} in the global manifest"
+            )
+        return position
 
 
 class Checkpoint:
@@ -111,7 +136,7 @@ class Checkpoint:
         self.url = storage.url
         self.max_in_flight, self.max_gap, self.max_request = max_in_flight, max_gap, max_request
         self._checked: set[str] = set()
-        self._indexes: dict[int, _FileIndex] = {}
+        self._indexes: dict[int, FileIndex] = {}
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------- description
@@ -233,7 +258,7 @@ class Checkpoint:
 
     # ------------------------------------------------------------------------------------- integrity
 
-    def file_index(self, file: int) -> _FileIndex:
+    def file_index(self, file: int) -> FileIndex:
         with self._lock:
             index = self._indexes.get(file)
         if index is None:
@@ -242,55 +267,34 @@ class Checkpoint:
                 self._indexes[file] = index
         return index
 
-    def _load_index(self, file: int) -> _FileIndex:
+    def _load_index(self, file: int) -> FileIndex:
         entry = self.manifest.files[file]
         where = self.storage.describe(entry.index)
-        try:
-            raw = self.storage.read_small(entry.index, limits.MAX_LOCAL_MANIFEST_BYTES)
-        except NotFoundError:
-            raise IntegrityError(f"{where} is missing (checksums of {entry.data})") from None
+        raw = self.storage.read_small(entry.index, limits.MAX_LOCAL_MANIFEST_BYTES)
         if len(raw) != entry.index_size or crc32c_of(raw) != entry.index_crc32c:
             raise IntegrityError(
                 f"{where}: {len(raw)} bytes with CRC32C {crc32c_of(raw):#010x}, but the global manifest promises "
                 f"{entry.index_size} bytes with CRC32C {entry.index_crc32c:#010x}"
             )
         local = decode_local_manifest(raw, where)
-        if (local.attempt, local.rank, local.data, local.data_size, local.block_size) != (
+        if (local.attempt, local.rank, local.world_size, local.data, local.data_size, local.block_size) != (
             self.manifest.attempt,
             entry.rank,
+            self.manifest.world_size,
             entry.data,
             entry.data_size,
             self.manifest.block_size,
         ):
             raise FormatError(f"{where}: does not describe {entry.data} of attempt {self.manifest.attempt}")
-        offsets = [t.pieces.offset for t in local.tensors]
-        sizes = [np.prod(t.pieces.length, axis=1, dtype=np.int64) * itemsize(t.dtype) for t in local.tensors]
-        all_offsets = np.concatenate(offsets) if offsets else np.zeros(0, np.int64)
-        all_sizes = np.concatenate(sizes) if sizes else np.zeros(0, np.int64)
-        order = np.argsort(all_offsets, kind="stable")
-        all_offsets, all_sizes = all_offsets[order], all_sizes[order]
-        blocks = -(-all_sizes // local.block_size)
-        first_block = np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64) if blocks.size else blocks
-        if int(blocks.sum()) != local.crc32c.size:
-            raise FormatError(f"{where}: {local.crc32c.size} checksums for {int(blocks.sum())} blocks")
-        # Pieces sit back to back from the end of the header to the end of the file, as the writer packs them.
-        ends = np.concatenate([[local.header_size], all_offsets + all_sizes])
-        if (all_offsets != ends[:-1]).any() or int(ends[-1]) != local.data_size:
-            raise FormatError(f"{where}: pieces are not packed back to back between the header and the end of file")
-        return _FileIndex(all_offsets, all_sizes, first_block, local.crc32c)
+        # decode_local_manifest checked that pieces are in file order, packed, and that checksums count right.
+        return FileIndex(local)
 
     def _verify(self, file: int, span: VerifySpan, fetched: ByteArray, fetched_start: int) -> None:
         index = self.file_index(file)
         path = self.storage.describe(self.manifest.files[file].data)
-        position = int(np.searchsorted(index.offsets, span.piece_offset))
-        if (
-            position >= index.offsets.size
-            or index.offsets[position] != span.piece_offset
-            or index.sizes[position] != span.piece_size
-        ):
-            raise IntegrityError(
-                f"{path}: tensor {span.tensor!r}: the piece at byte {span.piece_offset} is not in the local manifest"
-            )
+        position = index.find(self.entry(span.tensor), span.piece)
+        if isinstance(position, str):
+            raise IntegrityError(f"{path}: tensor {span.tensor!r}: {position}")
         block = self.manifest.block_size
         first = (span.start - span.piece_offset) // block
         last = -(-(span.end - span.piece_offset) // block)

@@ -14,7 +14,7 @@ import numpy as np
 
 from shardckpt.errors import ShardckptError
 from shardckpt.format.dtypes import itemsize
-from shardckpt.format.manifest import LocalManifest, decode_local_manifest
+from shardckpt.format.local_manifest import LocalManifest, decode_local_manifest
 from shardckpt.restorer import Checkpoint, open_checkpoint
 from shardckpt.storage import Storage, open_storage
 
@@ -104,18 +104,16 @@ def _verify_file(
 
 
 def _pieces_in_file_order(local: LocalManifest) -> list[tuple[str, int, int, np.ndarray]]:
-    pieces = []
-    for tensor in local.tensors:
-        sizes = np.prod(tensor.pieces.length, axis=1, dtype=np.int64) * itemsize(tensor.dtype)
-        for offset, size in zip(tensor.pieces.offset.tolist(), sizes.tolist()):
-            pieces.append((tensor.name, int(offset), int(size)))
-    pieces.sort(key=lambda piece: piece[1])
-    result, first = [], 0
-    for name, offset, size in pieces:
-        count = -(-size // local.block_size)
-        result.append((name, offset, size, local.crc32c[first : first + count]))
-        first += count
-    return result
+    """(tensor name, offset, size, block checksums) of every piece of the file, in file order."""
+    pieces = local.pieces
+    blocks = -(-pieces.nbytes // local.block_size)
+    first = np.concatenate([[0], np.cumsum(blocks)]).astype(np.int64)
+    return [
+        (local.tensors[t].name, offset, size, local.crc32c[first[i] : first[i + 1]])
+        for i, (t, offset, size) in enumerate(
+            zip(pieces.tensor.tolist(), pieces.offset.tolist(), pieces.nbytes.tolist())
+        )
+    ]
 
 
 def _check_piece(
@@ -174,60 +172,44 @@ def _check_header(checkpoint: Checkpoint, local: LocalManifest, path: str, repor
     except ValueError as exc:
         report.problems.append(Problem(path, None, f"safetensors header is not valid JSON: {exc}"))
         return
-    expected_keys = {"__metadata__"} | {
-        tensor.name if number == 0 else f"{tensor.name}#{number}"
-        for tensor in local.tensors
-        for number in range(tensor.pieces.count)
-    }
+    pieces = local.pieces
+    seen: dict[str, int] = {}
+    expected_keys = {"__metadata__"}
+    for i, (t, offset, size) in enumerate(zip(pieces.tensor.tolist(), pieces.offset.tolist(), pieces.nbytes.tolist())):
+        spec = local.tensors[t]
+        number = seen.get(spec.name, 0)
+        seen[spec.name] = number + 1
+        key = spec.name if number == 0 else f"{spec.name}#{number}"
+        expected_keys.add(key)
+        first = int(pieces.position[i])
+        shape = (
+            pieces.length[first : first + spec.k].tolist() if spec.layout == "box" else [size // itemsize(spec.dtype)]
+        )
+        begin = offset - local.header_size
+        expected = {"dtype": spec.dtype, "shape": shape, "data_offsets": [begin, begin + size]}
+        found = header.get(key)
+        if found != expected:
+            message = f"safetensors header entry {key!r} is {found!r}, expected {expected!r}"
+            report.problems.append(Problem(path, spec.name, message))
     if set(header) != expected_keys:
         extra = sorted(set(header) - expected_keys)[:5]
         missing = sorted(expected_keys - set(header))[:5]
         report.problems.append(Problem(path, None, f"safetensors header keys differ: extra {extra}, missing {missing}"))
-    for tensor in local.tensors:
-        sizes = np.prod(tensor.pieces.length, axis=1, dtype=np.int64) * itemsize(tensor.dtype)
-        for number, (offset, size, length_row) in enumerate(
-            zip(tensor.pieces.offset.tolist(), sizes.tolist(), tensor.pieces.length.tolist())
-        ):
-            key = tensor.name if number == 0 else f"{tensor.name}#{number}"
-            shape = length_row
-            expected = {
-                "dtype": tensor.dtype,
-                "shape": shape,
-                "data_offsets": [offset - local.header_size, offset - local.header_size + size],
-            }
-            if header.get(key) != expected:
-                report.problems.append(
-                    Problem(
-                        path,
-                        tensor.name,
-                        f"safetensors header entry {key!r} is {header.get(key)!r}, expected {expected!r}",
-                    )
-                )
 
 
 def _check_global_pieces(checkpoint: Checkpoint, report: VerifyReport) -> None:
-    """Every piece the global manifest names must be a piece of its file's local manifest."""
+    """Every piece of the global manifest must be the same piece (tensor, box, bytes) in its file's local manifest."""
     for entry in checkpoint.manifest.tensors:
         try:
-            file, offset, _, length = entry.pieces.arrays()
+            files = entry.pieces.file
         except ShardckptError:
-            continue  # reported above
-        sizes = np.prod(length, axis=1, dtype=np.int64) * itemsize(entry.dtype)
-        for file_number in np.unique(file).tolist():
+            continue  # reported with the tensor
+        for piece, file_number in enumerate(files.tolist()):
             try:
                 index = checkpoint.file_index(int(file_number))
             except ShardckptError:
                 continue  # reported with the file
-            mask = file == file_number
-            position = np.searchsorted(index.offsets, offset[mask])
-            position = np.minimum(position, max(index.offsets.size - 1, 0))
-            good = (
-                index.offsets.size > 0
-                and bool((index.offsets[position] == offset[mask]).all())
-                and bool((index.sizes[position] == sizes[mask]).all())
-            )
-            if not good:
+            found = index.find(entry, piece)
+            if isinstance(found, str):
                 path = checkpoint.storage.describe(checkpoint.manifest.files[int(file_number)].data)
-                report.problems.append(
-                    Problem(path, entry.name, "the global manifest names a piece that its local manifest lacks")
-                )
+                report.problems.append(Problem(path, entry.name, found))

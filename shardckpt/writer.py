@@ -20,16 +20,8 @@ import torch
 from shardckpt.errors import ShardckptError, ShardckptUsageError
 from shardckpt.format import layout
 from shardckpt.format.limits import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
-from shardckpt.format.manifest import (
-    FORMAT_VERSION,
-    LocalManifest,
-    ObjectEntry,
-    PieceTable,
-    check_name,
-    check_shape,
-    encode_local_manifest,
-    tensor_entry,
-)
+from shardckpt.format.local_manifest import LocalManifest, LocalPieces, TensorSpec, encode_local_manifest
+from shardckpt.format.strict import FORMAT_VERSION, ObjectEntry, check_name, check_shape
 from shardckpt.format.values import check_plain
 from shardckpt.storage import Storage, open_storage
 from shardckpt.torch_bytes import format_dtype, host_bytes
@@ -181,6 +173,7 @@ class ShardWriter:
                 offsets.append(position)
                 crcs.append(self._write_piece(handle, piece))
                 position += piece.nbytes
+        specs, pieces = self._table(offsets)
         manifest = LocalManifest(
             attempt=self.attempt,
             rank=self.rank,
@@ -190,7 +183,8 @@ class ShardWriter:
             header_size=len(header),
             header_crc32c=int(crc32c.crc32c(header)),
             block_size=self.block_size,
-            tensors=self._entries(offsets),
+            tensors=specs,
+            pieces=pieces,
             crc32c=np.concatenate(crcs).astype(np.uint32) if crcs else np.zeros(0, np.uint32),
             objects=tuple(self._objects.values()),
             step=self.step,
@@ -244,22 +238,18 @@ class ShardWriter:
             handle.write(chunk)
         return crcs
 
-    def _entries(self, offsets: list[int]) -> tuple[Any, ...]:
-        by_name: dict[str, list[int]] = {name: [] for name in self._tensors}
-        for index, piece in enumerate(self._pieces):
-            by_name[piece.name].append(index)
-        entries = []
-        for name, info in self._tensors.items():
-            indices = by_name[name]
-            k = 1 if info.layout == "flat" else len(info.shape)
-            table = PieceTable(
-                np.zeros(len(indices), dtype=np.int64),
-                np.array([offsets[i] for i in indices], dtype=np.int64),
-                np.array([self._pieces[i].start for i in indices], dtype=np.int64).reshape(len(indices), k),
-                np.array([self._pieces[i].length for i in indices], dtype=np.int64).reshape(len(indices), k),
-            )
-            entries.append(tensor_entry(name, info.dtype, info.shape, info.layout, table))
-        return tuple(entries)
+    def _table(self, offsets: list[int]) -> tuple[tuple[TensorSpec, ...], LocalPieces]:
+        """The tensor table (in order of first add) and the pieces in file order."""
+        specs = tuple(TensorSpec(name, info.dtype, info.shape, info.layout) for name, info in self._tensors.items())
+        index = {spec.name: number for number, spec in enumerate(specs)}
+        pieces = LocalPieces(
+            specs,
+            np.array([index[piece.name] for piece in self._pieces], dtype=np.int64),
+            np.array(offsets, dtype=np.int64),
+            np.array([value for piece in self._pieces for value in piece.start], dtype=np.int64),
+            np.array([value for piece in self._pieces for value in piece.length], dtype=np.int64),
+        )
+        return specs, pieces
 
     def __enter__(self) -> ShardWriter:
         return self

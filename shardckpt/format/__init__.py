@@ -12,22 +12,25 @@ from shardckpt.format.layout import (
     new_attempt,
     validate_attempt,
 )
+from shardckpt.format.local_manifest import (
+    LocalManifest,
+    LocalPieces,
+    TensorSpec,
+    decode_local_manifest,
+    encode_local_manifest,
+)
 from shardckpt.format.manifest import (
-    FORMAT_VERSION,
     CommitMarker,
     FileEntry,
     GlobalManifest,
-    LocalManifest,
-    ObjectEntry,
     PieceTable,
     TensorEntry,
     decode_commit_marker,
     decode_global_manifest,
-    decode_local_manifest,
     encode_commit_marker,
     encode_global_manifest,
-    encode_local_manifest,
 )
+from shardckpt.format.strict import FORMAT_VERSION, ObjectEntry
 
 __all__ = [
     "COMMITTED",
@@ -37,9 +40,11 @@ __all__ = [
     "FileEntry",
     "GlobalManifest",
     "LocalManifest",
+    "LocalPieces",
     "ObjectEntry",
     "PieceTable",
     "TensorEntry",
+    "TensorSpec",
     "data_path",
     "decode_commit_marker",
     "decode_global_manifest",

@@ -17,26 +17,32 @@ from shardckpt.errors import FormatError
 from shardckpt.format import limits
 from shardckpt.format.columns import (
     Int64Array,
-    UInt32Array,
     decode_int_column,
-    decode_u32_column,
     encode_int_column,
-    encode_u32_column,
 )
 from shardckpt.format.dtypes import DTYPE_SIZES, itemsize
 from shardckpt.format.layout import (
     parse_data_path,
     parse_global_manifest_path,
     parse_local_manifest_path,
-    validate_attempt,
 )
-from shardckpt.format.values import pack_value, unpack_value
+from shardckpt.format.strict import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    Fields,
+    ObjectEntry,
+    attempt_field,
+    block_size_field,
+    check_header,
+    check_name,
+    check_shape,
+    created_field,
+    decode_objects,
+    unpack_manifest,
+)
+from shardckpt.format.values import pack_value, unique_map
 
-FORMAT_NAME = "shardckpt"
-FORMAT_VERSION = (1, 0)
 LAYOUTS = ("box", "flat")
-# Feature names this reader understands when a writer lists them in "must_understand".
-UNDERSTOOD_FEATURES: frozenset[str] = frozenset()
 
 
 # ----------------------------------------------------------------------------------------------- types
@@ -146,15 +152,6 @@ class FileEntry:
     index_crc32c: int
 
 
-@dataclass(frozen=True)
-class ObjectEntry:
-    """A plain (non-tensor) value; rank None means shared by all ranks."""
-
-    name: str
-    rank: int | None
-    value: Any
-
-
 @dataclass(frozen=True, eq=False)
 class GlobalManifest:
     attempt: str
@@ -183,23 +180,6 @@ class GlobalManifest:
         return sum(entry.data_size for entry in self.files)
 
 
-@dataclass(frozen=True, eq=False)
-class LocalManifest:
-    attempt: str
-    rank: int
-    world_size: int
-    data: str
-    data_size: int
-    header_size: int
-    header_crc32c: int
-    block_size: int
-    tensors: tuple[TensorEntry, ...]
-    crc32c: UInt32Array
-    objects: tuple[ObjectEntry, ...] = ()
-    step: int | None = None
-    version: tuple[int, int] = FORMAT_VERSION
-
-
 @dataclass(frozen=True)
 class CommitMarker:
     attempt: str
@@ -211,85 +191,6 @@ class CommitMarker:
     step: int | None = None
     created: float = 0.0
     version: tuple[int, int] = FORMAT_VERSION
-
-
-# ------------------------------------------------------------------------------------- strict reading
-
-
-class _Fields:
-    """Typed access to one decoded msgpack map, naming the file and field in every error."""
-
-    def __init__(self, raw: object, where: str) -> None:
-        if not isinstance(raw, dict):
-            raise FormatError(f"{where}: expected a map, got {type(raw).__name__}")
-        self.raw, self.where = raw, where
-
-    def get(self, key: str, kind: type | tuple[type, ...], *, optional: bool = False) -> Any:
-        if key not in self.raw:
-            if optional:
-                return None
-            raise FormatError(f"{self.where}: missing field {key!r}")
-        value = self.raw[key]
-        if value is None and optional:
-            return None
-        # bool is an int in Python; the format never accepts one for the other.
-        if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-            raise FormatError(f"{self.where}: field {key!r} must be {_kind_name(kind)}, got {type(value).__name__}")
-        return value
-
-    def integer(self, key: str, low: int, high: int, *, optional: bool = False) -> Any:
-        value = self.get(key, int, optional=optional)
-        if value is not None and not low <= value <= high:
-            raise FormatError(f"{self.where}: field {key!r} = {value} is outside {low}..{high}")
-        return value
-
-
-def _kind_name(kind: type | tuple[type, ...]) -> str:
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    return " or ".join(k.__name__ for k in kinds)
-
-
-def _check_header(fields: _Fields, kind: str) -> tuple[int, int]:
-    if fields.get("format", str) != FORMAT_NAME:
-        raise FormatError(f"{fields.where}: not a shardckpt manifest (format field is not {FORMAT_NAME!r})")
-    if fields.get("kind", str) != kind:
-        raise FormatError(f"{fields.where}: expected a {kind} manifest, got kind {fields.raw.get('kind')!r}")
-    version = _check_version(fields.get("version", list), fields.where)
-    must = fields.get("must_understand", list, optional=True) or []
-    if not all(isinstance(feature, str) for feature in must):
-        raise FormatError(f"{fields.where}: must_understand must be a list of strings")
-    unknown = [feature for feature in must if feature not in UNDERSTOOD_FEATURES]
-    if unknown:
-        raise FormatError(f"{fields.where}: requires features this reader does not understand: {unknown!r}")
-    return version
-
-
-def _check_version(version: list[Any], where: str) -> tuple[int, int]:
-    if len(version) != 2 or not all(type(part) is int and 0 <= part < 1 << 16 for part in version):
-        raise FormatError(f"{where}: version must be [major, minor], got {version!r}")
-    if version[0] != FORMAT_VERSION[0]:
-        raise FormatError(
-            f"{where}: format version {version[0]}.{version[1]} is not supported "
-            f"(this reader reads major version {FORMAT_VERSION[0]}); upgrade shardckpt"
-        )
-    return version[0], version[1]
-
-
-def check_name(name: object, where: str) -> str:
-    if not isinstance(name, str) or not 1 <= len(name) <= limits.MAX_NAME_CHARS or "\x00" in name:
-        raise FormatError(f"{where}: a name must be 1..{limits.MAX_NAME_CHARS} characters without NUL, got {name!r}")
-    return name
-
-
-def check_shape(shape: object, where: str) -> tuple[int, ...]:
-    if not isinstance(shape, (list, tuple)) or len(shape) > limits.MAX_NDIM:
-        raise FormatError(f"{where}: shape must be a list of at most {limits.MAX_NDIM} integers, got {shape!r}")
-    dims = tuple(shape)
-    if not all(type(dim) is int and 0 <= dim <= limits.MAX_EXTENT for dim in dims):
-        raise FormatError(f"{where}: shape {list(dims)!r} has a dimension that is not an integer in 0..2^62")
-    if math.prod(dims) > limits.MAX_EXTENT:
-        raise FormatError(f"{where}: shape {list(dims)!r} has more than 2^62 elements")
-    return dims
 
 
 def _decode_piece_columns(
@@ -336,7 +237,7 @@ class _PieceCheck:
 
 
 def _decode_tensor(raw: object, where: str, file_sizes: list[int]) -> TensorEntry:
-    fields = _Fields(raw, where)
+    fields = Fields(raw, where)
     name = check_name(fields.get("name", str), where)
     where = f"{where.rsplit(' tensors', 1)[0]} tensor {name!r}"
     dtype = fields.get("dtype", str)
@@ -349,27 +250,13 @@ def _decode_tensor(raw: object, where: str, file_sizes: list[int]) -> TensorEntr
         raise FormatError(f"{where}: layout must be one of {LAYOUTS}, got {layout!r}")
     if math.prod(shape) * size > limits.MAX_EXTENT:
         raise FormatError(f"{where}: tensor holds more than 2^62 bytes")
-    pieces_raw = _Fields(fields.get("pieces", dict), f"{where} pieces")
+    pieces_raw = Fields(fields.get("pieces", dict), f"{where} pieces")
     count = pieces_raw.integer("count", 0, limits.MAX_PIECES_PER_TENSOR)
     k = 1 if layout == "flat" else len(shape)
     if math.prod(shape) == 0 and count:
         raise FormatError(f"{where}: a tensor with no elements cannot have stored pieces")
     check = _PieceCheck(where, shape, layout, size, file_sizes)
     return TensorEntry(name, dtype, shape, layout, PieceTable.lazy(pieces_raw.raw, count, k, check))
-
-
-def _decode_objects(raw: list[Any], where: str, world_size: int) -> tuple[ObjectEntry, ...]:
-    entries = []
-    seen: set[tuple[str, int | None]] = set()
-    for index, item in enumerate(raw):
-        fields = _Fields(item, f"{where} objects[{index}]")
-        name = check_name(fields.get("name", str), fields.where)
-        rank = fields.integer("rank", 0, world_size - 1, optional=True)
-        if (name, rank) in seen:
-            raise FormatError(f"{where}: object {name!r} (rank {rank}) appears twice")
-        seen.add((name, rank))
-        entries.append(ObjectEntry(name, rank, fields.raw.get("value")))
-    return tuple(entries)
 
 
 def _decode_tensors(raw: list[Any], where: str, file_sizes: list[int]) -> tuple[TensorEntry, ...]:
@@ -379,12 +266,6 @@ def _decode_tensors(raw: list[Any], where: str, file_sizes: list[int]) -> tuple[
         duplicate = next(name for name in names if names.count(name) > 1)
         raise FormatError(f"{where}: tensor {duplicate!r} appears twice")
     return tensors
-
-
-def _unpack_manifest(data: bytes, where: str, max_bytes: int) -> _Fields:
-    if len(data) > max_bytes:
-        raise FormatError(f"{where}: manifest is {len(data)} bytes, over the {max_bytes} byte limit")
-    return _Fields(unpack_value(data, where), where)
 
 
 # ------------------------------------------------------------------------------------ global manifest
@@ -430,11 +311,11 @@ def _encode_tensor(entry: TensorEntry) -> dict[str, Any]:
 
 def decode_global_manifest(data: bytes, where: str = "manifest") -> GlobalManifest:
     """Strictly decode a global manifest. Piece columns are range-checked when first used."""
-    fields = _unpack_manifest(data, where, limits.MAX_GLOBAL_MANIFEST_BYTES)
-    version = _check_header(fields, "global")
-    attempt = _attempt(fields)
+    fields = unpack_manifest(data, where, limits.MAX_GLOBAL_MANIFEST_BYTES)
+    version = check_header(fields, "global")
+    attempt = attempt_field(fields)
     world_size = fields.integer("world_size", 1, limits.MAX_WORLD_SIZE)
-    block_size = _block_size(fields)
+    block_size = block_size_field(fields)
     raw_files = fields.get("files", list)
     if len(raw_files) > limits.MAX_FILES:
         raise FormatError(f"{where}: {len(raw_files)} files exceed the limit of {limits.MAX_FILES}")
@@ -449,37 +330,16 @@ def decode_global_manifest(data: bytes, where: str = "manifest") -> GlobalManife
         block_size=block_size,
         files=files,
         tensors=tensors,
-        objects=_decode_objects(fields.get("objects", list, optional=True) or [], where, world_size),
+        objects=decode_objects(fields.get("objects", list, optional=True) or [], where, world_size),
         step=fields.integer("step", -(1 << 63), (1 << 63) - 1, optional=True),
-        created=_created(fields),
+        created=created_field(fields),
         metadata=metadata,
         version=version,
     )
 
 
-def _created(fields: _Fields) -> float:
-    value = fields.get("created", (int, float), optional=True)
-    if isinstance(value, bool):
-        raise FormatError(f"{fields.where}: field 'created' must be a number of seconds, got a bool")
-    return float(value or 0.0)
-
-
-def _attempt(fields: _Fields) -> str:
-    try:
-        return validate_attempt(fields.get("attempt", str))
-    except FormatError as exc:
-        raise FormatError(f"{fields.where}: {exc}") from None
-
-
-def _block_size(fields: _Fields) -> int:
-    block: int = fields.integer("block_size", limits.MIN_BLOCK_SIZE, limits.MAX_BLOCK_SIZE)
-    if block & (block - 1):
-        raise FormatError(f"{fields.where}: block_size {block} is not a power of two")
-    return block
-
-
 def _decode_file(raw: object, where: str, world_size: int, attempt: str) -> FileEntry:
-    fields = _Fields(raw, where)
+    fields = Fields(raw, where)
     rank = fields.integer("rank", 0, world_size - 1)
     data, index = fields.get("data", str), fields.get("index", str)
     for path, parse in ((data, parse_data_path), (index, parse_local_manifest_path)):
@@ -497,71 +357,6 @@ def _decode_file(raw: object, where: str, world_size: int, attempt: str) -> File
         index_size=fields.integer("index_size", 1, limits.MAX_LOCAL_MANIFEST_BYTES),
         index_crc32c=fields.integer("index_crc32c", 0, (1 << 32) - 1),
     )
-
-
-# ------------------------------------------------------------------------------------- local manifest
-
-
-def encode_local_manifest(manifest: LocalManifest) -> bytes:
-    document = {
-        "format": FORMAT_NAME,
-        "kind": "local",
-        "version": list(manifest.version),
-        "attempt": manifest.attempt,
-        "rank": manifest.rank,
-        "world_size": manifest.world_size,
-        "step": manifest.step,
-        "data": manifest.data,
-        "data_size": manifest.data_size,
-        "header_size": manifest.header_size,
-        "header_crc32c": manifest.header_crc32c,
-        "block_size": manifest.block_size,
-        "tensors": [_encode_tensor(entry) for entry in manifest.tensors],
-        "crc32c": encode_u32_column(manifest.crc32c),
-        "objects": [{"name": o.name, "rank": o.rank, "value": o.value} for o in manifest.objects],
-    }
-    return pack_value(document)
-
-
-def decode_local_manifest(data: bytes, where: str = "local manifest") -> LocalManifest:
-    fields = _unpack_manifest(data, where, limits.MAX_LOCAL_MANIFEST_BYTES)
-    version = _check_header(fields, "local")
-    attempt = _attempt(fields)
-    world_size = fields.integer("world_size", 1, limits.MAX_WORLD_SIZE)
-    rank = fields.integer("rank", 0, world_size - 1)
-    path = fields.get("data", str)
-    try:
-        path_rank, path_attempt = parse_data_path(path)
-    except FormatError as exc:
-        raise FormatError(f"{where}: {exc}") from None
-    if (path_rank, path_attempt) != (rank, attempt):
-        raise FormatError(f"{where}: data path {path!r} does not belong to rank {rank} of attempt {attempt}")
-    data_size = fields.integer("data_size", 8, limits.MAX_EXTENT)
-    header_size = fields.integer("header_size", 8, data_size)
-    tensors = _decode_tensors(fields.get("tensors", list), where, [data_size])
-    crcs = decode_u32_column(fields.get("crc32c", dict), f"{where} crc32c")
-    return LocalManifest(
-        attempt=attempt,
-        rank=rank,
-        world_size=world_size,
-        data=path,
-        data_size=data_size,
-        header_size=header_size,
-        header_crc32c=fields.integer("header_crc32c", 0, (1 << 32) - 1),
-        block_size=_block_size(fields),
-        tensors=tensors,
-        crc32c=crcs,
-        objects=_local_objects(fields, where, world_size, rank),
-        step=fields.integer("step", -(1 << 63), (1 << 63) - 1, optional=True),
-        version=version,
-    )
-
-
-def _local_objects(fields: _Fields, where: str, world_size: int, rank: int) -> tuple[ObjectEntry, ...]:
-    objects = _decode_objects(fields.get("objects", list, optional=True) or [], where, world_size)
-    if any(entry.rank not in (None, rank) for entry in objects):
-        raise FormatError(f"{where}: a local manifest may only hold shared objects and objects of rank {rank}")
-    return objects
 
 
 # -------------------------------------------------------------------------------------- commit marker
@@ -588,12 +383,16 @@ def decode_commit_marker(data: bytes, where: str = "COMMITTED") -> CommitMarker:
     if len(data) > limits.MAX_COMMIT_MARKER_BYTES:
         raise FormatError(f"{where}: {len(data)} bytes, over the {limits.MAX_COMMIT_MARKER_BYTES} byte limit")
     try:
-        raw = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+        raw = json.loads(
+            data.decode("utf-8"),
+            parse_constant=_reject_constant,
+            object_pairs_hook=lambda pairs: unique_map(pairs, where),
+        )
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as exc:
         raise FormatError(f"{where}: not a valid JSON commit marker ({exc})") from None
-    fields = _Fields(raw, where)
-    version = _check_header(fields, "committed")
-    attempt = _attempt(fields)
+    fields = Fields(raw, where)
+    version = check_header(fields, "committed")
+    attempt = attempt_field(fields)
     manifest = fields.get("manifest", str)
     try:
         manifest_attempt = parse_global_manifest_path(manifest)
@@ -609,7 +408,7 @@ def decode_commit_marker(data: bytes, where: str = "COMMITTED") -> CommitMarker:
         world_size=fields.integer("world_size", 1, limits.MAX_WORLD_SIZE),
         total_bytes=fields.integer("total_bytes", 0, limits.MAX_EXTENT),
         step=fields.integer("step", -(1 << 63), (1 << 63) - 1, optional=True),
-        created=_created(fields),
+        created=created_field(fields),
         version=version,
     )
 

@@ -79,13 +79,30 @@ def unpack_value(data: bytes, where: str, depth: int = 0) -> Any:
         return tuple(items)
 
     try:
-        value = msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=ext_hook, use_list=True)
+        value = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=False,
+            ext_hook=ext_hook,
+            use_list=True,
+            object_pairs_hook=lambda pairs: unique_map(pairs, where),
+        )
     except FormatError:
         raise
     except Exception as exc:  # msgpack raises a zoo of types for bad input; all mean the same to a reader
         raise FormatError(f"{where}: not valid msgpack ({type(exc).__name__}: {exc})") from None
     _check_depth(value, where, depth)
     return value
+
+
+def unique_map(pairs: list[tuple[Any, Any]], where: str) -> dict[Any, Any]:
+    """A map from key/value pairs, refusing a repeated key (a last-one-wins map hides what a writer meant)."""
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        keys = [key for key, _ in pairs]
+        repeated = next(key for index, key in enumerate(keys) if key in keys[:index])
+        raise FormatError(f"{where}: map key {repeated!r} appears twice")
+    return result
 
 
 def _check_depth(value: object, where: str, depth: int) -> None:

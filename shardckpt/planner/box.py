@@ -95,3 +95,13 @@ def linear_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> Iterato
     if last_col:
         for box in linear_range_boxes(rest, 0, last_col):
             yield Box((last_row, *box.offsets), (1, *box.shape))
+
+
+def box_as_flat_range(
+    shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...]
+) -> tuple[int, int] | None:
+    """(start, count) of the row-major element range a box covers, or None when the box is not one range."""
+    outer = next((d for d, n in enumerate(lengths) if n > 1), len(shape))
+    if not all(offsets[d] == 0 and lengths[d] == shape[d] for d in range(outer + 1, len(shape))):
+        return None
+    return linear_index(shape, offsets), math.prod(lengths)

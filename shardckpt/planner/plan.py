@@ -60,6 +60,7 @@ class VerifySpan:
     """Bytes [start, end) of the piece stored at `piece_offset` (of `piece_size` bytes), block-aligned."""
 
     tensor: str
+    piece: int  # index of the piece in the tensor's piece table, to check its identity against the file's index
     piece_offset: int
     piece_size: int
     start: int
@@ -101,6 +102,7 @@ class ReadPlan:
 class _Unit:
     file: int
     tensor: str
+    piece: int
     piece_offset: int
     piece_size: int
     copy: Copy
@@ -135,8 +137,8 @@ def plan_reads(
     return ReadPlan(tuple(targets), tuple(requests), needed, exact, block_size, max_gap, max_request)
 
 
-def _stored_boxes(entry: TensorEntry, want: Box) -> Iterator[tuple[Box, int, tuple[int, ...], int, int, int]]:
-    """(box, byte offset of its first element, element strides, file, piece offset, piece bytes) overlapping `want`."""
+def _stored_boxes(entry: TensorEntry, want: Box) -> Iterator[tuple[Box, int, tuple[int, ...], int, int, int, int]]:
+    """(box, byte offset of its first element, element strides, piece, file, piece offset, piece bytes)."""
     file, offset, start, length = entry.pieces.arrays()
     size = itemsize(entry.dtype)
     if entry.layout == "box":
@@ -150,7 +152,7 @@ def _stored_boxes(entry: TensorEntry, want: Box) -> Iterator[tuple[Box, int, tup
         for i in hit.tolist():
             box = Box(tuple(start[i].tolist()), tuple(length[i].tolist()))
             piece_bytes = int(volumes[i]) * size
-            yield box, int(offset[i]), row_major_strides(box.shape), int(file[i]), int(offset[i]), piece_bytes
+            yield box, int(offset[i]), row_major_strides(box.shape), i, int(file[i]), int(offset[i]), piece_bytes
         return
     # Flat pieces: element ranges of the row-major tensor, cut into boxes only where the wanted box lies.
     lo_lin = linear_index(entry.shape, want.offsets)
@@ -162,7 +164,7 @@ def _stored_boxes(entry: TensorEntry, want: Box) -> Iterator[tuple[Box, int, tup
         first, count = int(flat_start[i]), int(flat_len[i])
         for box in linear_range_boxes(entry.shape, max(first, lo_lin), min(first + count, hi_lin)):
             base = int(offset[i]) + (linear_index(entry.shape, box.offsets) - first) * size
-            yield box, base, strides, int(file[i]), int(offset[i]), count * size
+            yield box, base, strides, i, int(file[i]), int(offset[i]), count * size
 
 
 def _units_for_target(entry: TensorEntry, index: int, want: Box, max_gap: int, max_request: int) -> Iterator[_Unit]:
@@ -170,7 +172,7 @@ def _units_for_target(entry: TensorEntry, index: int, want: Box, max_gap: int, m
         return
     size = itemsize(entry.dtype)
     want_strides = row_major_strides(want.shape)
-    for box, base, strides, file, piece_offset, piece_size in _stored_boxes(entry, want):
+    for box, base, strides, piece, file, piece_offset, piece_size in _stored_boxes(entry, want):
         overlap = intersect(want, box)
         if overlap is None:
             continue
@@ -182,7 +184,7 @@ def _units_for_target(entry: TensorEntry, index: int, want: Box, max_gap: int, m
         while dims and dims[-1][1] == run and dims[-1][2] == run:
             run *= dims.pop()[0]
         for copy in _split(index, src, dst, dims, run, max_gap, max_request):
-            yield _Unit(file, entry.name, piece_offset, piece_size, copy)
+            yield _Unit(file, entry.name, piece, piece_offset, piece_size, copy)
 
 
 def _split(
@@ -257,6 +259,7 @@ def _request(file: int, start: int, end: int, group: list[tuple[int, int, _Unit]
         seen = spans.get(unit.piece_offset)
         spans[unit.piece_offset] = (lo, hi, unit) if seen is None else (min(seen[0], lo), max(seen[1], hi), unit)
     verify = tuple(
-        VerifySpan(unit.tensor, unit.piece_offset, unit.piece_size, lo, hi) for lo, hi, unit in spans.values()
+        VerifySpan(unit.tensor, unit.piece, unit.piece_offset, unit.piece_size, lo, hi)
+        for lo, hi, unit in spans.values()
     )
     return ReadRequest(file, start, end, verify, tuple(unit.copy for _, _, unit in group))

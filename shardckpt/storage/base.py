@@ -9,7 +9,7 @@ import abc
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from shardckpt.errors import StorageError, TruncatedError
+from shardckpt.errors import FormatError, TruncatedError
 
 
 class NewFile(abc.ABC):
@@ -72,10 +72,10 @@ class Storage(abc.ABC):
             return list(pool.map(lambda request: self.read_range(*request), requests))
 
     def read_small(self, path: str, max_bytes: int) -> bytes:
-        """The whole object, refusing one larger than `max_bytes` before reading it."""
+        """The whole object, refusing one larger than `max_bytes` (a format limit) before reading it."""
         size = self.size(path)
         if size > max_bytes:
-            raise StorageError(f"{self.describe(path)} is {size} bytes, over the {max_bytes} byte limit")
+            raise FormatError(f"{self.describe(path)} is {size} bytes, over the {max_bytes} byte limit")
         return self.read_range(path, 0, size) if size else b""
 
     @abc.abstractmethod

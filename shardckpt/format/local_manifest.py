@@ -74,11 +74,17 @@ class LocalPieces:
         offset: Int64Array,
         start: Int64Array,
         length: Int64Array,
+        *,
+        k_of: Int64Array | None = None,
+        size_of: Int64Array | None = None,
     ) -> None:
+        """k_of/size_of: values per piece and itemsize of each tensor, when the caller has them already."""
         self.tensor, self.offset = tensor.astype(np.int64), offset.astype(np.int64)
         self.start, self.length = start.astype(np.int64), length.astype(np.int64)
-        k_of = np.array([spec.k for spec in specs], dtype=np.int64)
-        size_of = np.array([DTYPE_SIZES[spec.dtype] for spec in specs], dtype=np.int64)
+        if k_of is None:
+            k_of = np.array([spec.k for spec in specs], dtype=np.int64)
+        if size_of is None:
+            size_of = np.array([DTYPE_SIZES[spec.dtype] for spec in specs], dtype=np.int64)
         self.k = k_of[self.tensor] if self.tensor.size else np.zeros(0, np.int64)
         self.position = np.concatenate([[0], np.cumsum(self.k)[:-1]]).astype(np.int64) if self.k.size else self.k
         volume = np.ones(self.tensor.size, dtype=np.int64)
@@ -137,8 +143,8 @@ def encode_local_manifest(manifest: LocalManifest) -> bytes:
         "tensors": {
             "count": len(specs),
             "names": NAME_SEPARATOR.join(spec.name for spec in specs),
-            "dtypes": [spec.dtype for spec in specs],
-            "layouts": [spec.layout for spec in specs],
+            "dtypes": NAME_SEPARATOR.join(spec.dtype for spec in specs),
+            "layouts": NAME_SEPARATOR.join(spec.layout for spec in specs),
             "ndim": encode_int_column([len(spec.shape) for spec in specs]),
             "shape": encode_int_column([dim for spec in specs for dim in spec.shape]),
         },
@@ -177,17 +183,19 @@ def decode_local_manifest(data: bytes, where: str = "local manifest") -> LocalMa
     block_size = block_size_field(fields)
     table = Fields(fields.get("tensors", dict), f"{where} tensors")
     try:
-        specs, extents, extent_position = _tensor_table(
+        specs, extents, extent_position, k_of, size_of = _tensor_table(
             table.integer("count", 0, limits.MAX_FILES),
             table.get("names", str),
-            tuple(table.get("dtypes", list)),
-            tuple(table.get("layouts", list)),
+            table.get("dtypes", str),
+            table.get("layouts", str),
             _column_bytes(table.raw.get("ndim")),
             _column_bytes(table.raw.get("shape")),
         )
     except FormatError as exc:
         raise FormatError(f"{where} tensors: {exc}") from None
-    pieces = _pieces(Fields(fields.get("pieces", dict), f"{where} pieces"), specs, extents, extent_position)
+    pieces = _pieces(
+        Fields(fields.get("pieces", dict), f"{where} pieces"), specs, extents, extent_position, k_of, size_of
+    )
     _check_packing(pieces, header_size, data_size, where)
     crcs = decode_u32_column(fields.get("crc32c", dict), f"{where} crc32c")
     blocks = int((-(-pieces.nbytes // block_size)).sum())
@@ -217,7 +225,11 @@ def decode_local_manifest(data: bytes, where: str = "local manifest") -> LocalMa
 def _column_bytes(column: object) -> tuple[Any, ...]:
     # A hashable key for the cache below; the column itself is validated when decoded.
     if isinstance(column, dict):
-        return (column.get("enc"), column.get("n"), column.get("data"))
+        key = (column.get("enc"), column.get("n"), column.get("data"))
+        # A hostile list or map cannot key the cache: it goes on as its type's name and fails validation.
+        return tuple(
+            part if part is None or isinstance(part, (str, int, float, bytes)) else repr(type(part)) for part in key
+        )
     return (repr(type(column)),)
 
 
@@ -225,16 +237,18 @@ def _column_bytes(column: object) -> tuple[Any, ...]:
 def _tensor_table(
     count: int,
     names_joined: str,
-    dtypes: tuple[Any, ...],
-    layouts: tuple[Any, ...],
+    dtypes_joined: str,
+    layouts_joined: str,
     ndim_key: tuple[Any, ...],
     shape_key: tuple[Any, ...],
-) -> tuple[tuple[TensorSpec, ...], Int64Array, Int64Array]:
+) -> tuple[tuple[TensorSpec, ...], Int64Array, Int64Array, Int64Array, Int64Array]:
     """Validate a tensor table once; every rank of a job usually sends the identical one.
 
     Errors name the tensor; the caller adds the file (the file is not part of the cache key).
     """
     names = names_joined.split(NAME_SEPARATOR) if count else []
+    dtypes = dtypes_joined.split(NAME_SEPARATOR) if count else []
+    layouts = layouts_joined.split(NAME_SEPARATOR) if count else []
     if len(names) != count or len(dtypes) != count or len(layouts) != count:
         raise FormatError(f"tensors table lists {count} tensors but its columns disagree")
     ndim = decode_int_column(_as_column(ndim_key), "ndim", count)
@@ -262,7 +276,9 @@ def _tensor_table(
         extents.append([numel] if layout == "flat" else list(shape))
     extent_position = np.array([0, *np.cumsum([len(e) for e in extents])], dtype=np.int64)
     flat_extents = np.array([x for e in extents for x in e], dtype=np.int64)
-    return tuple(specs), flat_extents, extent_position
+    k_of = np.array([spec.k for spec in specs], dtype=np.int64)
+    size_of = np.array([DTYPE_SIZES[spec.dtype] for spec in specs], dtype=np.int64)
+    return tuple(specs), flat_extents, extent_position, k_of, size_of
 
 
 def _as_column(key: tuple[Any, ...]) -> object:
@@ -270,14 +286,18 @@ def _as_column(key: tuple[Any, ...]) -> object:
 
 
 def _pieces(
-    fields: Fields, specs: tuple[TensorSpec, ...], extents: Int64Array, extent_position: Int64Array
+    fields: Fields,
+    specs: tuple[TensorSpec, ...],
+    extents: Int64Array,
+    extent_position: Int64Array,
+    k_of: Int64Array,
+    size_of: Int64Array,
 ) -> LocalPieces:
     where = fields.where
     count = fields.integer("count", 0, limits.MAX_PIECES_PER_TENSOR)
     tensor = decode_int_column(fields.raw.get("tensor"), f"{where}.tensor", count)
     if tensor.size and (tensor.min() < 0 or tensor.max() >= len(specs)):
         raise FormatError(f"{where}: a piece names a tensor outside the table of {len(specs)}")
-    k_of = np.array([spec.k for spec in specs], dtype=np.int64)
     k = k_of[tensor] if tensor.size else np.zeros(0, np.int64)
     values = int(k.sum())
     offset = decode_int_column(fields.raw.get("offset"), f"{where}.offset", count)
@@ -299,7 +319,7 @@ def _pieces(
         raise FormatError(
             f"{where}: piece {bad} of tensor {specs[int(tensor[bad])].name!r} lies outside the tensor or is empty"
         )
-    return LocalPieces(specs, tensor, offset, start, length)
+    return LocalPieces(specs, tensor, offset, start, length, k_of=k_of, size_of=size_of)
 
 
 def _check_packing(pieces: LocalPieces, header_size: int, data_size: int, where: str) -> None:

@@ -18,6 +18,7 @@ FORMAT_NAME = "shardckpt"
 FORMAT_VERSION = (1, 0)
 # Feature names this reader understands when a writer lists them in "must_understand".
 UNDERSTOOD_FEATURES: frozenset[str] = frozenset()
+OBJECT_VALUE_LEVEL = 3
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,9 @@ def decode_objects(raw: list[Any], where: str, world_size: int) -> tuple[ObjectE
 def unpack_manifest(data: bytes, where: str, max_bytes: int) -> Fields:
     if len(data) > max_bytes:
         raise FormatError(f"{where}: manifest is {len(data)} bytes, over the {max_bytes} byte limit")
-    return Fields(unpack_value(data, where), where)
+    # Object values sit three levels down (document -> "objects" -> entry -> "value") and may each nest
+    # MAX_DEPTH levels, as check_plain lets a writer store: count the document's levels from -3.
+    return Fields(unpack_value(data, where, -OBJECT_VALUE_LEVEL), where)
 
 
 def created_field(fields: Fields) -> float:

@@ -15,6 +15,8 @@ from shardckpt.format.limits import MAX_DEPTH
 
 TUPLE_EXT = 1
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
+_EXT_FORMATS = frozenset({0xC7, 0xC8, 0xC9, 0xD4, 0xD5, 0xD6, 0xD7, 0xD8})  # msgpack ext 8/16/32, fixext 1..16
+_ARRAY_FORMATS = frozenset({*range(0x90, 0xA0), 0xDC, 0xDD})  # msgpack fixarray, array 16/32
 
 
 def _default(value: object) -> Any:
@@ -55,6 +57,8 @@ def check_plain(value: object, where: str, depth: int = 0) -> None:
         for key, item in value.items():
             if isinstance(key, bool) or not isinstance(key, (str, int)):
                 raise FormatError(f"{where}: map keys must be str or int, got {type(key).__name__}")
+            if isinstance(key, int) and not _INT_MIN <= key <= _INT_MAX:
+                raise FormatError(f"{where}: map key {key} does not fit in 64 bits")
             check_plain(item, f"{where}[{key!r}]", depth + 1)
         return
     raise FormatError(f"{where}: cannot store a value of type {type(value).__name__} (plain values only)")
@@ -69,11 +73,16 @@ def unpack_value(data: bytes, where: str, depth: int = 0) -> Any:
     """Decode msgpack with tuple extensions, bounded nesting, and any failure turned into FormatError."""
     if depth > MAX_DEPTH:
         raise FormatError(f"{where}: value nested deeper than {MAX_DEPTH}")
+    # A tuple's payload array stands for the tuple itself: at `depth` when the tuple is this document's root,
+    # at least one level below otherwise.
+    payload_depth = depth if data[:1] and data[0] in _EXT_FORMATS else depth + 1
 
     def ext_hook(code: int, payload: bytes) -> Any:
         if code != TUPLE_EXT:
             raise FormatError(f"{where}: unknown msgpack extension type {code}")
-        items = unpack_value(payload, where, depth + 1)
+        if not payload[:1] or payload[0] not in _ARRAY_FORMATS:
+            raise FormatError(f"{where}: tuple extension must hold an array")
+        items = unpack_value(payload, where, payload_depth)
         if not isinstance(items, list):
             raise FormatError(f"{where}: tuple extension must hold an array")
         return tuple(items)

@@ -9,6 +9,7 @@ from shardckpt.errors import (
     AlreadyExistsError,
     CommitConflictError,
     CoverageError,
+    DistributedError,
     FormatError,
     IntegrityError,
     NotCommittedError,
@@ -18,6 +19,7 @@ from shardckpt.errors import (
     StorageError,
     TruncatedError,
 )
+from shardckpt.integrations import FlatPartition, PerRank
 from shardckpt.planner import Box, ReadPlan
 from shardckpt.restorer import Checkpoint
 from shardckpt.restorer import open_checkpoint as open
@@ -31,10 +33,13 @@ __all__ = [
     "Checkpoint",
     "CommitConflictError",
     "CoverageError",
+    "DistributedError",
+    "FlatPartition",
     "FormatError",
     "IntegrityError",
     "NotCommittedError",
     "NotFoundError",
+    "PerRank",
     "ReadPlan",
     "ShardWriter",
     "ShardckptError",

@@ -1,6 +1,6 @@
 """What training loops call: save, load, latest (and open/commit re-exported by the package).
 
-A single process saves as rank 0 of 1; the distributed layer adds process groups on top of the same steps.
+save and load are collective over a process group (or run in one process); see protocol.py for the steps.
 """
 
 from __future__ import annotations
@@ -9,26 +9,12 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from shardckpt.coordinator import commit
-from shardckpt.errors import AlreadyExistsError, ShardckptError, ShardckptUsageError
-from shardckpt.format import layout
+from shardckpt import protocol
+from shardckpt.errors import ShardckptError
 from shardckpt.format.limits import DEFAULT_BLOCK_SIZE
 from shardckpt.format.manifest import CommitMarker, GlobalManifest
-from shardckpt.planner import Box
-from shardckpt.restorer import DEFAULT_MAX_IN_FLIGHT, Checkpoint, ReadStats, open_checkpoint, read_commit_marker
-from shardckpt.state import flatten
+from shardckpt.restorer import DEFAULT_MAX_IN_FLIGHT, Checkpoint, ReadStats, read_commit_marker
 from shardckpt.storage import Storage, open_storage
-from shardckpt.writer import ShardWriter
-
-
-def _check_single_process(process_group: Any) -> None:
-    if process_group is None:
-        return
-    size = process_group.size() if hasattr(process_group, "size") else None
-    if size != 1:
-        raise ShardckptUsageError(
-            f"this release saves and loads in one process; a process group of {size} ranks is not supported yet"
-        )
 
 
 def save(
@@ -36,25 +22,29 @@ def save(
     url: str | Storage,
     *,
     process_group: Any = None,
+    coordinator: int = 0,
     storage_options: dict[str, Any] | None = None,
     step: int | None = None,
     metadata: dict[str, Any] | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> GlobalManifest:
-    """Save tensors and plain values of `state_dict` as a committed checkpoint at `url` (a new location)."""
-    _check_single_process(process_group)
-    storage = open_storage(url, storage_options)
-    if storage.exists(layout.COMMITTED):
-        raise AlreadyExistsError(f"{storage.url} already holds a committed checkpoint; save to a new URL")
-    attempt = layout.new_attempt()
-    writer = ShardWriter(storage, rank=0, world_size=1, attempt=attempt, block_size=block_size, step=step)
-    for leaf in flatten(state_dict):
-        if leaf.is_tensor:
-            writer.add(leaf.name, leaf.value)
-        else:
-            writer.add_object(leaf.name, leaf.value)
-    writer.close()
-    return commit(storage, world_size=1, attempt=attempt, step=step, metadata=metadata)
+    """Save `state_dict` as a committed checkpoint at `url` (a new location); collective over the group.
+
+    Every rank writes its own pieces: DTensor shards, its share of replicated tensors, FlatPartition slices.
+    Plain values are shared (all ranks must agree); wrap a value in PerRank to keep one per rank. Returns when
+    the checkpoint is durable and committed; on any failure every rank raises the same DistributedError.
+    process_group: the group to save over; default: the default group if torch.distributed is initialized.
+    """
+    return protocol.save(
+        state_dict,
+        url,
+        process_group=process_group,
+        coordinator=coordinator,
+        storage_options=storage_options,
+        step=step,
+        metadata=metadata,
+        block_size=block_size,
+    )
 
 
 def load(
@@ -62,42 +52,27 @@ def load(
     url: str | Storage,
     *,
     process_group: Any = None,
+    coordinator: int = 0,
     storage_options: dict[str, Any] | None = None,
     strict: bool = True,
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
 ) -> ReadStats:
-    """Fill the tensors of `state_dict` in place from the checkpoint at `url` and restore its plain values.
+    """Fill the tensors of `state_dict` in place from the checkpoint at `url`, on any world size and sharding.
 
-    strict: every entry of `state_dict` must be in the checkpoint. If a read fails its checksum, tensors
-    filled by earlier reads of the same call already hold checkpoint data; others are untouched.
+    Each rank reads only the boxes its tensors hold (DTensor shards are filled through their local tensor)
+    and restores plain values (PerRank values: its own). strict: every entry must be in the checkpoint.
+    If a read fails its checksum, tensors filled by earlier reads of the same call already hold checkpoint
+    data; the others are untouched.
     """
-    _check_single_process(process_group)
-    checkpoint = open_checkpoint(url, storage_options=storage_options, max_in_flight=max_in_flight)
-    objects = {**checkpoint.rank_objects(0), **checkpoint.objects}
-    stored = checkpoint.manifest.tensor_index()
-    leaves = flatten(state_dict)
-    missing = [leaf.name for leaf in leaves if leaf.name not in (stored if leaf.is_tensor else objects)]
-    if missing and strict:
-        raise ShardckptUsageError(
-            f"{checkpoint.url} lacks {len(missing)} entries of the state dict: {missing[:10]}"
-            + (" ..." if len(missing) > 10 else "")
-        )
-    items = [
-        (leaf.name, Box.full(tuple(leaf.value.shape)), leaf.value)
-        for leaf in leaves
-        if leaf.is_tensor and leaf.name in stored
-    ]
-    for name, box, _ in items:
-        if box.shape != stored[name].shape:
-            raise ShardckptUsageError(
-                f"tensor {name!r}: the state dict holds shape {list(box.shape)}, the checkpoint "
-                f"{list(stored[name].shape)}"
-            )
-    stats = checkpoint.read_into(items)
-    for leaf in leaves:
-        if not leaf.is_tensor and leaf.name in objects:
-            leaf.assign(objects[leaf.name])
-    return stats
+    return protocol.load(
+        state_dict,
+        url,
+        process_group=process_group,
+        coordinator=coordinator,
+        storage_options=storage_options,
+        strict=strict,
+        max_in_flight=max_in_flight,
+    )
 
 
 def latest(root_url: str | Storage, *, storage_options: dict[str, Any] | None = None) -> str | None:

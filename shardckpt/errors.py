@@ -48,3 +48,12 @@ class ShardckptUsageError(ShardckptError, ValueError):
 
 class TruncatedError(IntegrityError, StorageError):
     """A read found fewer bytes than the manifest promises: the object was truncated."""
+
+
+class DistributedError(ShardckptError):
+    """One or more ranks failed a collective save or load; `failures` maps each failed rank to its cause."""
+
+    def __init__(self, operation: str, failures: dict[int, str]) -> None:
+        self.failures = dict(sorted(failures.items()))
+        details = "; ".join(f"rank {rank}: {cause}" for rank, cause in self.failures.items())
+        super().__init__(f"{operation} failed on {len(self.failures)} rank(s): {details}")

@@ -61,18 +61,27 @@ class ReadStats:
     seconds: float
 
 
-def read_commit_marker(storage: Storage) -> CommitMarker | None:
+def read_marker_bytes(storage: Storage) -> bytes | None:
+    """The raw COMMITTED marker, or None when the checkpoint is not committed."""
     try:
-        raw = storage.read_small(layout.COMMITTED, limits.MAX_COMMIT_MARKER_BYTES)
+        return storage.read_small(layout.COMMITTED, limits.MAX_COMMIT_MARKER_BYTES)
     except NotFoundError:
         return None
-    return decode_commit_marker(raw, storage.describe(layout.COMMITTED))
+
+
+def read_commit_marker(storage: Storage) -> CommitMarker | None:
+    raw = read_marker_bytes(storage)
+    return None if raw is None else decode_commit_marker(raw, storage.describe(layout.COMMITTED))
 
 
 def read_global_manifest(storage: Storage, marker: CommitMarker) -> GlobalManifest:
     """The manifest COMMITTED points at, after checking its size and CRC32C against the marker."""
-    where = storage.describe(marker.manifest)
     raw = storage.read_small(marker.manifest, limits.MAX_GLOBAL_MANIFEST_BYTES)
+    return verify_global_manifest(raw, marker, storage.describe(marker.manifest))
+
+
+def verify_global_manifest(raw: bytes, marker: CommitMarker, where: str) -> GlobalManifest:
+    """Check manifest bytes (read here or received from a peer) against COMMITTED, then decode them."""
     if len(raw) != marker.manifest_size or crc32c_of(raw) != marker.manifest_crc32c:
         raise IntegrityError(
             f"{where}: {len(raw)} bytes with CRC32C {crc32c_of(raw):#010x}, but COMMITTED promises "

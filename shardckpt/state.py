@@ -27,6 +27,10 @@ class Leaf:
     def is_tensor(self) -> bool:
         return isinstance(self.value, torch.Tensor)
 
+    @property
+    def is_plain(self) -> bool:
+        return not isinstance(self.value, torch.Tensor) and not getattr(self.value, "shardckpt_leaf", False)
+
     def assign(self, value: Any) -> None:
         if isinstance(self.container, (dict, list)):
             self.container[self.key] = value
@@ -34,7 +38,8 @@ class Leaf:
 
 
 def _holds_tensor(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
+    # Adapters such as FlatPartition and PerRank mark themselves as leaves the walk must reach.
+    if isinstance(value, torch.Tensor) or getattr(value, "shardckpt_leaf", False):
         return True
     if isinstance(value, Mapping):
         return any(_holds_tensor(v) for v in value.values())

@@ -83,6 +83,7 @@ class ShardWriter:
         self._objects: dict[str, ObjectEntry] = {}
         self._closed = False
         self.stats: WriteStats | None = None
+        self.encoded_manifest: bytes | None = None  # the local manifest exactly as written, after close()
 
     # ------------------------------------------------------------------------------------------ adding
 
@@ -190,7 +191,8 @@ class ShardWriter:
             step=self.step,
             version=FORMAT_VERSION,
         )
-        self.storage.write_new(layout.local_manifest_path(self.rank, self.attempt), encode_local_manifest(manifest))
+        self.encoded_manifest = encode_local_manifest(manifest)
+        self.storage.write_new(layout.local_manifest_path(self.rank, self.attempt), self.encoded_manifest)
         self.stats = WriteStats(position, time.perf_counter() - began)
         return manifest
 

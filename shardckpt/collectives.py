@@ -1,0 +1,76 @@
+"""Byte-string collectives over a torch process group (gloo or NCCL), without pickle.
+
+The protocol only ever exchanges bytes it encodes itself (msgpack), so nothing a peer sends can run code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group with this process's rank in it and the device its collectives run on."""
+
+    handle: Any
+    rank: int
+    size: int
+    device: torch.device
+
+    @classmethod
+    def of(cls, process_group: Any) -> Group:
+        backend = dist.get_backend(process_group)
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        return cls(process_group, dist.get_rank(process_group), dist.get_world_size(process_group), device)
+
+    def global_rank(self, group_rank: int) -> int:
+        return int(dist.get_global_rank(self.handle, group_rank)) if self.handle is not None else group_rank
+
+
+def _to_tensor(data: bytes, size: int, device: torch.device) -> torch.Tensor:
+    buffer = torch.zeros(size, dtype=torch.uint8)
+    if data:
+        buffer[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return buffer.to(device)
+
+
+def all_gather_sizes(group: Group, size: int) -> list[int]:
+    mine = torch.tensor([size], dtype=torch.int64, device=group.device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=group.device) for _ in range(group.size)]
+    dist.all_gather(sizes, mine, group=group.handle)
+    return [int(s.item()) for s in sizes]
+
+
+def gather_bytes(group: Group, data: bytes, dst: int) -> list[bytes] | None:
+    """Every rank's bytes at group rank `dst` (None elsewhere)."""
+    sizes = all_gather_sizes(group, len(data))
+    longest = max(sizes)
+    mine = _to_tensor(data, longest, group.device)
+    buffers = [torch.zeros(longest, dtype=torch.uint8, device=group.device) for _ in range(group.size)]
+    dist.gather(mine, buffers if group.rank == dst else None, dst=group.global_rank(dst), group=group.handle)
+    if group.rank != dst:
+        return None
+    return [bytes(buffer.cpu()[:size].numpy().tobytes()) for buffer, size in zip(buffers, sizes)]
+
+
+def all_gather_bytes(group: Group, data: bytes) -> list[bytes]:
+    sizes = all_gather_sizes(group, len(data))
+    longest = max(sizes)
+    mine = _to_tensor(data, longest, group.device)
+    buffers = [torch.zeros(longest, dtype=torch.uint8, device=group.device) for _ in range(group.size)]
+    dist.all_gather(buffers, mine, group=group.handle)
+    return [bytes(buffer.cpu()[:size].numpy().tobytes()) for buffer, size in zip(buffers, sizes)]
+
+
+def broadcast_bytes(group: Group, data: bytes | None, src: int) -> bytes:
+    """`data` of group rank `src`, on every rank."""
+    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=group.device)
+    dist.broadcast(size, src=group.global_rank(src), group=group.handle)
+    length = int(size.item())
+    buffer = _to_tensor(data if group.rank == src and data is not None else b"", length, group.device)
+    dist.broadcast(buffer, src=group.global_rank(src), group=group.handle)
+    return bytes(buffer.cpu().numpy().tobytes())

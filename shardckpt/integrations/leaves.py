@@ -1,0 +1,75 @@
+"""From a flattened state dict to what this rank writes on save and fills on load.
+
+DTensors contribute their local box; plain tensors are replicated (written once, spread over ranks);
+FlatPartitions contribute flat pieces; PerRank values are kept per rank; other plain values are shared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shardckpt.integrations.dtensor import is_dtensor, local_box
+from shardckpt.integrations.flat import FlatPartition
+from shardckpt.planner.box import Box
+from shardckpt.state import Leaf
+
+
+@dataclass
+class PerRank:
+    """A plain value that each rank saves for itself (its RNG state, its data-loader worker position)."""
+
+    value: Any
+    shardckpt_leaf = True
+
+
+@dataclass
+class SaveItems:
+    pieces: list[tuple[str, torch.Tensor, dict[str, Any]]] = field(default_factory=list)  # (name, tensor, add kwargs)
+    objects: list[tuple[str, Any, bool]] = field(default_factory=list)  # (name, value, per_rank)
+
+
+def save_items(leaves: list[Leaf], rank: int, world_size: int) -> SaveItems:
+    """What `rank` writes: its DTensor boxes, its share of the replicated tensors, its flat pieces, objects."""
+    items = SaveItems()
+    replicated: list[tuple[str, torch.Tensor]] = []
+    for leaf in leaves:
+        value = leaf.value
+        if is_dtensor(value):
+            box = local_box(leaf.name, value)
+            if box.writes:
+                items.pieces.append((leaf.name, box.local, {"global_shape": box.global_shape, "offsets": box.offsets}))
+        elif isinstance(value, torch.Tensor):
+            replicated.append((leaf.name, value))
+        elif isinstance(value, FlatPartition):
+            for name, shape, first, piece in value.slices():
+                items.pieces.append((name, piece, {"global_shape": shape, "flat_offset": first}))
+        elif isinstance(value, PerRank):
+            items.objects.append((leaf.name, value.value, True))
+        else:
+            items.objects.append((leaf.name, value, False))
+    # Greedy balance, largest first, identical on every rank (same names and sizes everywhere).
+    load = [0] * world_size
+    for name, tensor in sorted(replicated, key=lambda item: (-item[1].numel() * item[1].element_size(), item[0])):
+        writer = min(range(world_size), key=lambda r: (load[r], r))
+        load[writer] += max(tensor.numel() * tensor.element_size(), 1)
+        if writer == rank:
+            items.pieces.append((name, tensor, {}))
+    return items
+
+
+def load_items(leaves: list[Leaf]) -> list[tuple[str, Box, torch.Tensor]]:
+    """(tensor name, box, destination) for every tensor this rank holds: its shards, whole tensors, flat slices."""
+    items: list[tuple[str, Box, torch.Tensor]] = []
+    for leaf in leaves:
+        value = leaf.value
+        if is_dtensor(value):
+            box = local_box(leaf.name, value)
+            items.append((leaf.name, Box(box.offsets, tuple(box.local.shape)), box.local))
+        elif isinstance(value, torch.Tensor):
+            items.append((leaf.name, Box.full(tuple(value.shape)), value))
+        elif isinstance(value, FlatPartition):
+            items.extend(value.boxes())
+    return items

@@ -1,0 +1,245 @@
+"""The save and load protocols over a process group (or one process): who writes, who commits, who learns what.
+
+save: (coordinator) refuse an existing checkpoint, draw the attempt -> (all) write own pieces -> (coordinator)
+gather local manifests, validate, commit -> (all) learn the outcome. load: (coordinator) read COMMITTED and the
+manifest once -> (all) receive them, plan and read only their own boxes -> (all) agree that every rank succeeded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgpack
+import torch.distributed as dist
+
+from shardckpt.collectives import Group, all_gather_bytes, broadcast_bytes, gather_bytes
+from shardckpt.coordinator import commit
+from shardckpt.errors import AlreadyExistsError, DistributedError, ShardckptError, ShardckptUsageError
+from shardckpt.format import layout
+from shardckpt.format.manifest import (
+    GlobalManifest,
+    decode_commit_marker,
+    decode_global_manifest,
+    encode_global_manifest,
+)
+from shardckpt.integrations.leaves import PerRank, load_items, save_items
+from shardckpt.restorer import Checkpoint, ReadStats, open_checkpoint, read_marker_bytes, verify_global_manifest
+from shardckpt.state import flatten
+from shardckpt.storage import Storage, open_storage
+from shardckpt.writer import ShardWriter
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class _Solo:
+    """The trivial group of one process, so both protocols are written once."""
+
+    rank: int = 0
+    size: int = 1
+
+
+def resolve_group(process_group: Any) -> Group | _Solo:
+    """The caller's group, else the default group when torch.distributed is initialized, else one process."""
+    if process_group is None and dist.is_available() and dist.is_initialized():
+        process_group = dist.group.WORLD
+    if process_group is None:
+        return _Solo()
+    group = Group.of(process_group)
+    return _Solo() if group.size == 1 else group
+
+
+def _broadcast(group: Group | _Solo, data: bytes | None, src: int) -> bytes:
+    if isinstance(group, _Solo):
+        assert data is not None
+        return data
+    return _collective(lambda: broadcast_bytes(group, data, src), group)
+
+
+def _gather(group: Group | _Solo, data: bytes, dst: int) -> list[bytes] | None:
+    if isinstance(group, _Solo):
+        return [data]
+    return _collective(lambda: gather_bytes(group, data, dst), group)
+
+
+def _all_gather(group: Group | _Solo, data: bytes) -> list[bytes]:
+    if isinstance(group, _Solo):
+        return [data]
+    return _collective(lambda: all_gather_bytes(group, data), group)
+
+
+def _collective(run: Callable[[], T], group: Group) -> T:
+    try:
+        return run()
+    except RuntimeError as exc:  # a peer died, or the group's timeout passed
+        raise DistributedError("a collective", {group.rank: f"{type(exc).__name__}: {exc}"}) from exc
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _pack(value: Any) -> bytes:
+    packed: bytes = msgpack.packb(value, use_bin_type=True)
+    return packed
+
+
+def _unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def save(
+    state_dict: Mapping[str, Any],
+    url: str | Storage,
+    *,
+    process_group: Any = None,
+    coordinator: int = 0,
+    storage_options: dict[str, Any] | None = None,
+    step: int | None = None,
+    metadata: dict[str, Any] | None = None,
+    block_size: int,
+) -> GlobalManifest:
+    group = resolve_group(process_group)
+    if not 0 <= coordinator < group.size:
+        raise ShardckptUsageError(f"coordinator {coordinator} is not a rank of the group of {group.size}")
+    storage = open_storage(url, storage_options)
+    leaves = flatten(state_dict)  # before any collective: a malformed state dict fails on its own rank only
+    opening = None
+    if group.rank == coordinator:
+        refused = storage.exists(layout.COMMITTED)
+        opening = _pack(
+            {"refused": f"{storage.url} already holds a committed checkpoint; save to a new URL"}
+            if refused
+            else {"attempt": layout.new_attempt()}
+        )
+    message = _unpack(_broadcast(group, opening, coordinator))
+    if "refused" in message:
+        raise AlreadyExistsError(message["refused"])
+    attempt = message["attempt"]
+    local_error: BaseException | None = None
+    try:
+        writer = ShardWriter(
+            storage, rank=group.rank, world_size=group.size, attempt=attempt, block_size=block_size, step=step
+        )
+        items = save_items(leaves, group.rank, group.size)
+        for name, tensor, placement in items.pieces:
+            writer.add(name, tensor, **placement)
+        for name, value, per_rank in items.objects:
+            writer.add_object(name, value, per_rank=per_rank)
+        writer.close()
+        assert writer.encoded_manifest is not None
+        payload = _pack({"manifest": writer.encoded_manifest})
+    except Exception as exc:
+        if group.size == 1:
+            raise
+        local_error = exc
+        payload = _pack({"error": _describe(exc)})
+    gathered = _gather(group, payload, coordinator)
+    outcome = None
+    if group.rank == coordinator:
+        assert gathered is not None
+        replies = [_unpack(reply) for reply in gathered]
+        failures = {rank: reply["error"] for rank, reply in enumerate(replies) if "error" in reply}
+        if failures:
+            outcome = _pack({"failures": failures})
+        else:
+            try:
+                manifest = commit(
+                    storage,
+                    world_size=group.size,
+                    attempt=attempt,
+                    step=step,
+                    metadata=metadata,
+                    local_manifests=[reply["manifest"] for reply in replies],
+                )
+                outcome = _pack({"manifest": encode_global_manifest(manifest)})
+            except Exception as exc:
+                if group.size == 1:
+                    raise
+                outcome = _pack({"failures": {coordinator: _describe(exc)}})
+    result = _unpack(_broadcast(group, outcome, coordinator))
+    if "failures" in result:
+        raise DistributedError("save", {int(r): cause for r, cause in result["failures"].items()}) from local_error
+    return decode_global_manifest(result["manifest"], storage.describe(layout.global_manifest_path(attempt)))
+
+
+def load(
+    state_dict: Mapping[str, Any],
+    url: str | Storage,
+    *,
+    process_group: Any = None,
+    coordinator: int = 0,
+    storage_options: dict[str, Any] | None = None,
+    strict: bool = True,
+    max_in_flight: int,
+) -> ReadStats:
+    group = resolve_group(process_group)
+    storage = open_storage(url, storage_options)
+    if isinstance(group, _Solo):
+        checkpoint = open_checkpoint(storage, max_in_flight=max_in_flight)
+        return _fill(checkpoint, state_dict, group.rank, strict)
+    opening = None
+    if group.rank == coordinator:
+        try:
+            checkpoint = open_checkpoint(storage, max_in_flight=max_in_flight)
+            marker_raw = read_marker_bytes(storage)
+            manifest_raw = storage.read_small(checkpoint.marker.manifest, checkpoint.marker.manifest_size)
+            opening = _pack({"marker": marker_raw, "manifest": manifest_raw})
+        except ShardckptError as exc:
+            opening = _pack({"error": _describe(exc)})
+    message = _unpack(_broadcast(group, opening, coordinator))
+    if "error" in message:
+        raise DistributedError("load", {coordinator: message["error"]})
+    # Read once by the coordinator; every rank checks the bytes against the marker itself before trusting them.
+    marker = decode_commit_marker(message["marker"], storage.describe(layout.COMMITTED))
+    manifest = verify_global_manifest(message["manifest"], marker, storage.describe(marker.manifest))
+    checkpoint = Checkpoint(storage, marker, manifest, max_in_flight=max_in_flight)
+    local_error: BaseException | None = None
+    stats = ReadStats(0, 0, 0, 0.0)
+    try:
+        stats = _fill(checkpoint, state_dict, group.rank, strict)
+        status = _pack({"ok": True})
+    except Exception as exc:
+        local_error = exc
+        status = _pack({"error": _describe(exc)})
+    replies = [_unpack(reply) for reply in _all_gather(group, status)]
+    failures = {rank: reply["error"] for rank, reply in enumerate(replies) if "error" in reply}
+    if failures:
+        raise DistributedError("load", failures) from local_error
+    return stats
+
+
+def _fill(checkpoint: Checkpoint, state_dict: Mapping[str, Any], rank: int, strict: bool) -> ReadStats:
+    """Fill this rank's tensors in place and restore its plain values; strict: everything must be found."""
+    stored = checkpoint.manifest.tensor_index()
+    shared, own = checkpoint.objects, checkpoint.rank_objects(rank)
+    leaves = flatten(state_dict)
+    items = load_items(leaves)
+    missing = sorted({name for name, _, _ in items if name not in stored})
+    for leaf in leaves:
+        if leaf.is_plain and leaf.name not in shared:
+            missing.append(leaf.name)
+        # A rank that did not exist when the checkpoint was saved has no per-rank values to restore.
+        if isinstance(leaf.value, PerRank) and leaf.name not in own and rank < checkpoint.manifest.world_size:
+            missing.append(leaf.name)
+    if missing and strict:
+        raise ShardckptUsageError(
+            f"{checkpoint.url} lacks {len(missing)} entries of the state dict: {missing[:10]}"
+            + (" ..." if len(missing) > 10 else "")
+        )
+    present = [item for item in items if item[0] in stored]
+    for name, box, _ in present:
+        if not box.within(stored[name].shape):
+            raise ShardckptUsageError(
+                f"tensor {name!r}: the state dict wants {box} of a tensor of shape {list(stored[name].shape)}, "
+                f"the checkpoint holds shape {list(stored[name].shape)}"
+            )
+    stats = checkpoint.read_into(present)
+    for leaf in leaves:
+        if isinstance(leaf.value, PerRank) and leaf.name in own:
+            leaf.value.value = own[leaf.name]
+        elif leaf.is_plain and leaf.name in shared:
+            leaf.assign(shared[leaf.name])
+    return stats

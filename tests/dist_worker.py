@@ -1,0 +1,151 @@
+"""One rank of a multi-process test: `python tests/dist_worker.py SCENARIO ARGS_JSON` with torchrun's env vars.
+
+Each rank writes its verdict to RESULT_DIR/rank-<r>.json before teardown, then leaves with os._exit so a
+known gloo abort at interpreter exit cannot be mistaken for a test failure (FIELD-NOTES).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import shardckpt
+
+
+def build(seed: int, world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Embedding(13, 6), nn.Linear(6, 7), nn.ReLU(), nn.Linear(7, 5), nn.LayerNorm(5))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in (model[0], model[1], model[3]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, world: int) -> None:
+    generator = torch.Generator().manual_seed(100)
+    tokens = torch.randint(0, 13, (12, 3), generator=generator)
+    mine = tokens.chunk(world)[rank]
+    loss = model(mine).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    msd, osd = get_state_dict(model, optimizer)
+    flat: dict[str, torch.Tensor] = {}
+    for name, value in msd.items():
+        flat[f"model.{name}"] = value.full_tensor() if isinstance(value, DTensor) else value
+    for fqn, state in osd["state"].items():
+        for key, value in state.items():
+            flat[f"optim.{fqn}.{key}"] = value.full_tensor() if isinstance(value, DTensor) else value
+    return {k: v.detach().clone().contiguous() for k, v in flat.items()}
+
+
+def scenario_save(args: dict, rank: int, world: int) -> dict:
+    model, optimizer = build(0, world)
+    train_step(model, optimizer, rank, world)
+    msd, osd = get_state_dict(model, optimizer)
+    state = {"model": msd, "optim": osd, "rng": shardckpt.PerRank({"rank": rank}), "epoch": 3}
+    manifest = shardckpt.save(state, args["url"], step=1)
+    reference = full_state(model, optimizer)
+    if rank == 0:
+        save_file(reference, args["reference"])
+    return {"attempt": manifest.attempt, "tensors": len(manifest.tensors)}
+
+
+def scenario_load(args: dict, rank: int, world: int) -> dict:
+    results = {}
+    for url, reference_path in zip(args["urls"], args["references"]):
+        model, optimizer = build(1, world)  # other initial values: everything must come from the checkpoint
+        msd, osd = get_state_dict(model, optimizer)
+        state = {"model": msd, "optim": osd, "rng": shardckpt.PerRank(None), "epoch": 0}
+        stats = shardckpt.load(state, url)
+        set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+        reference = load_file(reference_path)
+        restored = full_state(model, optimizer)
+        mismatched = sorted(k for k in reference if not torch.equal(reference[k], restored[k]))
+        missing = sorted(set(reference) ^ set(restored))
+        rng = state["rng"].value
+        results[url] = {
+            "mismatched": mismatched + missing,
+            "needed": stats.needed_bytes,
+            "fetched": stats.fetched_bytes,
+            "epoch": state["epoch"],
+            "rng": rng,
+        }
+    return results
+
+
+def scenario_layouts(args: dict, rank: int, world: int) -> dict:
+    """Shard(1), Replicate and a 2-D mesh saved on `world` ranks; checked by a single-process read later."""
+    torch.manual_seed(5)
+    full = {"col": torch.randn(6, 10), "rep": torch.randn(4, 3), "grid": torch.randn(9, 7)}
+    mesh = init_device_mesh("cpu", (world,))
+    state = {
+        "col": distribute_tensor(full["col"], mesh, [Shard(1)]),
+        "rep": distribute_tensor(full["rep"], mesh, [Replicate()]),
+    }
+    if world == 4:
+        mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp"))
+        state["grid"] = distribute_tensor(full["grid"], mesh2, [Shard(0), Shard(1)])
+        state["grid_rep"] = distribute_tensor(full["grid"], mesh2, [Replicate(), Shard(0)])
+    shardckpt.save(state, args["url"])
+    if rank == 0:
+        save_file({**full, "grid_rep": full["grid"].clone()}, args["reference"])
+    fresh = {
+        k: torch.zeros_like(v)
+        if not isinstance(v, DTensor)
+        else distribute_tensor(torch.zeros(v.shape), v.device_mesh, v.placements)
+        for k, v in state.items()
+    }
+    shardckpt.load(fresh, args["url"])
+    return {"equal": {k: torch.equal(fresh[k].full_tensor(), state[k].full_tensor()) for k in state}}
+
+
+def scenario_fail(args: dict, rank: int, world: int) -> dict:
+    state = {"w": distribute_tensor(torch.ones(8, 2), init_device_mesh("cpu", (world,)), [Shard(0)])}
+    if rank == args["bad_rank"]:
+        if args.get("die"):
+            os._exit(9)  # a real crash in the middle of the save
+        state["oops"] = object()  # cannot be stored: this rank fails while writing
+    try:
+        shardckpt.save(state, args["url"])
+    except shardckpt.DistributedError as exc:
+        return {"raised": "DistributedError", "failures": {str(k): v for k, v in exc.failures.items()}}
+    except shardckpt.ShardckptError as exc:
+        return {"raised": type(exc).__name__, "message": str(exc)}
+    return {"raised": None}
+
+
+def main() -> None:
+    scenario, args = sys.argv[1], json.loads(sys.argv[2])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(seconds=float(args.get("timeout", 60)))
+    dist.init_process_group("gloo", timeout=timeout)
+    try:
+        result = {"ok": True, "value": globals()[f"scenario_{scenario}"](args, rank, world)}
+    except Exception as exc:
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+    with open(os.path.join(args["result_dir"], f"rank-{rank}.json"), "w") as handle:
+        json.dump(result, handle)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

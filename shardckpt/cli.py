@@ -321,6 +321,13 @@ def build_parser() -> argparse.ArgumentParser:
         "List the checkpoints directly under ROOT: committed or incomplete, step, ranks, size, commit time.",
     )
     listing.add_argument("root", help="directory or URL that holds checkpoints")
+    train = sub.add_parser(
+        "train",
+        help="run the bundled FSDP2 (ZeRO-3) training loop (under torchrun for several ranks)",
+        description="Same as python -m shardckpt.train; see `shardckpt train --help`.",
+        add_help=False,
+    )
+    train.add_argument("args", nargs=argparse.REMAINDER, help="training loop arguments")
     return parser
 
 
@@ -329,6 +336,10 @@ COMMANDS = {"inspect": cmd_inspect, "verify": cmd_verify, "ls": cmd_ls}
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "train":
+        from shardckpt.train.loop import main as train_main
+
+        return train_main(args.args)
     # Piped output keeps full tensor names instead of folding them to a guessed 80 columns.
     console = Console(width=None if sys.stdout.isatty() else 200)
     try:

@@ -1,119 +1,122 @@
-"""`make demo`: save a sharded model + optimizer state as 4 simulated ranks, commit, restore it as 3 ranks, inspect.
+"""`make demo`: train on 4 ranks with checkpoints, kill -9 one rank mid-run, resume on 3 ranks, finish, inspect.
 
-Shows the whole protocol in one process: per-rank data files, exact-cover commit, elastic resharded reads.
+Runs the bundled FSDP2 training loop under torchrun twice and prints the loss curve across the crash.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import threading
 import time
-
-import torch
+from typing import Any
 
 import shardckpt
-from shardckpt.cli import human_bytes
 from shardckpt.cli import main as cli_main
-from shardckpt.format.layout import new_attempt
 
 
-def chunk_bounds(length: int, world: int, rank: int) -> tuple[int, int]:
-    """torch.chunk / FSDP2 rule: ceil(length / world) per rank, trailing ranks get fewer or none."""
-    size = math.ceil(length / world) if length else 0
-    start = min(rank * size, length)
-    return start, min(start + size, length)
+def torchrun(world: int, train_args: list[str], output: str) -> subprocess.Popen[bytes]:
+    """Launch the training loop; its [train] lines are echoed, everything else goes to `output`."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
+    command += ["-m", "shardckpt.train", *train_args]
+    process = subprocess.Popen(
+        command, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+
+    def echo() -> None:
+        assert process.stdout is not None
+        with open(output, "ab") as sink:
+            for line in process.stdout:
+                sink.write(line)
+                if line.startswith(b"[train]"):
+                    sys.stdout.write("  " + line.decode(errors="replace"))
+                    sys.stdout.flush()
+
+    threading.Thread(target=echo, daemon=True).start()
+    return process
 
 
-def build_state(seed: int = 0) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    shapes = {
-        "embed.weight": (4003, 256),  # dim 0 not divisible by 4 or 3: uneven shards
-        "layers.0.attn.qkv.weight": (768, 256),
-        "layers.0.attn.out.weight": (256, 256),
-        "layers.0.mlp.up.weight": (1024, 256),
-        "layers.0.mlp.down.weight": (256, 1024),
-        "norm.weight": (256,),
-        "head.bias": (3,),  # fewer rows than ranks: empty shards
-    }
-    state: dict[str, torch.Tensor] = {}
-    for name, shape in shapes.items():
-        state[f"model.{name}"] = torch.randn(shape, generator=generator)
-        state[f"optim.{name}.exp_avg"] = torch.randn(shape, generator=generator) * 1e-3
-        state[f"optim.{name}.exp_avg_sq"] = torch.rand(shape, generator=generator) * 1e-6
-    state["optim.step"] = torch.tensor(1234.0)
-    return state
+def read_log(path: str) -> list[dict[str, Any]]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as handle:
+        return [json.loads(line) for line in handle if line.strip()]
 
 
-def save_as_ranks(state: dict[str, torch.Tensor], url: str, world: int, step: int) -> float:
-    """Every simulated rank writes its Shard(0) slice (its flat ZeRO range for the MLP), then rank 0 commits."""
-    attempt = new_attempt()
-    began = time.perf_counter()
-    for rank in range(world):
-        writer = shardckpt.ShardWriter(url, rank=rank, world_size=world, attempt=attempt, step=step)
-        for name, tensor in state.items():
-            if tensor.dim() == 0:
-                if rank == 0:
-                    writer.add(name, tensor)
-                continue
-            if ".mlp." in name:  # ZeRO-style flat partition that cuts rows at arbitrary element offsets
-                lo, hi = chunk_bounds(tensor.numel(), world, rank)
-                writer.add(name, tensor.reshape(-1)[lo:hi], global_shape=tensor.shape, flat_offset=lo)
-                continue
-            lo, hi = chunk_bounds(tensor.shape[0], world, rank)
-            writer.add(name, tensor[lo:hi], global_shape=tensor.shape, offsets=(lo,) + (0,) * (tensor.dim() - 1))
-        writer.add_object("rng", {"seed": 1000 + rank}, per_rank=True)
-        if rank == 0:
-            writer.add_object("trainer", {"step": step, "lr": 3e-4, "data_position": 4096})
-        writer.close()
-    shardckpt.commit(url, world_size=world, attempt=attempt)
-    return time.perf_counter() - began
+def wait_for_step(log: str, step: int, process: subprocess.Popen[bytes], timeout: float = 600) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = read_log(log)
+        if rows and rows[-1]["step"] >= step:
+            return int(rows[-1]["step"])
+        if process.poll() is not None:
+            raise SystemExit(f"demo: training exited early with code {process.returncode}")
+        time.sleep(0.05)
+    raise SystemExit("demo: training did not reach the kill step in time")
 
 
-def restore_as_ranks(state: dict[str, torch.Tensor], url: str, world: int) -> None:
-    checkpoint = shardckpt.open(url)
-    for rank in range(world):
-        items = []
-        for name, tensor in state.items():
-            if tensor.dim() == 0:
-                items.append((name, shardckpt.Box((), ()), torch.empty(())))
-                continue
-            lo, hi = chunk_bounds(tensor.shape[0], world, rank)
-            box = shardckpt.Box((lo,) + (0,) * (tensor.dim() - 1), (hi - lo, *tensor.shape[1:]))
-            items.append((name, box, torch.empty(box.shape, dtype=tensor.dtype)))
-        stats = checkpoint.read_into(items)
-        for name, box, restored in items:
-            expected = state[name][tuple(slice(o, o + s) for o, s in zip(box.offsets, box.shape))]
-            if not torch.equal(restored, expected):
-                raise SystemExit(f"demo: rank {rank} restored {name} incorrectly")
-        print(
-            f"  rank {rank}/{world}: needs {human_bytes(stats.needed_bytes)}, read {human_bytes(stats.fetched_bytes)} "
-            f"in {stats.requests} requests ({stats.fetched_bytes / max(stats.needed_bytes, 1):.3f}x), bit-exact"
-        )
+def kill_rank(pid_dir: str, rank: int) -> int:
+    with open(os.path.join(pid_dir, f"rank-{rank}.pid")) as handle:
+        pid = int(handle.read())
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def loss_curve(rows: list[dict[str, Any]], resumed_at: int, width: int = 50) -> None:
+    low, high = min(r["loss"] for r in rows), max(r["loss"] for r in rows)
+    print(f"\n  step  world  loss      (bar: {low:.3f} .. {high:.3f})")
+    for row in rows:
+        filled = round((row["loss"] - low) / max(high - low, 1e-12) * width)
+        marker = "  <- resumed here" if row["step"] == resumed_at + 1 else ""
+        print(f"  {row['step']:4d}  {row['world']:5d}  {row['loss']:.4f}  {'#' * max(filled, 1)}{marker}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--dir", help="where to write the checkpoint (default: a temporary directory)")
-    parser.add_argument("--keep", action="store_true", help="keep the checkpoint afterwards")
+    parser.add_argument("--dir", help="working directory (default: a temporary one, removed afterwards)")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--ckpt-every", type=int, default=5)
+    parser.add_argument("--kill-at", type=int, default=23, help="kill a rank once this step is logged")
     args = parser.parse_args(argv)
-    root = args.dir or tempfile.mkdtemp(prefix="shardckpt-demo-")
-    url = f"{root}/step-00000100"
-    state = build_state()
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    print(f"demo: {len(state)} tensors, {human_bytes(total)}; saving as 4 ranks to {url}")
-    seconds = save_as_ranks(state, url, world=4, step=100)
-    print(f"  saved and committed in {seconds:.3f} s")
-    print("demo: restoring on 3 ranks (resharded: every rank reads only the byte ranges its slices need)")
-    restore_as_ranks(state, url, world=3)
-    print(f"demo: latest checkpoint under {root}: {shardckpt.latest(root)}")
-    print("demo: shardckpt inspect")
-    code = cli_main(["inspect", url])
+    workdir = args.dir or tempfile.mkdtemp(prefix="shardckpt-demo-")
+    root, pid_dir = os.path.join(workdir, "checkpoints"), os.path.join(workdir, "pids")
+    log_first, log_second = os.path.join(workdir, "loss-4.jsonl"), os.path.join(workdir, "loss-3.jsonl")
+    common = ["--ckpt", root, "--steps", str(args.steps), "--ckpt-every", str(args.ckpt_every), "--keep-last", "3"]
+
+    print(f"demo: training on 4 ranks (FSDP2, gloo), checkpoints every {args.ckpt_every} steps under {root}")
+    output = os.path.join(workdir, "torchrun.log")
+    first = torchrun(4, [*common, "--loss-log", log_first, "--pid-dir", pid_dir], output)
+    reached = wait_for_step(log_first, args.kill_at, first)
+    pid = kill_rank(pid_dir, 2)
+    print(f"\ndemo: step {reached} reached: kill -9 rank 2 (pid {pid})")
+    code = first.wait()
+    print(f"demo: the 4-rank job died (torchrun exit code {code}; its full output is in {output})")
+    print("demo: what is on storage now:")
+    cli_main(["ls", root])
+    latest = shardckpt.latest(root)
+    if latest is None:
+        raise SystemExit("demo: no committed checkpoint survived")
+    resumed_at = shardckpt.open(latest).step or 0
+    print(f"\ndemo: resuming on 3 ranks from {latest} (step {resumed_at})")
+    second = torchrun(3, [*common, "--resume", "--loss-log", log_second], output)
+    if second.wait() != 0:
+        raise SystemExit(f"demo: the resumed job failed with code {second.returncode}")
+    rows = [r for r in read_log(log_first) if r["step"] <= resumed_at] + read_log(log_second)
+    loss_curve(rows, resumed_at)
+    final = shardckpt.latest(root)
+    assert final is not None
+    print(f"\ndemo: shardckpt inspect {final}")
+    cli_main(["inspect", final])
     print("demo: shardckpt verify")
-    code = code or cli_main(["verify", url])
-    if not args.keep and not args.dir:
-        shutil.rmtree(root, ignore_errors=True)
+    code = cli_main(["verify", final])
+    if not args.dir:
+        shutil.rmtree(workdir, ignore_errors=True)
     return code
 
 

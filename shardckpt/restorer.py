@@ -41,7 +41,7 @@ from shardckpt.planner.box import box_as_flat_range
 from shardckpt.planner.execute import apply_copy
 from shardckpt.planner.plan import DEFAULT_MAX_GAP, DEFAULT_MAX_REQUEST
 from shardckpt.storage import Storage, open_storage
-from shardckpt.torch_bytes import torch_dtype, writable_bytes
+from shardckpt.torch_bytes import host_staging, torch_dtype, writable_bytes
 
 DEFAULT_MAX_IN_FLIGHT = 256 << 20
 ByteArray = npt.NDArray[np.uint8]
@@ -221,8 +221,8 @@ class Checkpoint:
                     f"{torch_dtype(entry.dtype)} and the box {box} has shape {list(box.shape)}"
                 )
             view = writable_bytes(tensor)
-            if view is None:  # GPU, non-contiguous or empty: read into a host buffer and copy once
-                staging = torch.empty(box.shape, dtype=tensor.dtype)
+            if view is None:  # GPU (pinned staging), non-contiguous or empty: read into host memory, copy once
+                staging = host_staging(box.shape, tensor.dtype, tensor.device)
                 view = writable_bytes(staging)
                 fixups.append((tensor, staging))
             targets.append(Target(name, box))

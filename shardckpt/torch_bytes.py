@@ -46,11 +46,22 @@ def torch_dtype(name: str) -> torch.dtype:
     return FORMAT_TO_TORCH[name]
 
 
+def host_staging(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host buffer for copies to or from `device`: pinned for CUDA (DMA without a bounce), plain otherwise."""
+    pinned = device.type == "cuda" and torch.cuda.is_available()
+    return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pinned)
+
+
 def host_bytes(tensor: torch.Tensor) -> npt.NDArray[np.uint8]:
-    """The tensor's elements, row-major, as a uint8 array (a view when already contiguous on the CPU)."""
+    """The tensor's elements, row-major, as a uint8 array (a view when already contiguous on the CPU).
+
+    A GPU tensor is copied once into pinned host memory.
+    """
     flat = tensor.detach()
     if flat.device.type != "cpu":
-        flat = flat.cpu()
+        staging = host_staging(tuple(flat.shape), flat.dtype, flat.device)
+        staging.copy_(flat)
+        flat = staging
     flat = flat.contiguous().reshape(-1)
     if flat.numel() == 0:
         return np.zeros(0, dtype=np.uint8)

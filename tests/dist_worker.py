@@ -116,6 +116,31 @@ def scenario_layouts(args: dict, rank: int, world: int) -> dict:
     return {"equal": {k: torch.equal(fresh[k].full_tensor(), state[k].full_tensor()) for k in state}}
 
 
+def scenario_flat_to_fsdp(args: dict, rank: int, world: int) -> dict:
+    """ZeRO-style flat partitions saved on `world` ranks, loaded into a real FSDP2 model, saved, loaded back flat."""
+    model, _ = build(0, world)
+    params = [(f"model.{name}", tuple(p.shape)) for name, p in model.named_parameters()]
+    reference = full_state(*build(0, world))  # the same seed: the full parameters the flat buffers hold
+    flat = torch.cat([reference[name].reshape(-1) for name, _ in params])
+    lo, hi = _chunk(flat.numel(), world, rank)
+    shardckpt.save({"zero": shardckpt.FlatPartition(flat[lo:hi].clone(), params, lo)}, args["flat_url"])
+    fsdp, _ = build(7, world)  # other values: all must come from the flat checkpoint
+    msd = fsdp.state_dict()
+    shardckpt.load({"model": msd}, args["flat_url"])
+    restored = {f"model.{k}": v.full_tensor() for k, v in msd.items()}
+    into_fsdp = all(torch.equal(restored[name], reference[name]) for name, _ in params)
+    shardckpt.save({"model": msd}, args["box_url"])
+    back = shardckpt.FlatPartition(torch.zeros(hi - lo), params, lo)
+    shardckpt.load({"zero": back}, args["box_url"])
+    return {"into_fsdp": into_fsdp, "back_to_flat": torch.equal(back.buffer, flat[lo:hi])}
+
+
+def _chunk(length: int, world: int, rank: int) -> tuple[int, int]:
+    size = -(-length // world)
+    start = min(rank * size, length)
+    return start, min(start + size, length)
+
+
 def scenario_fail(args: dict, rank: int, world: int) -> dict:
     state = {"w": distribute_tensor(torch.ones(8, 2), init_device_mesh("cpu", (world,)), [Shard(0)])}
     if rank == args["bad_rank"]:

@@ -81,6 +81,15 @@ def test_shard1_replicate_and_2d_mesh_layouts(tmp_path, world: int) -> None:
         assert checkpoint.manifest.tensor("grid_rep").pieces.count == 2
 
 
+@pytest.mark.parametrize("world", [3])
+def test_flat_zero_partitions_into_fsdp2_and_back(tmp_path, world: int) -> None:
+    args = {"flat_url": str(tmp_path / "flat"), "box_url": str(tmp_path / "box")}
+    for value in _values(run_ranks("flat_to_fsdp", world, args)):
+        assert value == {"into_fsdp": True, "back_to_flat": True}
+    assert {e.layout for e in shardckpt.open(args["flat_url"]).manifest.tensors} == {"flat"}
+    assert {e.layout for e in shardckpt.open(args["box_url"]).manifest.tensors} == {"box"}
+
+
 def test_a_rank_that_raises_fails_the_save_everywhere(tmp_path) -> None:
     url = str(tmp_path / "ck")
     values = _values(run_ranks("fail", 3, {"url": url, "bad_rank": 1}))

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from shardckpt.crashpoints import crash_point
 from shardckpt.errors import (
     AlreadyExistsError,
     CommitConflictError,
@@ -79,7 +80,9 @@ def commit(
         created=time.time(),
         metadata=dict(metadata or {}),
     )
+    crash_point("before_global_manifest")
     encoded = _write_manifest(storage, manifest)
+    crash_point("before_commit")
     marker = CommitMarker(
         attempt=attempt,
         manifest=layout.global_manifest_path(attempt),

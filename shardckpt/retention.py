@@ -6,6 +6,7 @@ checkpoint is never deleted, nor anything outside the checkpoints being pruned.
 
 from __future__ import annotations
 
+from shardckpt.crashpoints import crash_point
 from shardckpt.errors import ShardckptError, ShardckptUsageError
 from shardckpt.format import layout
 from shardckpt.restorer import read_commit_marker
@@ -28,6 +29,7 @@ def committed_checkpoints(root: Storage) -> list[tuple[tuple[bool, int, float], 
 def delete_checkpoint(storage: Storage) -> None:
     """Delete one checkpoint: its COMMITTED marker first, then every file the layout names, then directories."""
     storage.delete(layout.COMMITTED)
+    crash_point("during_retention")
     for name in storage.list():
         # Global manifests of every attempt, and the temporary file of a local commit that crashed midway.
         if name.startswith(("manifest-", f"{layout.COMMITTED}.tmp-")):

@@ -17,6 +17,7 @@ import crc32c
 import numpy as np
 import torch
 
+from shardckpt.crashpoints import crash_point
 from shardckpt.errors import ShardckptError, ShardckptUsageError
 from shardckpt.format import layout
 from shardckpt.format.limits import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
@@ -174,6 +175,7 @@ class ShardWriter:
                 offsets.append(position)
                 crcs.append(self._write_piece(handle, piece))
                 position += piece.nbytes
+                crash_point("writing_data", self.rank)
         specs, pieces = self._table(offsets)
         manifest = LocalManifest(
             attempt=self.attempt,
@@ -193,6 +195,7 @@ class ShardWriter:
         )
         self.encoded_manifest = encode_local_manifest(manifest)
         self.storage.write_new(layout.local_manifest_path(self.rank, self.attempt), self.encoded_manifest)
+        crash_point("after_local_manifest", self.rank)
         self.stats = WriteStats(position, time.perf_counter() - began)
         return manifest
 

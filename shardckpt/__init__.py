@@ -4,6 +4,7 @@ Public API (a contract): save, load, latest, open, commit, ShardWriter, Checkpoi
 """
 
 from shardckpt.api import latest, load, save
+from shardckpt.checkpointer import Checkpointer, SaveRecord
 from shardckpt.coordinator import commit
 from shardckpt.errors import (
     AlreadyExistsError,
@@ -31,6 +32,7 @@ __all__ = [
     "AlreadyExistsError",
     "Box",
     "Checkpoint",
+    "Checkpointer",
     "CommitConflictError",
     "CoverageError",
     "DistributedError",
@@ -41,6 +43,7 @@ __all__ = [
     "NotFoundError",
     "PerRank",
     "ReadPlan",
+    "SaveRecord",
     "ShardWriter",
     "ShardckptError",
     "ShardckptUsageError",

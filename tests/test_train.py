@@ -121,3 +121,35 @@ def test_kill_minus_nine_then_resume_on_three_ranks(tmp_path) -> None:
     final = shardckpt.latest(str(root))
     assert final is not None and shardckpt.open(final).step == 12
     assert sorted(losses(str(tmp_path / "resumed.jsonl"))) == list(range(step + 1, 13))
+
+
+def test_sigterm_writes_a_last_checkpoint_and_the_job_resumes(tmp_path) -> None:
+    """Preemption: SIGTERM to torchrun reaches every rank; they checkpoint the current step, exit, and resume."""
+    root, log = tmp_path / "ck", str(tmp_path / "loss.jsonl")
+    common = ["--ckpt", str(root), "--steps", "200", "--ckpt-every", "100"]
+    job = torchrun(3, *common, "--loss-log", log, wait=False)
+    deadline = time.monotonic() + 240
+    while not (os.path.exists(log) and max(losses(log)) >= 5):
+        assert job.poll() is None, job.communicate()[0].decode(errors="replace")[-4000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    job.send_signal(signal.SIGTERM)
+    out = job.communicate(timeout=120)[0].decode(errors="replace")
+    assert "preempted: checkpoint of step" in out, out[-4000:]
+    survivor = shardckpt.latest(str(root))
+    assert survivor is not None and verify(survivor).ok
+    step = shardckpt.open(survivor).step
+    assert step is not None and step >= 5 and step % 100 != 0  # written because of the signal, not the cadence
+    torchrun(
+        2,
+        "--ckpt",
+        str(root),
+        "--steps",
+        str(step + 2),
+        "--ckpt-every",
+        "100",
+        "--resume",
+        "--loss-log",
+        str(tmp_path / "resumed.jsonl"),
+    )
+    assert sorted(losses(str(tmp_path / "resumed.jsonl"))) == [step + 1, step + 2]

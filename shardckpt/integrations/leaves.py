@@ -26,6 +26,17 @@ class PerRank:
 
 
 @dataclass
+class StagedShard:
+    """A DTensor's local box copied to host memory for a background save (see staging.py)."""
+
+    local: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    writes: bool
+    shardckpt_leaf = True
+
+
+@dataclass
 class SaveItems:
     pieces: list[tuple[str, torch.Tensor, dict[str, Any]]] = field(default_factory=list)  # (name, tensor, add kwargs)
     objects: list[tuple[str, Any, bool]] = field(default_factory=list)  # (name, value, per_rank)
@@ -41,6 +52,11 @@ def save_items(leaves: list[Leaf], rank: int, world_size: int) -> SaveItems:
             box = local_box(leaf.name, value)
             if box.writes:
                 items.pieces.append((leaf.name, box.local, {"global_shape": box.global_shape, "offsets": box.offsets}))
+        elif isinstance(value, StagedShard):
+            if value.writes:
+                items.pieces.append(
+                    (leaf.name, value.local, {"global_shape": value.global_shape, "offsets": value.offsets})
+                )
         elif isinstance(value, torch.Tensor):
             replicated.append((leaf.name, value))
         elif isinstance(value, FlatPartition):

@@ -24,8 +24,6 @@ from torch.distributed.fsdp import fully_shard
 from torch.optim.lr_scheduler import LambdaLR
 
 import shardckpt
-from shardckpt.retention import prune
-from shardckpt.storage import open_storage
 from shardckpt.train.data import TokenStream
 from shardckpt.train.model import GPT, GPTConfig, next_token_loss
 
@@ -41,6 +39,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ckpt-every", type=int, default=10, help="checkpoint every N steps (and at the end)")
     parser.add_argument("--keep-last", type=int, default=3, help="committed checkpoints to keep")
     parser.add_argument("--resume", action="store_true", help="continue from the newest committed checkpoint")
+    parser.add_argument("--async-save", action="store_true", help="stage to host memory, write in the background")
     parser.add_argument("--global-batch", type=int, default=12, help="samples per step over all ranks")
     parser.add_argument("--lr", type=float, default=1e-2, help="peak learning rate")
     parser.add_argument("--warmup", type=int, default=5, help="linear warmup steps")
@@ -118,6 +117,14 @@ class Trainer:
         self.stream = TokenStream(args.seed, self.config.vocab, self.config.seq_len)
         self.step = 0
         self.storage_options = {k: v for k, _, v in (o.partition("=") for o in args.storage_option)}
+        self.checkpointer = shardckpt.Checkpointer(
+            args.ckpt,
+            every_steps=args.ckpt_every,
+            keep_last=args.keep_last,
+            async_save=args.async_save,
+            storage_options=self.storage_options,
+            on_save=self.on_save,
+        )
 
     def state(self) -> dict[str, Any]:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
@@ -129,25 +136,19 @@ class Trainer:
             "rng": shardckpt.PerRank(rng_state(self.device)),
         }
 
-    def resume(self) -> str | None:
-        # Rank 0 picks the checkpoint so that every rank resumes from the same one.
-        url = shardckpt.latest(self.args.ckpt, storage_options=self.storage_options) if self.rank == 0 else None
-        url = _broadcast_text(url)
-        if not url:
-            return None
+    def resume(self) -> int | None:
         state = self.state()
         began = time.perf_counter()
-        stats = shardckpt.load(state, url, storage_options=self.storage_options)
+        step = self.checkpointer.restore_latest(state)
+        if step is None:
+            return None
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["trainer"]["step"]
         if state["rng"].value is not None:
             set_rng_state(state["rng"].value, self.device)
-        self._say(
-            f"resumed from {url} at step {self.step} on {self.world} ranks: read {stats.fetched_bytes / 2**20:.2f} MiB "
-            f"(rank 0) in {time.perf_counter() - began:.2f} s"
-        )
-        return url
+        self._say(f"resumed at step {self.step} on {self.world} ranks in {time.perf_counter() - began:.2f} s")
+        return step
 
     def train_step(self) -> float:
         per_rank = self.args.global_batch // self.world
@@ -163,21 +164,13 @@ class Trainer:
         dist.all_reduce(total)  # sum of equal-sized per-rank means / world = the global batch mean
         return float(total.item()) / self.world
 
-    def checkpoint(self) -> None:
-        url = f"{self.args.ckpt.rstrip('/')}/step-{self.step:08d}"
-        began = time.perf_counter()
-        manifest = shardckpt.save(self.state(), url, step=self.step, storage_options=self.storage_options)
-        seconds = time.perf_counter() - began
-        size = manifest.total_bytes
+    def on_save(self, record: shardckpt.SaveRecord) -> None:
+        size = record.bytes / 2**20
+        stall = f", training stalled {record.stall_seconds * 1e3:.1f} ms" if self.args.async_save else ""
         self._say(
-            f"checkpoint step {self.step}: {size / 2**20:.2f} MiB in {seconds:.3f} s "
-            f"({size / 2**20 / max(seconds, 1e-9):.1f} MiB/s) -> {url}"
+            f"checkpoint step {record.step}: {size:.2f} MiB in {record.save_seconds:.3f} s "
+            f"({size / max(record.save_seconds, 1e-9):.1f} MiB/s){stall} -> {record.url}"
         )
-        if self.rank == 0:
-            deleted = prune(open_storage(self.args.ckpt, self.storage_options), self.args.keep_last)
-            if deleted:
-                self._say(f"retention: deleted {', '.join(deleted)}")
-        dist.barrier()
 
     def run(self) -> None:
         self._say(
@@ -195,8 +188,11 @@ class Trainer:
                     "lr": self.scheduler.get_last_lr()[0],
                 }
             )
-            if self.step % self.args.ckpt_every == 0 or self.step == self.args.steps:
-                self.checkpoint()
+            self.checkpointer.maybe_save(self.step, self.state, force=self.step == self.args.steps)
+            if self.checkpointer.should_stop:
+                self._say(f"preempted: checkpoint of step {self.step} committed; exiting")
+                break
+        self.checkpointer.close()
 
     def _say(self, message: str) -> None:
         if self.rank == 0:
@@ -210,18 +206,6 @@ class Trainer:
             os.makedirs(os.path.dirname(os.path.abspath(self.args.loss_log)), exist_ok=True)
             with open(self.args.loss_log, "a") as handle:
                 handle.write(json.dumps(record) + "\n")
-
-
-def _broadcast_text(text: str | None) -> str:
-    """Rank 0's string on every rank, as bytes over the default group (no pickle)."""
-    data = (text or "").encode()
-    size = torch.tensor([len(data)], dtype=torch.int64)
-    dist.broadcast(size, src=0)
-    buffer = torch.zeros(int(size.item()), dtype=torch.uint8)
-    if dist.get_rank() == 0 and data:
-        buffer[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    dist.broadcast(buffer, src=0)
-    return bytes(buffer.numpy().tobytes()).decode()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,198 @@
+"""Checkpointer: what a training loop keeps around — cadence, retention, async saves, preemption, resume.
+
+maybe_save(step, state) saves every `every_steps` (and once more when a preemption signal arrived), prunes to
+`keep_last`, and with async_save returns after a host staging copy while the write and commit run behind.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardckpt import protocol
+from shardckpt.api import latest
+from shardckpt.collectives import Group, broadcast_bytes
+from shardckpt.errors import ShardckptUsageError
+from shardckpt.format.limits import DEFAULT_BLOCK_SIZE
+from shardckpt.format.manifest import GlobalManifest
+from shardckpt.restorer import DEFAULT_MAX_IN_FLIGHT, read_commit_marker
+from shardckpt.retention import prune
+from shardckpt.staging import StagingBuffers, stage
+from shardckpt.storage import open_storage
+
+State = Mapping[str, Any] | Callable[[], Mapping[str, Any]]
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+@dataclass(frozen=True)
+class SaveRecord:
+    """What one save cost: the training stall (staging or the whole save), the save time, the bytes committed."""
+
+    step: int
+    url: str
+    stall_seconds: float
+    save_seconds: float
+    bytes: int
+
+
+class Checkpointer:
+    """Saves `state` under `root` as root/step-XXXXXXXX every `every_steps` steps, keeping the newest `keep_last`.
+
+    All ranks of the group call every method together. preemption_signals: on SIGTERM or SIGUSR1 (on any rank)
+    the next maybe_save writes a checkpoint of that step and `should_stop` turns true.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        every_steps: int = 100,
+        keep_last: int = 3,
+        async_save: bool = False,
+        process_group: Any = None,
+        storage_options: dict[str, Any] | None = None,
+        preemption_signals: tuple[signal.Signals, ...] = PREEMPTION_SIGNALS,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        on_save: Callable[[SaveRecord], None] | None = None,
+    ) -> None:
+        if every_steps < 1 or keep_last < 1:
+            raise ShardckptUsageError(f"every_steps and keep_last must be >= 1, got {every_steps}, {keep_last}")
+        self.root, self.every_steps, self.keep_last, self.async_save = (
+            root.rstrip("/"),
+            every_steps,
+            keep_last,
+            async_save,
+        )
+        self.storage_options, self.block_size, self.on_save = storage_options, block_size, on_save
+        self.group = protocol.resolve_group(process_group)
+        # Background saves run their collectives on a group of their own, so they never interleave with training's.
+        self._save_group = (
+            dist.new_group(backend="gloo") if async_save and isinstance(self.group, Group) else process_group
+        )
+        self._buffers = StagingBuffers()
+        self._pending: threading.Thread | None = None
+        self._pending_error: BaseException | None = None
+        self._signal_seen = False
+        self.should_stop = False
+        self.last_saved_step: int | None = None
+        self.records: list[SaveRecord] = []
+        for number in preemption_signals:
+            signal.signal(number, self._on_signal)
+
+    # ----------------------------------------------------------------------------------------------- resume
+
+    def restore_latest(self, state: Mapping[str, Any], *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> int | None:
+        """Fill `state` from the newest committed checkpoint under root (chosen once, by the coordinator)."""
+        url = latest(self.root, storage_options=self.storage_options) if self.group.rank == 0 else None
+        if isinstance(self.group, Group):
+            url = broadcast_bytes(self.group, (url or "").encode(), 0).decode() or None
+        if url is None:
+            return None
+        protocol.load(
+            state,
+            url,
+            process_group=self.group.handle if isinstance(self.group, Group) else None,
+            storage_options=self.storage_options,
+            max_in_flight=max_in_flight,
+            strict=True,
+        )
+        manifest_step = self._step_of(url)
+        self.last_saved_step = manifest_step
+        return manifest_step
+
+    # ------------------------------------------------------------------------------------------------- save
+
+    def maybe_save(self, step: int, state: State, *, force: bool = False) -> bool:
+        """Save at this step if the cadence, `force` or a preemption signal asks for it; True when it saved."""
+        preempted = self._preemption_requested()
+        if not (force or preempted or step % self.every_steps == 0) or step == self.last_saved_step:
+            if preempted:
+                self.should_stop = True
+            return False
+        self.save(step, state, wait=preempted)
+        if preempted:
+            self.should_stop = True
+        return True
+
+    def save(self, step: int, state: State, *, wait: bool = False) -> None:
+        """Save now; with async_save the write runs in the background unless `wait`."""
+        self.wait()  # one save at a time: a second one queues behind the first
+        url = f"{self.root}/step-{step:08d}"
+        materialized = state() if callable(state) else state
+        began = time.perf_counter()
+        if not self.async_save:
+            manifest = self._save(materialized, url, step)
+            elapsed = time.perf_counter() - began
+            self._record(SaveRecord(step, url, elapsed, elapsed, manifest.total_bytes))
+            return
+        staged = stage(materialized, self._buffers)
+        stall = time.perf_counter() - began
+        self._pending = threading.Thread(target=self._background, args=(staged, url, step, stall), daemon=True)
+        self._pending.start()
+        if wait:
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the background save (if any) committed; re-raise its error on this rank."""
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
+        if self._pending_error is not None:
+            error, self._pending_error = self._pending_error, None
+            raise error
+
+    def close(self) -> None:
+        self.wait()
+
+    # ------------------------------------------------------------------------------------------- internals
+
+    def _save(self, state: Mapping[str, Any], url: str, step: int) -> GlobalManifest:
+        manifest = protocol.save(
+            state,
+            url,
+            process_group=self._save_group,
+            storage_options=self.storage_options,
+            step=step,
+            block_size=self.block_size,
+        )
+        if self.group.rank == 0:
+            prune(open_storage(self.root, self.storage_options), self.keep_last)
+        self.last_saved_step = step
+        return manifest
+
+    def _background(self, staged: dict[str, Any], url: str, step: int, stall: float) -> None:
+        began = time.perf_counter()
+        try:
+            manifest = self._save(staged, url, step)
+        except BaseException as exc:  # surfaced by the next wait() on the training thread
+            self._pending_error = exc
+            return
+        self._record(SaveRecord(step, url, stall, time.perf_counter() - began, manifest.total_bytes))
+
+    def _record(self, record: SaveRecord) -> None:
+        self.records.append(record)
+        if self.on_save is not None:
+            self.on_save(record)
+
+    def _on_signal(self, number: int, frame: object) -> None:
+        # Only a flag: the checkpoint itself needs collectives, which run at the next maybe_save.
+        self._signal_seen = True
+
+    def _preemption_requested(self) -> bool:
+        """True on every rank when any rank received a preemption signal (one tiny all-reduce per call)."""
+        if not isinstance(self.group, Group):
+            return self._signal_seen
+        flag = torch.tensor([1 if self._signal_seen else 0], dtype=torch.int32, device=self.group.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group.handle)
+        return bool(flag.item())
+
+    def _step_of(self, url: str) -> int | None:
+        marker = read_commit_marker(open_storage(url, self.storage_options))
+        return None if marker is None else marker.step

@@ -1,0 +1,69 @@
+"""Checkpointer: cadence, retention, restore_latest, async saves from staging copies, preemption signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+import shardckpt
+
+
+def _state(value: float) -> dict:
+    return {"w": torch.full((64, 32), value), "meta": {"value": value}}
+
+
+def test_cadence_retention_and_restore(tmp_path) -> None:
+    root = str(tmp_path / "ck")
+    saved = []
+    checkpointer = shardckpt.Checkpointer(root, every_steps=2, keep_last=2, preemption_signals=(), on_save=saved.append)
+    for step in range(1, 8):
+        checkpointer.maybe_save(step, _state(float(step)))
+    checkpointer.close()
+    assert [r.step for r in saved] == [2, 4, 6]
+    assert sorted(os.listdir(root)) == ["step-00000004", "step-00000006"]
+    fresh = _state(0.0)
+    restorer = shardckpt.Checkpointer(root, every_steps=2, preemption_signals=())
+    assert restorer.restore_latest(fresh) == 6
+    assert torch.equal(fresh["w"], torch.full((64, 32), 6.0)) and fresh["meta"] == {"value": 6.0}
+    assert shardckpt.Checkpointer(str(tmp_path / "empty"), preemption_signals=()).restore_latest(fresh) is None
+
+
+def test_async_save_writes_the_staged_values(tmp_path) -> None:
+    root = str(tmp_path / "ck")
+    records = []
+    checkpointer = shardckpt.Checkpointer(
+        root, every_steps=1, async_save=True, preemption_signals=(), on_save=records.append
+    )
+    state = _state(1.0)
+    checkpointer.maybe_save(1, state)
+    state["w"].fill_(99.0)  # the training step goes on at once; the checkpoint must hold the staged values
+    checkpointer.maybe_save(2, lambda: _state(2.0))  # queues behind the first save
+    checkpointer.close()
+    assert torch.equal(shardckpt.open(f"{root}/step-00000001").read("w"), torch.full((64, 32), 1.0))
+    assert torch.equal(shardckpt.open(f"{root}/step-00000002").read("w"), torch.full((64, 32), 2.0))
+    assert [r.step for r in records] == [1, 2]
+
+
+def test_async_save_errors_surface_on_wait(tmp_path) -> None:
+    checkpointer = shardckpt.Checkpointer(str(tmp_path / "ck"), every_steps=1, async_save=True, preemption_signals=())
+    checkpointer.maybe_save(1, {"bad": object()})
+    with pytest.raises(shardckpt.FormatError):
+        checkpointer.wait()
+    assert shardckpt.latest(str(tmp_path / "ck")) is None
+
+
+def test_preemption_signal_saves_once_more_and_stops(tmp_path) -> None:
+    root = str(tmp_path / "ck")
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        checkpointer = shardckpt.Checkpointer(root, every_steps=100, preemption_signals=(signal.SIGUSR1,))
+        assert not checkpointer.maybe_save(3, _state(3.0))
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert checkpointer.maybe_save(4, _state(4.0))
+        assert checkpointer.should_stop
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert shardckpt.latest(root).endswith("step-00000004")

@@ -143,15 +143,19 @@ def _stored_boxes(entry: TensorEntry, want: Box) -> Iterator[tuple[Box, int, tup
     size = itemsize(entry.dtype)
     if entry.layout == "box":
         if want.ndim:
-            lo = np.array(want.offsets, dtype=np.int64)
-            hi = np.array(want.end, dtype=np.int64)
-            hit = np.nonzero(((start < hi) & (start + length > lo)).all(axis=1))[0]
+            # Dimension 0 first (it rules out almost every piece of a row-sharded tensor), the rest on survivors.
+            end0 = start[:, 0] + length[:, 0]
+            hit = np.nonzero((start[:, 0] < want.end[0]) & (end0 > want.offsets[0]))[0]
+            if want.ndim > 1 and hit.size:
+                lo = np.array(want.offsets[1:], dtype=np.int64)
+                hi = np.array(want.end[1:], dtype=np.int64)
+                rest_start, rest_length = start[hit, 1:], length[hit, 1:]
+                hit = hit[((rest_start < hi) & (rest_start + rest_length > lo)).all(axis=1)]
         else:
             hit = np.arange(entry.pieces.count)
-        volumes = np.prod(length, axis=1, dtype=np.int64)
         for i in hit.tolist():
             box = Box(tuple(start[i].tolist()), tuple(length[i].tolist()))
-            piece_bytes = int(volumes[i]) * size
+            piece_bytes = box.volume * size
             yield box, int(offset[i]), row_major_strides(box.shape), i, int(file[i]), int(offset[i]), piece_bytes
         return
     # Flat pieces: element ranges of the row-major tensor, cut into boxes only where the wanted box lies.

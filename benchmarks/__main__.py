@@ -13,10 +13,13 @@ import shutil
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 import shardckpt
 from shardckpt.format.layout import new_attempt
@@ -66,6 +69,7 @@ def timed(run: Callable[[], None], setup: Callable[[], None] | None, repeats: in
 
 
 def main(argv: list[str] | None = None) -> int:
+    warnings.filterwarnings("ignore", message=".*torch.distributed.*")  # DCP warns when used without a group
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size-mib", type=int, default=512, help="state size (default 512 MiB)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per row; the median is reported")
@@ -111,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         fsync_path(path)
 
     record("safetensors save_file + fsync", timed(st_save, None, args.repeats), "save")
+
+    def dcp_save() -> None:
+        dcp.save(state, storage_writer=FileSystemWriter(fresh("dcp"), thread_count=2, sync_files=True))
+
+    record("torch DCP save (thread_count=2, fsync)", timed(dcp_save, None, args.repeats), "save")
     record(
         "shardckpt.save (durable, committed)",
         timed(lambda: shardckpt.save(state, fresh("sc")), None, args.repeats),
@@ -119,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- loads (cold when the page cache can be dropped)
     torch_path, st_path, sc_path = fresh("torch-load"), fresh("st-load"), fresh("sc-load")
+    dcp_path = fresh("dcp-load")
+    dcp.save(state, storage_writer=FileSystemWriter(dcp_path, thread_count=2, sync_files=True))
     torch.save(state, torch_path)
     save_file(state, st_path)
     shardckpt.save(state, sc_path)
@@ -138,6 +149,11 @@ def main(argv: list[str] | None = None) -> int:
         "load",
     )
     record(f"safetensors load_file + touch ({temperature})", timed(st_load, setup, args.repeats), "load")
+    record(
+        f"torch DCP load into preallocated ({temperature})",
+        timed(lambda: dcp.load(destination, storage_reader=FileSystemReader(dcp_path)), setup, args.repeats),
+        "load",
+    )
     record(
         f"shardckpt.load into preallocated ({temperature})",
         timed(lambda: shardckpt.load(destination, sc_path), setup, args.repeats),

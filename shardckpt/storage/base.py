@@ -6,17 +6,26 @@ Contract: writes never replace an existing object; reads return exactly the byte
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+import datetime as dt
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
-from shardckpt.errors import FormatError, TruncatedError
+from shardckpt.errors import FormatError, NotFoundError, StorageError, TruncatedError
 
 
 class NewFile(abc.ABC):
     """A file being created; visible under its name only as a whole after `close()` (or partially on crash)."""
 
+    #: True when write_at works: several threads may then fill the new file at once.
+    supports_write_at = False
+
     @abc.abstractmethod
     def write(self, data: bytes | memoryview) -> None: ...
+
+    def write_at(self, data: bytes | memoryview, offset: int) -> None:
+        """Write `data` at byte `offset` (only where supports_write_at)."""
+        raise NotImplementedError(f"{type(self).__name__} writes sequentially only")
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -92,6 +101,23 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def delete(self, path: str) -> None: ...
 
+    def modified(self, path: str) -> float | None:
+        """When `path` was last written (Unix seconds), or None when the backend cannot tell; NotFoundError if missing.
+
+        Garbage collection keeps whatever it cannot date. Default: fsspec `info` of the backend's filesystem
+        (`self.fs`, when it has one) at the object's URL, which s3fs, gcsfs, memory and local all answer.
+        """
+        fs = getattr(self, "fs", None)
+        if fs is None:
+            return None
+        try:
+            info = fs.info(self.describe(path))
+        except FileNotFoundError:
+            raise NotFoundError(f"{self.describe(path)} does not exist") from None
+        except Exception as exc:
+            raise StorageError(f"cannot stat {self.describe(path)}: {exc}") from exc
+        return modified_time(info)
+
     def describe(self, path: str) -> str:
         return f"{self.url.rstrip('/')}/{path}"
 
@@ -103,3 +129,20 @@ def check_length(storage: Storage, path: str, start: int, end: int, data: bytes)
             "(file truncated?)"
         )
     return data
+
+
+def modified_time(info: Mapping[str, Any]) -> float | None:
+    """The modification time in an fsspec `info` entry, as Unix seconds (None when it has none)."""
+    for key in ("mtime", "LastModified", "last_modified", "modified", "updated", "created"):
+        value = info.get(key)
+        if isinstance(value, dt.datetime):
+            return (value if value.tzinfo else value.replace(tzinfo=dt.timezone.utc)).timestamp()
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str) and value:
+            try:
+                parsed = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+            except ValueError:
+                continue
+            return (parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.timezone.utc)).timestamp()
+    return None

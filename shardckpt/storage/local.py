@@ -45,6 +45,18 @@ class _LocalNewFile(NewFile):
         except OSError as exc:
             raise StorageError(f"cannot write {self._storage.describe(self._path)}: {exc}") from exc
 
+    supports_write_at = True
+
+    def write_at(self, data: bytes | memoryview, offset: int) -> None:
+        """Write at a byte offset (pwrite): several threads can fill one new file at once."""
+        view = memoryview(data).cast("B")
+        try:
+            while view:
+                written = os.pwrite(self._fd, view, offset)
+                view, offset = view[written:], offset + written
+        except OSError as exc:
+            raise StorageError(f"cannot write {self._storage.describe(self._path)}: {exc}") from exc
+
     def close(self) -> None:
         try:
             os.fsync(self._fd)
@@ -97,7 +109,7 @@ class LocalStorage(Storage):
     def read_range(self, path: str, start: int, end: int) -> bytes:
         try:
             fd = os.open(self.full(path), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # a file where a directory should be: nothing there
             raise NotFoundError(f"{self.describe(path)} does not exist") from None
         except OSError as exc:
             raise StorageError(f"cannot open {self.describe(path)}: {exc}") from exc
@@ -118,11 +130,21 @@ class LocalStorage(Storage):
     def size(self, path: str) -> int:
         try:
             return os.stat(self.full(path)).st_size
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             raise NotFoundError(f"{self.describe(path)} does not exist") from None
+        except OSError as exc:
+            raise StorageError(f"cannot stat {self.describe(path)}: {exc}") from exc
 
     def exists(self, path: str) -> bool:
         return os.path.exists(self.full(path))
+
+    def modified(self, path: str) -> float | None:
+        try:
+            return os.stat(self.full(path)).st_mtime
+        except (FileNotFoundError, NotADirectoryError):
+            raise NotFoundError(f"{self.describe(path)} does not exist") from None
+        except OSError as exc:
+            raise StorageError(f"cannot stat {self.describe(path)}: {exc}") from exc
 
     def list(self, prefix: str = "") -> list[str]:
         try:

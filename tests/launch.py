@@ -23,7 +23,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_ranks(scenario: str, world: int, args: dict, timeout: float = 180.0) -> list[dict | None]:
+def run_ranks(
+    scenario: str, world: int, args: dict, timeout: float = 180.0, worker: Path = WORKER
+) -> list[dict | None]:
     with tempfile.TemporaryDirectory() as result_dir:
         args = {**args, "result_dir": result_dir}
         port = free_port()
@@ -40,7 +42,7 @@ def run_ranks(scenario: str, world: int, args: dict, timeout: float = 180.0) -> 
             }
             processes.append(
                 subprocess.Popen(
-                    [sys.executable, str(WORKER), scenario, json.dumps(args)],
+                    [sys.executable, str(worker), scenario, json.dumps(args)],
                     env=env,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,

@@ -1,0 +1,111 @@
+"""One rank of the distributed benchmark: FSDP-style Shard(0) state saved and loaded by shardckpt and by DCP.
+
+Run by benchmarks/distributed.py through tests/launch.py; rank verdicts go to RESULT_DIR/rank-<r>.json.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import resource
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+import shardckpt
+
+
+def read_bytes() -> int:
+    """Bytes this process read through read syscalls (page cache or disk): what a load pulled from storage."""
+    with open("/proc/self/io") as handle:
+        return next(int(line.split()[1]) for line in handle if line.startswith("rchar"))
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as handle:
+            handle.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def make_state(args: dict, world: int, rank: int, fill: bool) -> dict[str, DTensor]:
+    """`tensors` fp32 tensors of `rows` x 1024 sharded by rows (rows divisible by 12: every W in 1..4 is even)."""
+    mesh = init_device_mesh("cpu", (world,))
+    rows, tensors = args["rows"], args["tensors"]
+    local_rows = rows // world
+    state = {}
+    for index in range(tensors):
+        if fill:
+            generator = torch.Generator().manual_seed(index * 1000 + rank)
+            local = torch.randn(local_rows, 1024, generator=generator)
+        else:
+            local = torch.empty(local_rows, 1024)
+        state[f"t{index:03d}"] = DTensor.from_local(local, mesh, [Shard(0)], shape=(rows, 1024), stride=(1024, 1))
+    return state
+
+
+def timed_collective(run) -> float:
+    dist.barrier()
+    began = time.perf_counter()
+    run()
+    dist.barrier()
+    return time.perf_counter() - began
+
+
+def scenario_save(args: dict, rank: int, world: int) -> dict:
+    state = make_state(args, world, rank, fill=True)
+    sc = timed_collective(lambda: shardckpt.save(state, args["shardckpt"]))
+    writer = FileSystemWriter(args["dcp"], thread_count=2, sync_files=True)
+    dc = timed_collective(lambda: dcp.save(state, storage_writer=writer))
+    return {"shardckpt": sc, "dcp": dc}
+
+
+def scenario_load(args: dict, rank: int, world: int) -> dict:
+    state = make_state(args, world, rank, fill=False)
+    needed = sum(t.to_local().numel() * 4 for t in state.values())
+    result: dict = {"needed": needed}
+    for temperature in ("cold", "warm"):
+        for name, run in (
+            ("shardckpt", lambda: shardckpt.load(state, args["shardckpt"])),
+            ("dcp", lambda: dcp.load(state, storage_reader=FileSystemReader(args["dcp"]))),
+        ):
+            if temperature == "cold":
+                if rank == 0:
+                    result["cold_possible"] = drop_caches()
+                dist.barrier()
+            before = read_bytes()
+            seconds = timed_collective(run)
+            result[f"{name}_{temperature}"] = seconds
+            result[f"{name}_{temperature}_read"] = read_bytes() - before
+    result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return result
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    scenario, args = sys.argv[1], json.loads(sys.argv[2])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    try:
+        result = {"ok": True, "value": globals()[f"scenario_{scenario}"](args, rank, world)}
+    except Exception as exc:
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    with open(os.path.join(args["result_dir"], f"rank-{rank}.json"), "w") as handle:
+        json.dump(result, handle)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

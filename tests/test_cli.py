@@ -8,8 +8,9 @@ import subprocess
 import sys
 
 import pytest
+import s3fs
 import torch
-from conftest import sample_state, save_sharded
+from conftest import S3_BUCKET, sample_state, save_sharded
 
 import shardckpt
 from shardckpt.cli import main as cli_main
@@ -76,3 +77,41 @@ def test_errors_are_one_line(tmp_path) -> None:
 def test_help_for_every_command(command: str) -> None:
     result = run(command, "--help")
     assert result.returncode == 0 and "--json" in result.stdout
+
+
+def test_inspect_verify_ls_on_s3_with_storage_options(s3_server, s3_url, monkeypatch, capsys) -> None:
+    save_sharded(sample_state(), f"{s3_url}/step-1", 2)  # written through the AWS_* environment
+    writer = shardckpt.ShardWriter(f"{s3_url}/step-2", rank=0, world_size=2, step=2)
+    writer.add("a", torch.ones(1), global_shape=(2,), offsets=(0,))
+    writer.close()
+    # From here on the commands get the endpoint and credentials from --storage-option alone.
+    for name in [name for name in os.environ if name.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    options = s3_server.storage_options()
+    flags = [f"--storage-option=endpoint_url={s3_server.endpoint}"]
+    flags += [f"--storage-option=key={options['key']}", f"--storage-option=secret={options['secret']}"]
+
+    def cli_json(*args: str) -> dict:
+        assert cli_main([*args, "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    assert cli_json("inspect", f"{s3_url}/step-1")["world_size"] == 2
+    rows = {r["name"]: r["status"] for r in cli_json("ls", s3_url)["checkpoints"]}
+    assert rows == {"step-1": "committed", "step-2": "incomplete"}
+    assert cli_main(["inspect", *flags, f"{s3_url}/step-2"]) == 1
+    verify = run("verify", "--json", *flags, f"{s3_url}/step-1")  # the real command line, once
+    assert verify.returncode == 0 and json.loads(verify.stdout)["ok"] is True, verify.stdout + verify.stderr
+
+    raw = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+    data = sorted(raw.ls(f"{s3_url.removeprefix('s3://')}/step-1/data", refresh=True))[0]
+    corrupted = bytearray(raw.cat_file(data))
+    corrupted[-5] ^= 0xFF
+    raw.pipe_file(data, bytes(corrupted))  # a plain overwrite, as a faulty disk or a stray tool would do
+    capsys.readouterr()
+    assert cli_main(["verify", "-q", *flags, f"{s3_url}/step-1"]) == 1
+    bad = capsys.readouterr()
+    assert os.path.basename(data) in bad.out and "FAILED" in bad.out
+
+    assert cli_main(["ls", *flags, f"s3://no-such-bucket-{S3_BUCKET}/x"]) == 1
+    missing = capsys.readouterr()
+    assert "no-such-bucket" in missing.err and "Traceback" not in missing.err

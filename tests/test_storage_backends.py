@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import os
+import time
 import uuid
 
 import fsspec
 import pytest
+import s3fs
+from conftest import S3_BUCKET
 
 from shardckpt.errors import AlreadyExistsError, NotFoundError, TruncatedError
-from shardckpt.storage import FsspecStorage, LocalStorage, Storage
+from shardckpt.storage import FsspecStorage, LocalStorage, Storage, open_storage
+from shardckpt.storage.s3 import S3Storage
 
 
 class BackendContract:
@@ -85,3 +89,56 @@ class TestMemoryBackend(BackendContract):
     def raw_read(self, storage: Storage, path: str) -> bytes:
         assert isinstance(storage, FsspecStorage)
         return bytes(storage.fs.cat_file(storage.full(path)))
+
+
+class TestS3Backend(BackendContract):
+    """The same contract on a real S3 server; results read back with a separate, uncached s3fs client."""
+
+    @pytest.fixture(autouse=True)
+    def _server(self, s3_server) -> None:
+        self.options = s3_server.storage_options()
+        self.raw = s3fs.S3FileSystem(**self.options, skip_instance_cache=True, use_listings_cache=False)
+
+    def make(self, tmp_path) -> Storage:
+        storage = open_storage(f"s3://{S3_BUCKET}/contract-{uuid.uuid4().hex}", self.options)
+        assert isinstance(storage, S3Storage)
+        return storage
+
+    def raw_read(self, storage: Storage, path: str) -> bytes:
+        assert isinstance(storage, S3Storage)
+        return bytes(self.raw.cat_file(f"{storage.root}/{path}"))
+
+    def test_list_sees_writes_at_once(self, tmp_path) -> None:
+        storage = self.make(tmp_path)
+        for number in range(20):
+            storage.write_new(f"ranks/{number:03d}", b"x")
+            assert storage.list("ranks")[-1] == f"{number:03d}"
+            self.raw.pipe_file(f"{storage.root}/other/{number:03d}", b"y")
+            assert len(storage.list("other")) == number + 1
+        assert storage.exists("ranks") and storage.exists("ranks/000") and not storage.exists("rank")
+
+    def test_list_follows_pages(self, tmp_path) -> None:
+        storage = self.make(tmp_path)
+        assert isinstance(storage, S3Storage)
+        storage.list_page_size = 3
+        for number in range(7):
+            self.raw.pipe_file(f"{storage.root}/d/{number}", b"x")
+            self.raw.pipe_file(f"{storage.root}/d/{number}-dir/x", b"x")
+        assert storage.list("d") == sorted([str(n) for n in range(7)] + [f"{n}-dir" for n in range(7)])
+
+    def test_modified_is_the_servers_last_modified(self, tmp_path) -> None:
+        storage = self.make(tmp_path)
+        storage.write_new("a", b"1")
+        stamp = storage.modified("a")
+        assert stamp is not None and abs(stamp - time.time()) < 60
+        assert stamp == self.raw.info(f"{storage.root}/a")["LastModified"].timestamp()
+        with pytest.raises(NotFoundError):
+            storage.modified("b")
+
+    def test_delete_removes_the_object(self, tmp_path) -> None:
+        storage = self.make(tmp_path)
+        storage.write_new("a", b"1")
+        storage.delete("a")
+        storage.delete("a")  # deleting what is gone is not an error
+        assert not self.raw.exists(f"{storage.root}/a")
+        assert storage.list() == []

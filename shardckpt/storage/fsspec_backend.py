@@ -9,7 +9,7 @@ import posixpath
 from typing import Any
 
 from shardckpt.errors import AlreadyExistsError, NotFoundError, StorageError
-from shardckpt.storage.base import NewFile, Storage, check_length
+from shardckpt.storage.base import NewFile, Storage, check_length, modified_time
 
 
 class _FsspecNewFile(NewFile):
@@ -86,6 +86,14 @@ class FsspecStorage(Storage):
     def exists(self, path: str) -> bool:
         try:
             return bool(self.fs.exists(self.full(path)))
+        except Exception as exc:
+            raise StorageError(f"cannot stat {self.describe(path)}: {exc}") from exc
+
+    def modified(self, path: str) -> float | None:
+        try:
+            return modified_time(self.fs.info(self.full(path)))
+        except FileNotFoundError:
+            raise NotFoundError(f"{self.describe(path)} does not exist") from None
         except Exception as exc:
             raise StorageError(f"cannot stat {self.describe(path)}: {exc}") from exc
 

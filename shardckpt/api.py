@@ -56,13 +56,26 @@ def load(
     storage_options: dict[str, Any] | None = None,
     strict: bool = True,
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+    verify_first: bool = False,
 ) -> ReadStats:
     """Fill the tensors of `state_dict` in place from the checkpoint at `url`, on any world size and sharding.
 
     Each rank reads only the boxes its tensors hold (DTensor shards are filled through their local tensor)
     and restores plain values (PerRank values: its own). strict: every entry must be in the checkpoint.
-    If a read fails its checksum, tensors filled by earlier reads of the same call already hold checkpoint
-    data; the others are untouched.
+
+    After a failed load (a ShardckptError; DistributedError over a group) the caller's state holds:
+    - nothing new, when the failure is in what every rank checks before it writes a byte: COMMITTED, the global
+      and local manifests (checksums, sizes, decoding), coverage, a missing entry (strict), a destination of the
+      wrong shape or dtype;
+    - when data bytes fail (a block checksum, a short read, a missing or unreadable data file): plain values
+      untouched, and each destination element either its old value or its value in the checkpoint, never any
+      other (a block is copied only after its checksum matched), but which elements were written is unspecified:
+      a tensor may be partly written. GPU destinations are filled from host staging only at the end: untouched.
+    - verify_first=True: nothing new at all. Every rank fetches and verifies every byte it needs, the ranks agree
+      that all succeeded, and only then are destinations and plain values written. Costs memory: the fetched
+      bytes (about the size of the rank's destinations) are held until then, whatever max_in_flight says.
+    Over a group without verify_first, a rank whose own reads succeeded has written all of its tensors and values
+    even when another rank failed.
     """
     return protocol.load(
         state_dict,
@@ -72,6 +85,7 @@ def load(
         storage_options=storage_options,
         strict=strict,
         max_in_flight=max_in_flight,
+        verify_first=verify_first,
     )
 
 

@@ -34,7 +34,7 @@ from shardckpt.format.manifest import (
     encode_global_manifest,
 )
 from shardckpt.merge import merge_objects, merge_tensors
-from shardckpt.restorer import read_commit_marker, read_global_manifest
+from shardckpt.restorer import read_commit_marker, read_global_manifest, read_marker_bytes
 from shardckpt.storage import Storage, open_storage
 
 
@@ -93,14 +93,17 @@ def commit(
         step=manifest.step,
         created=manifest.created,
     )
+    marker_bytes = encode_commit_marker(marker)
     try:
-        storage.commit_marker(layout.COMMITTED, encode_commit_marker(marker))
+        storage.commit_marker(layout.COMMITTED, marker_bytes)
     except AlreadyExistsError:
         # A concurrent committer won the race: success only if it committed this very manifest.
         winner = _existing_commit(storage, attempt)
         if winner is None:
             raise
         return winner
+    if read_marker_bytes(storage) != marker_bytes:  # never report success for a marker that does not read back
+        raise IntegrityError(f"{storage.describe(layout.COMMITTED)} does not hold the marker bytes just written")
     return decode_global_manifest(encoded, storage.describe(marker.manifest))
 
 
@@ -218,6 +221,8 @@ def _write_manifest(storage: Storage, manifest: GlobalManifest) -> bytes:
     encoded = encode_global_manifest(manifest)
     try:
         storage.write_new(path, encoded)
+        if storage.read_small(path, limits.MAX_GLOBAL_MANIFEST_BYTES) != encoded:
+            raise IntegrityError(f"{storage.describe(path)} does not hold the bytes just written")
     except AlreadyExistsError:
         # A coordinator of this attempt died between manifest and COMMITTED: reuse its manifest if it
         # describes the same files (nothing is ever overwritten).

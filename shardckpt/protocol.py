@@ -25,7 +25,14 @@ from shardckpt.format.manifest import (
     encode_global_manifest,
 )
 from shardckpt.integrations.leaves import PerRank, load_items, save_items
-from shardckpt.restorer import Checkpoint, ReadStats, open_checkpoint, read_marker_bytes, verify_global_manifest
+from shardckpt.restorer import (
+    Checkpoint,
+    PendingRead,
+    ReadStats,
+    open_checkpoint,
+    read_marker_bytes,
+    verify_global_manifest,
+)
 from shardckpt.state import flatten
 from shardckpt.storage import Storage, open_storage
 from shardckpt.writer import ShardWriter
@@ -174,12 +181,18 @@ def load(
     storage_options: dict[str, Any] | None = None,
     strict: bool = True,
     max_in_flight: int,
+    verify_first: bool = False,
 ) -> ReadStats:
     group = resolve_group(process_group)
     storage = open_storage(url, storage_options)
     if isinstance(group, _Solo):
         checkpoint = open_checkpoint(storage, max_in_flight=max_in_flight)
-        return _fill(checkpoint, state_dict, group.rank, strict)
+        pending, assign = _prepare_fill(checkpoint, state_dict, group.rank, strict)
+        if verify_first:
+            pending.fetch()
+        stats = pending.apply()
+        assign()
+        return stats
     opening = None
     if group.rank == coordinator:
         try:
@@ -198,8 +211,14 @@ def load(
     checkpoint = Checkpoint(storage, marker, manifest, max_in_flight=max_in_flight)
     local_error: BaseException | None = None
     stats = ReadStats(0, 0, 0, 0.0)
+    prepared: tuple[PendingRead, Callable[[], None]] | None = None
     try:
-        stats = _fill(checkpoint, state_dict, group.rank, strict)
+        prepared = pending, assign = _prepare_fill(checkpoint, state_dict, group.rank, strict)
+        if verify_first:
+            pending.fetch()  # every rank verifies all its bytes; the destinations are written after the vote
+        else:
+            stats = pending.apply()
+            assign()
         status = _pack({"ok": True})
     except Exception as exc:
         local_error = exc
@@ -208,11 +227,20 @@ def load(
     failures = {rank: reply["error"] for rank, reply in enumerate(replies) if "error" in reply}
     if failures:
         raise DistributedError("load", failures) from local_error
+    if verify_first:
+        assert prepared is not None
+        stats = prepared[0].apply()
+        prepared[1]()
     return stats
 
 
-def _fill(checkpoint: Checkpoint, state_dict: Mapping[str, Any], rank: int, strict: bool) -> ReadStats:
-    """Fill this rank's tensors in place and restore its plain values; strict: everything must be found."""
+def _prepare_fill(
+    checkpoint: Checkpoint, state_dict: Mapping[str, Any], rank: int, strict: bool
+) -> tuple[PendingRead, Callable[[], None]]:
+    """Check and plan this rank's part of a load (writing nothing); returns the read and what sets plain values.
+
+    strict: every entry of the state dict must be in the checkpoint.
+    """
     stored = checkpoint.manifest.tensor_index()
     shared, own = checkpoint.objects, checkpoint.rank_objects(rank)
     leaves = flatten(state_dict)
@@ -236,10 +264,13 @@ def _fill(checkpoint: Checkpoint, state_dict: Mapping[str, Any], rank: int, stri
                 f"tensor {name!r}: the state dict wants {box} of a tensor of shape {list(stored[name].shape)}, "
                 f"the checkpoint holds shape {list(stored[name].shape)}"
             )
-    stats = checkpoint.read_into(present)
-    for leaf in leaves:
-        if isinstance(leaf.value, PerRank) and leaf.name in own:
-            leaf.value.value = own[leaf.name]
-        elif leaf.is_plain and leaf.name in shared:
-            leaf.assign(shared[leaf.name])
-    return stats
+    pending = checkpoint.prepare(present)
+
+    def assign() -> None:
+        for leaf in leaves:
+            if isinstance(leaf.value, PerRank) and leaf.name in own:
+                leaf.value.value = own[leaf.name]
+            elif leaf.is_plain and leaf.name in shared:
+                leaf.assign(shared[leaf.name])
+
+    return pending, assign

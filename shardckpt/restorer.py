@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -146,6 +147,7 @@ class Checkpoint:
         self.max_in_flight, self.max_gap, self.max_request = max_in_flight, max_gap, max_request
         self._checked: set[str] = set()
         self._indexes: dict[int, FileIndex] = {}
+        self._sized: set[int] = set()
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------- description
@@ -209,8 +211,21 @@ class Checkpoint:
         self.read_into([(name, Box(box_offsets, box_shape), out)])
         return out
 
-    def read_into(self, items: Sequence[tuple[str, Box, torch.Tensor]]) -> ReadStats:
-        """Fill each destination tensor with box `Box` of its tensor; all reads planned and coalesced together."""
+    def read_into(self, items: Sequence[tuple[str, Box, torch.Tensor]], *, verify_first: bool = False) -> ReadStats:
+        """Fill each destination tensor with box `Box` of its tensor; all reads planned and coalesced together.
+
+        No destination byte is written before every destination, the coverage of every tensor read and every local
+        manifest the reads need are checked, and no byte is copied before its block's checksum is. verify_first:
+        fetch and verify every byte before writing any (holds the fetched bytes, about the destinations' size, in
+        memory); otherwise bytes are copied as each wave of reads verifies, and a failure leaves earlier copies.
+        """
+        pending = self.prepare(items)
+        if verify_first:
+            pending.fetch()
+        return pending.apply()
+
+    def prepare(self, items: Sequence[tuple[str, Box, torch.Tensor]]) -> PendingRead:
+        """Plan a read into destination tensors and check everything but the data bytes; writes nothing."""
         began = time.perf_counter()
         targets, buffers, fixups = [], [], []
         for name, box, tensor in items:
@@ -228,31 +243,52 @@ class Checkpoint:
             targets.append(Target(name, box))
             buffers.append(view if view is not None else np.zeros(0, np.uint8))
         plan = self._plan(targets)
-        self.execute(plan, buffers)
-        for tensor, staging in fixups:
-            tensor.copy_(staging)
-        return ReadStats(plan.needed_bytes, plan.fetch_bytes, len(plan.requests), time.perf_counter() - began)
+        self.preflight(plan)
+        return PendingRead(self, plan, buffers, fixups, began)
 
     def execute(self, plan: ReadPlan, destinations: Sequence[ByteArray]) -> None:
-        """Fetch the plan's requests in waves of at most max_in_flight bytes, verify, then copy."""
+        """Fetch the plan's requests in waves of at most max_in_flight bytes; verify each wave, then copy it."""
+        self.preflight(plan)
+        self.stream(plan, destinations)
+
+    def stream(self, plan: ReadPlan, destinations: Sequence[ByteArray]) -> None:
+        """execute() without the preflight (done already): fetch, verify and copy wave by wave."""
+        for wave in self.waves(plan):
+            for request, fetched in self.fetch_wave(wave):
+                self.copy(request, fetched, destinations)
+
+    def preflight(self, plan: ReadPlan) -> None:
+        """Read and check every local manifest the plan needs and find each piece there, before any data byte."""
+        files = sorted({request.file for request in plan.requests})
+        with ThreadPoolExecutor(max_workers=max(1, min(self.storage.read_threads, len(files)))) as pool:
+            list(pool.map(self.file_index, files))
+            list(pool.map(self._check_data_size, files))
+        for request in plan.requests:
+            for span in request.verify:
+                self._position(request.file, span)
+
+    def waves(self, plan: ReadPlan) -> Iterator[list[ReadRequest]]:
+        """The plan's requests in groups of at most max_in_flight bytes (a larger request alone)."""
         wave: list[ReadRequest] = []
         in_flight = 0
         for request in plan.requests:
             if wave and in_flight + request.size > self.max_in_flight:
-                self._run_wave(wave, destinations)
+                yield wave
                 wave, in_flight = [], 0
             wave.append(request)
             in_flight += request.size
         if wave:
-            self._run_wave(wave, destinations)
+            yield wave
 
-    def _run_wave(self, wave: list[ReadRequest], destinations: Sequence[ByteArray]) -> None:
+    def fetch_wave(self, wave: list[ReadRequest]) -> list[tuple[ReadRequest, ByteArray]]:
+        """Read a wave's ranges concurrently and verify every block of them; nothing is copied."""
         files = self.manifest.files
         try:
             blobs = self.storage.read_ranges([(files[r.file].data, r.start, r.end) for r in wave])
         except TruncatedError as exc:
             names = sorted({span.tensor for r in wave for span in r.verify})
             raise IntegrityError(f"{exc} while reading tensors {names[:5]}") from exc
+        fetched_wave = []
         for request, blob in zip(wave, blobs):
             if len(blob) != request.size:
                 raise IntegrityError(
@@ -262,8 +298,13 @@ class Checkpoint:
             fetched = np.frombuffer(blob, dtype=np.uint8)
             for span in request.verify:
                 self._verify(request.file, span, fetched, request.start)
-            for copy in request.copies:
-                apply_copy(copy, fetched, request.start, destinations[copy.target])
+            fetched_wave.append((request, fetched))
+        return fetched_wave
+
+    @staticmethod
+    def copy(request: ReadRequest, fetched: ByteArray, destinations: Sequence[ByteArray]) -> None:
+        for copy in request.copies:
+            apply_copy(copy, fetched, request.start, destinations[copy.target])
 
     # ------------------------------------------------------------------------------------- integrity
 
@@ -298,12 +339,31 @@ class Checkpoint:
         # decode_local_manifest checked that pieces are in file order, packed, and that checksums count right.
         return FileIndex(local)
 
+    def _check_data_size(self, file: int) -> None:
+        """A data file of another size than the manifest says is truncated or has grown: refuse it (once per file)."""
+        if file in self._sized:
+            return
+        entry = self.manifest.files[file]
+        actual = self.storage.size(entry.data)
+        if actual != entry.data_size:
+            kind = "truncated" if actual < entry.data_size else "has trailing bytes"
+            raise IntegrityError(
+                f"{self.storage.describe(entry.data)} {kind}: {actual} bytes, the manifest says {entry.data_size}"
+            )
+        with self._lock:
+            self._sized.add(file)
+
+    def _position(self, file: int, span: VerifySpan) -> int:
+        position = self.file_index(file).find(self.entry(span.tensor), span.piece)
+        if isinstance(position, str):
+            path = self.storage.describe(self.manifest.files[file].data)
+            raise IntegrityError(f"{path}: tensor {span.tensor!r}: {position}")
+        return position
+
     def _verify(self, file: int, span: VerifySpan, fetched: ByteArray, fetched_start: int) -> None:
         index = self.file_index(file)
         path = self.storage.describe(self.manifest.files[file].data)
-        position = index.find(self.entry(span.tensor), span.piece)
-        if isinstance(position, str):
-            raise IntegrityError(f"{path}: tensor {span.tensor!r}: {position}")
+        position = self._position(file, span)
         block = self.manifest.block_size
         first = (span.start - span.piece_offset) // block
         last = -(-(span.end - span.piece_offset) // block)
@@ -318,6 +378,43 @@ class Checkpoint:
                     f"{path}: tensor {span.tensor!r}: block {number} of the piece at byte {span.piece_offset} "
                     f"(file bytes {lo}:{hi}) fails its checksum (stored {expected:#010x}, read {actual:#010x})"
                 )
+
+
+class PendingRead:
+    """A checked, planned read into destination tensors (from Checkpoint.prepare); nothing written yet.
+
+    fetch(): read and verify every byte, keeping them, still writing no destination. apply(): write the
+    destinations (from the kept bytes, or fetching, verifying and copying wave by wave when fetch() was not called).
+    """
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        plan: ReadPlan,
+        buffers: list[ByteArray],
+        fixups: list[tuple[torch.Tensor, torch.Tensor]],
+        began: float,
+    ) -> None:
+        self.checkpoint, self.plan, self._buffers, self._fixups, self._began = checkpoint, plan, buffers, fixups, began
+        self._fetched: list[tuple[ReadRequest, ByteArray]] | None = None
+
+    def fetch(self) -> None:
+        fetched: list[tuple[ReadRequest, ByteArray]] = []
+        for wave in self.checkpoint.waves(self.plan):
+            fetched.extend(self.checkpoint.fetch_wave(wave))
+        self._fetched = fetched
+
+    def apply(self) -> ReadStats:
+        if self._fetched is None:
+            self.checkpoint.stream(self.plan, self._buffers)
+        else:
+            for request, fetched in self._fetched:
+                self.checkpoint.copy(request, fetched, self._buffers)
+            self._fetched = None
+        for tensor, staging in self._fixups:
+            tensor.copy_(staging)
+        plan = self.plan
+        return ReadStats(plan.needed_bytes, plan.fetch_bytes, len(plan.requests), time.perf_counter() - self._began)
 
 
 def open_checkpoint(

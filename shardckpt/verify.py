@@ -5,7 +5,6 @@ Collects every problem it finds (file, tensor, what is wrong) instead of stoppin
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -13,7 +12,7 @@ import crc32c
 import numpy as np
 
 from shardckpt.errors import ShardckptError
-from shardckpt.format.dtypes import itemsize
+from shardckpt.format.data_header import header_problems
 from shardckpt.format.local_manifest import LocalManifest, decode_local_manifest
 from shardckpt.restorer import Checkpoint, open_checkpoint
 from shardckpt.storage import Storage, open_storage
@@ -161,40 +160,8 @@ def _check_header(checkpoint: Checkpoint, local: LocalManifest, path: str, repor
         return
     if crc32c.crc32c(raw) != local.header_crc32c:
         report.problems.append(Problem(path, None, "the safetensors header fails its checksum"))
-    length = int.from_bytes(raw[:8], "little")
-    if length + 8 != local.header_size:
-        report.problems.append(Problem(path, None, f"safetensors header length {length} does not match the manifest"))
-        return
-    try:
-        header = json.loads(raw[8:].decode("utf-8"))
-        if not isinstance(header, dict):
-            raise ValueError("not an object")
-    except ValueError as exc:
-        report.problems.append(Problem(path, None, f"safetensors header is not valid JSON: {exc}"))
-        return
-    pieces = local.pieces
-    seen: dict[str, int] = {}
-    expected_keys = {"__metadata__"}
-    for i, (t, offset, size) in enumerate(zip(pieces.tensor.tolist(), pieces.offset.tolist(), pieces.nbytes.tolist())):
-        spec = local.tensors[t]
-        number = seen.get(spec.name, 0)
-        seen[spec.name] = number + 1
-        key = spec.name if number == 0 else f"{spec.name}#{number}"
-        expected_keys.add(key)
-        first = int(pieces.position[i])
-        shape = (
-            pieces.length[first : first + spec.k].tolist() if spec.layout == "box" else [size // itemsize(spec.dtype)]
-        )
-        begin = offset - local.header_size
-        expected = {"dtype": spec.dtype, "shape": shape, "data_offsets": [begin, begin + size]}
-        found = header.get(key)
-        if found != expected:
-            message = f"safetensors header entry {key!r} is {found!r}, expected {expected!r}"
-            report.problems.append(Problem(path, spec.name, message))
-    if set(header) != expected_keys:
-        extra = sorted(set(header) - expected_keys)[:5]
-        missing = sorted(expected_keys - set(header))[:5]
-        report.problems.append(Problem(path, None, f"safetensors header keys differ: extra {extra}, missing {missing}"))
+    for tensor, message in header_problems(raw, local, path):
+        report.problems.append(Problem(path, tensor, message))
 
 
 def _check_global_pieces(checkpoint: Checkpoint, report: VerifyReport) -> None:

@@ -156,6 +156,71 @@ def scenario_fail(args: dict, rank: int, world: int) -> dict:
     return {"raised": None}
 
 
+def crash_tensors(step: int) -> dict[str, torch.Tensor]:
+    """The full tensors of step `step` in the crash tests: several per rank, so a crash can fall between them."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    return {
+        "a": torch.randn(64, 33, generator=generator),
+        "b": torch.randint(-(2**40), 2**40, (40, 7), generator=generator),
+        "c": torch.randn(96, 5, generator=generator).bfloat16(),
+        "d": torch.randn(17, generator=generator, dtype=torch.float64),
+    }
+
+
+def crash_state(rank: int, world: int, step: int) -> dict:
+    mesh = init_device_mesh("cpu", (world,))
+    state: dict = {name: distribute_tensor(t, mesh, [Shard(0)]) for name, t in crash_tensors(step).items()}
+    state["rng"] = shardckpt.PerRank({"rank": rank, "step": step})
+    state["trainer"] = {"step": step}
+    return state
+
+
+def scenario_crash(args: dict, rank: int, world: int) -> dict:
+    """Commit step-1, then save step-2 with SHARDCKPT_CRASH_AT armed (retention: prune with it armed instead)."""
+    from shardckpt.retention import prune
+    from shardckpt.storage import open_storage
+
+    root = args["root"]
+    shardckpt.save(crash_state(rank, world, 1), f"{root}/step-1", step=1)
+    if args.get("retention"):
+        shardckpt.save(crash_state(rank, world, 2), f"{root}/step-2", step=2)
+        shardckpt.save(crash_state(rank, world, 3), f"{root}/step-3", step=3)
+        os.environ["SHARDCKPT_CRASH_AT"] = args["crash_at"]
+        if rank == 0:
+            prune(open_storage(root), keep_last=1)
+        dist.barrier()
+        return {"raised": None}
+    os.environ["SHARDCKPT_CRASH_AT"] = args["crash_at"]
+    try:
+        shardckpt.save(crash_state(rank, world, 2), f"{root}/step-2", step=2)
+    except shardckpt.ShardckptError as exc:
+        return {"raised": type(exc).__name__, "message": str(exc)[:1000]}
+    return {"raised": None}
+
+
+def scenario_retry(args: dict, rank: int, world: int) -> dict:
+    """Save step 2 again to each URL (which holds the leftovers of a crashed attempt)."""
+    return {url: shardckpt.save(crash_state(rank, world, 2), url, step=2).attempt for url in args["urls"]}
+
+
+def scenario_dcp_save(args: dict, rank: int, world: int) -> dict:
+    """One trained FSDP2 model + AdamW state saved by torch.distributed.checkpoint and by shardckpt.
+
+    Rank 0 keeps the full tensors (DTensor.full_tensor) as the reference for export and import tests.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    model, optimizer = build(0, world)
+    train_step(model, optimizer, rank, world)
+    msd, osd = get_state_dict(model, optimizer)
+    dcp.save({"model": msd, "optim": osd, "extra": {"epoch": 3, "tag": "dcp"}}, checkpoint_id=args["dcp_dir"])
+    shardckpt.save({"model": msd, "optim": osd}, args["url"], step=1)
+    reference = full_state(model, optimizer)
+    if rank == 0:
+        save_file(reference, args["reference"])
+    return {"tensors": len(reference)}
+
+
 def main() -> None:
     scenario, args = sys.argv[1], json.loads(sys.argv[2])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

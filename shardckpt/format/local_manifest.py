@@ -193,11 +193,19 @@ def decode_local_manifest(data: bytes, where: str = "local manifest") -> LocalMa
         )
     except FormatError as exc:
         raise FormatError(f"{where} tensors: {exc}") from None
+    # Checksums first: every piece has at least one block, and the checksum column is stored raw, so its length
+    # bounds the piece count by the document's size before any compressed piece column is inflated.
+    crcs = decode_u32_column(fields.get("crc32c", dict), f"{where} crc32c")
     pieces = _pieces(
-        Fields(fields.get("pieces", dict), f"{where} pieces"), specs, extents, extent_position, k_of, size_of
+        Fields(fields.get("pieces", dict), f"{where} pieces"),
+        specs,
+        extents,
+        extent_position,
+        k_of,
+        size_of,
+        max_count=int(crcs.size),
     )
     _check_packing(pieces, header_size, data_size, where)
-    crcs = decode_u32_column(fields.get("crc32c", dict), f"{where} crc32c")
     blocks = int((-(-pieces.nbytes // block_size)).sum())
     if crcs.size != blocks:
         raise FormatError(f"{where}: {crcs.size} checksums for {blocks} blocks")
@@ -292,9 +300,12 @@ def _pieces(
     extent_position: Int64Array,
     k_of: Int64Array,
     size_of: Int64Array,
+    max_count: int,
 ) -> LocalPieces:
     where = fields.where
     count = fields.integer("count", 0, limits.MAX_PIECES_PER_TENSOR)
+    if count > max_count:
+        raise FormatError(f"{where}: {count} pieces but {max_count} block checksums in crc32c (one or more per piece)")
     tensor = decode_int_column(fields.raw.get("tensor"), f"{where}.tensor", count)
     if tensor.size and (tensor.min() < 0 or tensor.max() >= len(specs)):
         raise FormatError(f"{where}: a piece names a tensor outside the table of {len(specs)}")

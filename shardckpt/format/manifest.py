@@ -13,7 +13,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from shardckpt.errors import FormatError
+from shardckpt.errors import CoverageError, FormatError
 from shardckpt.format import limits
 from shardckpt.format.columns import (
     Int64Array,
@@ -86,6 +86,7 @@ class PieceTable:
         """(file, offset, start, length), decoding and range-checking them on first call."""
         if self._arrays is None:
             assert self._encoded is not None
+            self._check.before_decoding(self.count)
             decoded = _decode_piece_columns(self._encoded, self.count, self.k, self._check.where)
             self._check(*decoded)
             self._arrays, self._encoded = decoded, None
@@ -214,6 +215,12 @@ class _PieceCheck:
             size,
             file_sizes,
         )
+
+    def before_decoding(self, count: int) -> None:
+        """Pieces hold at least one element each and must not overlap: refuse more pieces than elements at once."""
+        numel = math.prod(self.shape)
+        if count > numel:
+            raise CoverageError(f"{self.where}: {count} pieces for {numel} element(s): pieces overlap")
 
     def __call__(self, file: Int64Array, offset: Int64Array, start: Int64Array, length: Int64Array) -> None:
         where = self.where

@@ -126,37 +126,60 @@ def _check_general(name: str, shape: tuple[int, ...], start: Int64Array, length:
     bounds = [np.unique(np.concatenate([[0, shape[d]], start[:, d], end[:, d]])) for d in range(len(shape))]
     grid = tuple(int(b.size - 1) for b in bounds)
     if math.prod(grid) <= _MAX_COUNTED_CELLS:
-        counts = np.zeros(grid, dtype=np.int32)
+        covered = np.zeros(grid, dtype=bool)
         lo = [np.searchsorted(bounds[d], start[:, d]) for d in range(len(shape))]
         hi = [np.searchsorted(bounds[d], end[:, d]) for d in range(len(shape))]
         for i in range(start.shape[0]):
-            counts[tuple(slice(int(lo[d][i]), int(hi[d][i])) for d in range(len(shape)))] += 1
-        bad = np.argwhere(counts != 1)
-        if bad.size:
-            cell = tuple(int(x) for x in bad[0])
-            region = Box(
-                tuple(int(bounds[d][c]) for d, c in enumerate(cell)),
-                tuple(int(bounds[d][c + 1] - bounds[d][c]) for d, c in enumerate(cell)),
-            )
-            if counts[cell] == 0:
-                raise CoverageError(f"tensor {name!r}: elements {region} are covered by no piece (gap)")
-            _report_overlap(name, start, length, shape, region)
+            cells = covered[tuple(slice(int(lo[d][i]), int(hi[d][i])) for d in range(len(shape)))]
+            # Stop at the first piece that covers a covered cell: every cell is marked at most once before that,
+            # so the loop costs O(pieces + cells), not O(pieces * cells) for many pieces over one big region.
+            if cells.any():
+                first = np.argwhere(cells)[0]
+                cell = tuple(int(lo[d][i] + first[d]) for d in range(len(shape)))
+                _report_overlap(name, start, length, shape, _cell_box(bounds, cell))
+            cells[...] = True
+        if not covered.all():
+            cell = tuple(int(x) for x in np.argwhere(~covered)[0])
+            raise CoverageError(f"tensor {name!r}: elements {_cell_box(bounds, cell)} are covered by no piece (gap)")
         return
     _sweep(name, shape, start, length, np.arange(start.shape[0]), 0)
+
+
+def _cell_box(bounds: list[Int64Array], cell: tuple[int, ...]) -> Box:
+    return Box(
+        tuple(int(bounds[d][c]) for d, c in enumerate(cell)),
+        tuple(int(bounds[d][c + 1] - bounds[d][c]) for d, c in enumerate(cell)),
+    )
 
 
 def _sweep(name: str, shape: tuple[int, ...], start: Int64Array, length: Int64Array, ids: Int64Array, dim: int) -> None:
     # Slabs between consecutive dim-`dim` boundaries must each be covered exactly by the pieces crossing them.
     sub_start, sub_end = start[ids, dim], start[ids, dim] + length[ids, dim]
-    bounds = np.unique(np.concatenate([[0, shape[dim]], sub_start, sub_end]))
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        active = ids[(sub_start <= lo) & (sub_end >= hi)]
-        if dim == len(shape) - 1:
-            if active.size != 1:
-                kind = "covered by no piece (gap)" if active.size == 0 else f"covered by {active.size} pieces (overlap)"
-                raise CoverageError(f"tensor {name!r}: dimension {dim} indices {int(lo)}:{int(hi)} are {kind}")
+    if dim == len(shape) - 1:
+        # The pieces crossing this slab must tile the last dimension: sorted, each starts where the last one ended.
+        order = np.argsort(sub_start, kind="stable")
+        lo, hi = sub_start[order], sub_end[order]
+        expected = np.concatenate([[0], hi[:-1]]).astype(np.int64)
+        wrong = np.nonzero(lo != expected)[0]
+        if not wrong.size and lo.size and hi[-1] == shape[dim]:
+            return
+        if not wrong.size:
+            gap = (int(hi[-1]) if lo.size else 0, shape[dim])
+        elif lo[wrong[0]] > expected[wrong[0]]:
+            gap = (int(expected[wrong[0]]), int(lo[wrong[0]]))
         else:
-            _sweep(name, shape, start, length, active, dim + 1)
+            i = int(wrong[0])
+            a, b = int(ids[order[i - 1]]), int(ids[order[i]])
+            region = f"{int(lo[i])}:{int(min(expected[i], hi[i]))}"
+            raise CoverageError(
+                f"tensor {name!r}: pieces {a} and {b} both cover dimension {dim} indices {region} (overlap)"
+            )
+        raise CoverageError(f"tensor {name!r}: dimension {dim} indices {gap[0]}:{gap[1]} are covered by no piece (gap)")
+        return
+    bounds = np.unique(np.concatenate([[0, shape[dim]], sub_start, sub_end]))
+    for lo_bound, hi_bound in zip(bounds[:-1], bounds[1:]):
+        active = ids[(sub_start <= lo_bound) & (sub_end >= hi_bound)]
+        _sweep(name, shape, start, length, active, dim + 1)
 
 
 def _report_overlap(

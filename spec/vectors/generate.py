@@ -1403,6 +1403,36 @@ def _manifest_points_at_other(root: Path) -> dict[str, Any]:
     )
 
 
+@invalid("data_header_too_deep", "fsdp_uneven_4_ranks")
+def _data_header_too_deep(root: Path) -> dict[str, Any]:
+    # Found by tests/fuzz.py (target "header"): verify() died of a RecursionError in json.loads instead of
+    # reporting the file. Rank 3 stores no piece, so its data file is all header and any header length is legal.
+    depth = 100_000
+    metadata = b'{"__metadata__":{"format":"shardckpt","version":"1.0","attempt":"golden1","rank":"3"},"x":'
+    body = metadata + b"[" * depth + b"]" * depth + b"}"
+    body += b" " * (-len(body) % 8)
+    raw = len(body).to_bytes(8, "little") + body
+    (root / data_file(3)).write_bytes(raw)
+
+    def fix_local(document: dict[str, Any]) -> None:
+        document.update(data_size=len(raw), header_size=len(raw), header_crc32c=crc32c.crc32c(raw))
+
+    edit_local(root, 3, fix_local)
+    edit_global(root, lambda d: d["files"][3].update(data_size=len(raw)))
+    edit_committed(root, lambda d: d.update(total_bytes=sum(f.stat().st_size for f in (root / "data").iterdir())))
+    return expect(
+        "FormatError",
+        "verify",
+        "SPEC.md §4: a data file MUST be a valid safetensors file (header: a JSON object); readers need not parse "
+        "it, a verifier MUST check it and report a malformed one instead of failing",
+        f"the header of {data_file(3)} (rank 3 stores no piece) replaced by a valid JSON object nested 100,000 "
+        "levels deep; data_size, header_size and header_crc32c in its local manifest, the global manifest and "
+        "COMMITTED all updated to match, so only the header's content is wrong",
+        [data_file(3)],
+        [data_file(3), "nested too deeply"],
+    )
+
+
 @invalid("local_manifest_must_understand_unknown", "fsdp_uneven_4_ranks")
 def _local_must_understand(root: Path) -> dict[str, Any]:
     edit_local(root, 1, lambda d: d.update(must_understand=["zstd-columns"]))

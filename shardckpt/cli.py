@@ -1,4 +1,4 @@
-"""The `shardckpt` command: inspect, verify and ls checkpoints, with tables for people and --json for scripts.
+"""The `shardckpt` command: inspect, verify, ls and gc checkpoints, with tables for people and --json for scripts.
 
 Exit codes: 0 ok, 1 a check failed (or the checkpoint is broken or incomplete), 2 usage error.
 """
@@ -10,15 +10,18 @@ import datetime as dt
 import json
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 from rich.table import Table
 
-from shardckpt.errors import ShardckptError
+from shardckpt import commands
+from shardckpt.commands.common import HelpFormatter
+from shardckpt.errors import ShardckptError, ShardckptUsageError
 from shardckpt.format import layout
+from shardckpt.gc import DEFAULT_GRACE, Action, GcPlan, collect, plan_gc
 from shardckpt.restorer import open_checkpoint, read_commit_marker
 from shardckpt.storage import Storage, open_storage
 from shardckpt.verify import verify
@@ -276,19 +279,109 @@ def cmd_ls(args: argparse.Namespace, console: Console) -> int:
     return EXIT_OK
 
 
+# ----------------------------------------------------------------------------------------------------- gc
+
+
+def cmd_gc(args: argparse.Namespace, console: Console) -> int:
+    root = open_storage(args.root, _storage_options(args.storage_option))
+    plan = plan_gc(root, keep_last=args.keep_last, grace=args.grace)
+    if not args.dry_run and not args.json and not args.quiet and console.is_terminal:
+        with Progress("[progress.description]{task.description}", BarColumn(), console=console, transient=True) as bar:
+            task = bar.add_task("collecting", total=plan.objects)
+            collect(plan, lambda action, doomed: bar.advance(task))
+    elif not args.dry_run:
+        collect(plan, None if args.json or args.quiet else lambda action, doomed: _gc_progress(console, action))
+    if args.json:
+        print(json.dumps(_gc_summary(plan, args.dry_run)))
+        return EXIT_OK if plan.ok else EXIT_FAILED
+    verb = "would delete" if args.dry_run else "deleted"
+    for action in plan.actions:
+        status = f"[red]FAILED[/red] after {action.deleted} object(s): {action.error}" if action.error else verb
+        status = f"{action.note}; did not delete" if action.note else status
+        console.print(
+            f"{action.checkpoint}: {status} {len(action.objects)} object(s), {human_bytes(action.bytes)} "
+            f"({action.kind}: {action.reason})",
+            highlight=False,
+            soft_wrap=True,
+        )
+    for skipped in plan.skipped:
+        console.print(f"{skipped.checkpoint}: kept ({skipped.reason})", highlight=False, soft_wrap=True)
+    console.print(
+        f"{verb} {plan.objects} object(s), {human_bytes(plan.bytes)}; {len(plan.kept)} committed checkpoint(s) kept",
+        highlight=False,
+    )
+    return EXIT_OK if plan.ok else EXIT_FAILED
+
+
+def _gc_progress(console: Console, action: Action) -> None:
+    if action.deleted == len(action.objects):
+        console.print(f"gc: {action.checkpoint}: deleted {action.deleted} object(s) ({action.kind})", highlight=False)
+
+
+def _gc_summary(plan: GcPlan, dry_run: bool) -> dict[str, Any]:
+    return {
+        "root": plan.storage.url,
+        "dry_run": dry_run,
+        "ok": plan.ok,
+        "keep_last": plan.keep_last,
+        "grace": plan.grace,
+        "objects": plan.objects,
+        "bytes": plan.bytes,
+        "actions": [
+            {
+                "checkpoint": a.checkpoint,
+                "kind": a.kind,
+                "reason": a.reason,
+                "paths": [d.path for d in a.objects],
+                "bytes": a.bytes,
+                "deleted": a.deleted,
+                "error": a.error,
+                "note": a.note,
+            }
+            for a in plan.actions
+        ],
+        "skipped": [{"checkpoint": s.checkpoint, "reason": s.reason} for s in plan.skipped],
+        "kept": plan.kept,
+    }
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (the newest checkpoint is never deleted), got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
+
+
 # --------------------------------------------------------------------------------------------------- main
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardckpt",
-        description="Inspect, verify and list shardckpt checkpoints (local paths, memory://, s3://...).",
-        epilog="Exit codes: 0 ok, 1 check failed or checkpoint broken/incomplete, 2 usage error.",
+        description="Inspect, verify, compare, export and clean up shardckpt checkpoints (local paths, s3://, "
+        "memory:// and other fsspec URLs). `shardckpt COMMAND --help` explains each command with examples.",
+        epilog="examples:\n"
+        "  shardckpt ls /ckpts                       # what is there, committed or not\n"
+        "  shardckpt inspect /ckpts/step-00001000     # tensors, ranks, objects\n"
+        "  shardckpt verify /ckpts/step-00001000      # read everything, check every checksum\n"
+        "  shardckpt export /ckpts/step-00001000 ./hf --dtype bf16 --strip-prefix model.\n"
+        "\n"
+        "Exit codes: 0 ok, 1 check failed or checkpoint broken/incomplete (diff: they differ), 2 usage error.",
+        formatter_class=HelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(name: str, help_text: str, description: str) -> argparse.ArgumentParser:
-        command = sub.add_parser(name, help=help_text, description=description)
+    def add(name: str, help_text: str, description: str, epilog: str = "") -> argparse.ArgumentParser:
+        command = sub.add_parser(
+            name, help=help_text, description=description, epilog=epilog or None, formatter_class=HelpFormatter
+        )
         command.add_argument(
             "--storage-option",
             action="append",
@@ -304,6 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
         "show a checkpoint's tensors, ranks, objects and status",
         "Show what a checkpoint holds: status, step, every tensor (dtype, shape, size, pieces, ranks), "
         "the data file of each rank and the plain objects. Reads only the manifests.",
+        "examples:\n  shardckpt inspect /ckpts/step-00001000\n  shardckpt inspect s3://bucket/run/step-00001000 --json",
     )
     inspect.add_argument("url", help="checkpoint URL or path")
     check = add(
@@ -312,6 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Check a checkpoint end to end: COMMITTED and the manifest checksum chain, exact coverage of every "
         "tensor, every safetensors header, and the CRC32C of every block of every data file. "
         "Exit 0 when all is well, 1 naming each file and tensor that is not.",
+        "examples:\n  shardckpt verify /ckpts/step-00001000\n  shardckpt verify --json CKPT | jq .problems",
     )
     check.add_argument("url", help="checkpoint URL or path")
     check.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -319,8 +414,32 @@ def build_parser() -> argparse.ArgumentParser:
         "ls",
         "list the checkpoints under a root with their status",
         "List the checkpoints directly under ROOT: committed or incomplete, step, ranks, size, commit time.",
+        "examples:\n  shardckpt ls /ckpts\n  shardckpt ls s3://bucket/run --storage-option endpoint_url=http://127.0.0.1:8333",
     )
     listing.add_argument("root", help="directory or URL that holds checkpoints")
+    collecting = add(
+        "gc",
+        "delete old checkpoints and leftovers of failed saves under a root",
+        "Delete, under ROOT: committed checkpoints beyond the newest --keep-last (COMMITTED first, so a crash "
+        "leaves nothing half-deleted that looks committed), checkpoints that were never committed, and files of "
+        "failed attempts inside committed checkpoints. Never deletes the newest committed checkpoint, a file of a "
+        "committed attempt, files the format does not name, anything modified within --grace seconds (a save may "
+        "be writing it), or anything outside ROOT. Exit 0 when all went well, 1 if a deletion failed.",
+        "examples:\n  shardckpt gc /ckpts --keep-last 3 --dry-run   # what would go\n"
+        "  shardckpt gc /ckpts --keep-last 3",
+    )
+    collecting.add_argument("root", help="directory or URL that holds checkpoints")
+    collecting.add_argument("--keep-last", type=_positive_int, help="committed checkpoints to keep (default: all)")
+    collecting.add_argument(
+        "--grace",
+        type=_seconds,
+        default=DEFAULT_GRACE,
+        help=f"leave anything modified within this many seconds (default {DEFAULT_GRACE:g})",
+    )
+    collecting.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
+    collecting.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    for module in commands.MODULES:  # export, import-dcp, diff, du
+        module.register(sub)
     train = sub.add_parser(
         "train",
         help="run the bundled FSDP2 (ZeRO-3) training loop (under torchrun for several ranks)",
@@ -331,7 +450,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-COMMANDS = {"inspect": cmd_inspect, "verify": cmd_verify, "ls": cmd_ls}
+COMMANDS: dict[str, Callable[[argparse.Namespace, Console], int]] = {
+    "inspect": cmd_inspect,
+    "verify": cmd_verify,
+    "ls": cmd_ls,
+    "gc": cmd_gc,
+    **{module.NAME: module.run for module in commands.MODULES},
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -344,6 +469,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console(width=None if sys.stdout.isatty() else 200)
     try:
         return COMMANDS[args.command](args, console)
+    except ShardckptUsageError as exc:  # asked for something impossible (no tensor matches, limit too small)
+        print(f"shardckpt: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except ShardckptError as exc:
         print(f"shardckpt: error: {exc}", file=sys.stderr)
         return EXIT_FAILED

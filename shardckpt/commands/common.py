@@ -1,0 +1,120 @@
+"""What the subcommands share: option parsing (sizes, regexes, KEY=VALUE), byte counts for people, progress bars.
+
+Progress bars appear only on a terminal and never with --json, so pipes and scripts get clean output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
+
+
+def human_bytes(count: int) -> str:
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{count} B"
+
+
+def parse_size(text: str) -> int:
+    """A byte count as people write it: 5GB (10^9), 512MiB (2^20), 1000 (bytes); for argparse `type=`."""
+    match = _SIZE.fullmatch(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 5GB, 512MiB, 1000000)")
+    size = int(float(match.group(1)) * _UNITS[unit])
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size")
+    return size
+
+
+def parse_regex(text: str) -> str:
+    """A valid regular expression, checked while parsing the command line; for argparse `type=`."""
+    try:
+        re.compile(text)
+    except re.error as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a regular expression: {exc}") from None
+    return text
+
+
+def storage_options(pairs: Sequence[str]) -> dict[str, Any]:
+    """--storage-option KEY=VALUE pairs as fsspec storage options (JSON values for objects and booleans)."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"shardckpt: error: --storage-option expects KEY=VALUE, got {pair!r}")
+        options[key] = json.loads(value) if value[:1] in "{[" or value in ("true", "false") else value
+    return options
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Wraps one-paragraph descriptions to the terminal; keeps text with line breaks (the examples) as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+def new_command(subparsers: Any, name: str, help_text: str, description: str, epilog: str) -> argparse.ArgumentParser:
+    """A subcommand with its description, examples in the epilog (kept as written), --storage-option and --json."""
+    command: argparse.ArgumentParser = subparsers.add_parser(
+        name,
+        help=help_text,
+        description=description,
+        epilog=epilog,
+        formatter_class=HelpFormatter,
+    )
+    command.add_argument(
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="fsspec storage option, e.g. endpoint_url=http://127.0.0.1:8333 (repeatable)",
+    )
+    command.add_argument("--json", action="store_true", help="print one JSON object for scripts (no progress bar)")
+    command.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    return command
+
+
+@contextmanager
+def progress_bar(console: Console, description: str, enabled: bool) -> Iterator[Callable[[int, int], None]]:
+    """A `progress(nbytes, total)` callback that drives a bytes/rate bar on a terminal, or does nothing."""
+    if not enabled or not console.is_terminal:
+        yield lambda nbytes, total: None
+        return
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    ) as bar:
+        task = bar.add_task(description, total=None)
+        yield lambda nbytes, total: bar.update(task, advance=nbytes, total=total)

@@ -1,0 +1,194 @@
+"""`shardckpt import-dcp` in one process: every dtype and layout DCP writes, plain values, and hostile pickles.
+
+Malicious payloads would create a file if anything ran them; each test asserts the refusal and that the file
+does not exist.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import pickle
+import uuid
+import zipfile
+
+import fsspec
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+import shardckpt
+from shardckpt.cli import main as cli_main
+from shardckpt.errors import FormatError
+from shardckpt.import_dcp import import_dcp
+
+
+def test_every_dtype_and_layout_dcp_writes_imports_bit_for_bit(tmp_path) -> None:
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 5, generator=generator)
+    tensors = {
+        "f32": torch.randn(3, 4, generator=generator),
+        "bf16": torch.randn(7, generator=generator).to(torch.bfloat16),
+        "f16": torch.randn(2, 3, generator=generator).half(),
+        "f64": torch.randn(3, generator=generator).double(),
+        "i64": torch.tensor([-(2**62), 0, 2**62]),
+        "u16": torch.tensor([1, 2, 65535], dtype=torch.int32).to(torch.uint16),  # torch.save's v3 storages
+        "u64": torch.tensor([1, 2, 3]).to(torch.uint64),
+        "f8": torch.randn(4, generator=generator).to(torch.float8_e4m3fn),
+        "c64": torch.randn(3, dtype=torch.complex64, generator=generator),
+        "bool": torch.tensor([True, False, True]),
+        "transposed": base.t(),  # saved with strides (1, 5): gathered, not copied as bytes
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 3),
+    }
+    state = {**tensors, "nested": {"x": torch.ones(2), "n": 4, "t": (1, 2.0)}, "when": datetime.date(2025, 1, 2)}
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"))
+    report = import_dcp(str(tmp_path / "dcp"), str(tmp_path / "ck"))
+    assert report.skipped == [("when", report.skipped[0][1])] and "datetime" in report.skipped[0][1]
+    checkpoint = shardckpt.open(str(tmp_path / "ck"))
+    for name, tensor in {**tensors, "nested.x": torch.ones(2)}.items():
+        got = checkpoint.read(name)
+        assert got.dtype == tensor.dtype and got.shape == tensor.shape, name
+        bits = got.reshape(-1).view(torch.uint8), tensor.contiguous().reshape(-1).view(torch.uint8)
+        assert torch.equal(*bits), name  # compared as bits: float8 and complex have no exact == of their own
+    assert checkpoint.objects == {"nested.n": 4, "nested.t": (1, 2.0)}  # beside a tensor: one object each
+
+
+# ------------------------------------------------------------------------------------- hand-made DCP files
+
+
+def torch_save_zip(value: object, data_pkl: bytes | None = None) -> bytes:
+    """torch.save's bytes for `value`; with data_pkl, the same zip with its data.pkl entry replaced."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    if data_pkl is None:
+        return buffer.getvalue()
+    original = zipfile.ZipFile(io.BytesIO(buffer.getvalue()))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as rewritten:
+        for info in original.infolist():
+            rewritten.writestr(info.filename, data_pkl if info.filename.endswith("data.pkl") else original.read(info))
+    return out.getvalue()
+
+
+def hand_made_dcp(directory, tensors: dict[str, torch.Tensor], records: dict[str, bytes] | None = None) -> None:
+    """A DCP checkpoint written without DCP: one record per tensor (`records` overrides a record's bytes)."""
+    os.makedirs(directory, exist_ok=True)
+    entries, storage, blob = {}, {}, b""
+    for name, tensor in tensors.items():
+        record = (records or {}).get(name) or torch_save_zip(tensor)
+        offsets = torch.Size([0] * tensor.dim())
+        chunk = ChunkStorageMetadata(offsets=offsets, sizes=tensor.shape)
+        entries[name] = TensorStorageMetadata(TensorProperties(dtype=tensor.dtype), tensor.shape, [chunk])
+        storage[MetadataIndex(name, offsets, 0)] = _StorageInfo("__0_0.distcp", len(blob), len(record))
+        blob += record
+    with open(os.path.join(directory, "__0_0.distcp"), "wb") as handle:
+        handle.write(blob)
+    with open(os.path.join(directory, ".metadata"), "wb") as handle:
+        pickle.dump(Metadata(entries, storage_data=storage), handle)
+
+
+def test_a_view_with_a_storage_offset_imports_its_own_elements(tmp_path) -> None:
+    base = torch.arange(30, dtype=torch.float32).reshape(6, 5)
+    view = base[2:5, 1:4]  # torch.save keeps the whole storage: offset 11, strides (5, 1)
+    hand_made_dcp(tmp_path / "dcp", {"v": view, "w": base})
+    import_dcp(str(tmp_path / "dcp"), str(tmp_path / "ck"))
+    checkpoint = shardckpt.open(str(tmp_path / "ck"))
+    assert torch.equal(checkpoint.read("v"), view) and torch.equal(checkpoint.read("w"), base)
+    # The same files behind another fsspec filesystem: read record by record instead of memory-mapped.
+    memory = fsspec.filesystem("memory")
+    prefix = f"/dcp-{uuid.uuid4().hex}"
+    for name in os.listdir(tmp_path / "dcp"):
+        memory.pipe_file(f"{prefix}/{name}", (tmp_path / "dcp" / name).read_bytes())
+    try:
+        import_dcp(f"memory://{prefix}", str(tmp_path / "from-memory"))
+    finally:
+        memory.rm(prefix, recursive=True)
+    assert torch.equal(shardckpt.open(str(tmp_path / "from-memory")).read("v"), view)
+
+
+class Payload:
+    """Unpickling this runs os.system, as a hostile checkpoint would."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def payloads(marker: str) -> dict[str, bytes]:
+    """Pickles that create `marker` when plain pickle loads them (the control in the test checks that they do)."""
+    command = f"touch {marker}".encode()
+    return {
+        "GLOBAL os.system + REDUCE": b"cos\nsystem\n(S'" + command + b"'\ntR.",
+        "INST os.system": b"(S'" + command + b"'\nios\nsystem\n.",
+        "a __reduce__ object": pickle.dumps(Payload(marker)),
+        "builtins.exec": b"cbuiltins\nexec\n(S'import os; os.system(\"" + command + b"\")'\ntR.",
+        # DCP's metadata module imports os: a protocol-4 dotted name would reach os.system through it.
+        "dotted name in an admitted module": b"\x80\x04ctorch.distributed.checkpoint.metadata\nos.system\n(S'"
+        + command
+        + b"'\ntR.",
+        "exploit inside valid metadata": pickle.dumps(Metadata({}, planner_data={"x": Payload(marker)})),
+    }
+
+
+def test_a_malicious_metadata_pickle_is_refused_without_running_it(tmp_path, capsys) -> None:
+    for number, (label, payload) in enumerate(payloads(str(tmp_path / "pwned")).items()):
+        marker = tmp_path / f"pwned-{number}"
+        payload = payloads(str(marker))[label]
+        directory = tmp_path / f"dcp-{number}"
+        directory.mkdir()
+        (directory / ".metadata").write_bytes(payload)
+        with pytest.raises(FormatError, match="refuses the pickled global"):
+            import_dcp(str(directory), str(tmp_path / "ck"))
+        assert cli_main(["import-dcp", str(directory), str(tmp_path / "ck")]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "refuses the pickled global" in err and "Traceback" not in err
+        assert not marker.exists(), label
+        pickle.loads(payload)  # the control: plain pickle does run it
+        assert marker.exists(), label
+    assert not (tmp_path / "ck" / "COMMITTED").exists()
+
+
+def test_a_malicious_record_pickle_is_refused_without_running_it(tmp_path) -> None:
+    marker = tmp_path / "pwned"
+    for label, payload in payloads(str(marker)).items():
+        directory = tmp_path / label.replace(" ", "_")
+        hand_made_dcp(directory, {"w": torch.ones(3)}, {"w": torch_save_zip(torch.ones(3), payload)})
+        with pytest.raises(FormatError, match="refuses the pickled global|not one tensor"):
+            import_dcp(str(directory), str(tmp_path / label.replace(" ", "_") / "ck"))
+        assert not marker.exists(), label
+
+
+def test_records_that_cannot_be_read_exactly_are_refused(tmp_path) -> None:
+    tensor = torch.arange(12.0)
+    good = torch_save_zip(tensor)
+    cases = {
+        "truncated": good[: len(good) // 2],
+        "not a zip": b"\x00" * len(good),
+        "another tensor": torch_save_zip(torch.arange(5.0)),
+        "a dict, not a tensor": torch_save_zip({"w": tensor}),
+    }
+    for label, record in cases.items():
+        directory = tmp_path / label.replace(" ", "_")
+        hand_made_dcp(directory, {"w": tensor}, {"w": record})
+        with pytest.raises(FormatError):
+            import_dcp(str(directory), str(directory / "ck"))
+        assert not (directory / "ck" / "COMMITTED").exists(), label
+    hand_made_dcp(tmp_path / "escape", {"w": tensor})
+    metadata = pickle.loads((tmp_path / "escape" / ".metadata").read_bytes())
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../etc/passwd"
+    (tmp_path / "escape" / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(FormatError, match="not a plain file name"):
+        import_dcp(str(tmp_path / "escape"), str(tmp_path / "escape" / "ck"))

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColu
 from rich.table import Table
 
 from shardckpt import commands
-from shardckpt.commands.common import HelpFormatter
+from shardckpt.commands.common import HelpFormatter, human_bytes, storage_options
 from shardckpt.errors import ShardckptError, ShardckptUsageError
 from shardckpt.format import layout
 from shardckpt.gc import DEFAULT_GRACE, Action, GcPlan, collect, plan_gc
@@ -29,36 +29,17 @@ from shardckpt.verify import verify
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
-def human_bytes(count: int) -> str:
-    value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{count} B"
-
-
 def _when(seconds: float) -> str:
     if not seconds:
         return "-"
     return dt.datetime.fromtimestamp(seconds, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def _storage_options(pairs: Sequence[str]) -> dict[str, Any]:
-    options: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"shardckpt: error: --storage-option expects KEY=VALUE, got {pair!r}")
-        options[key] = json.loads(value) if value[:1] in "{[" or value in ("true", "false") else value
-    return options
-
-
 # ------------------------------------------------------------------------------------------------ inspect
 
 
 def cmd_inspect(args: argparse.Namespace, console: Console) -> int:
-    storage = open_storage(args.url, _storage_options(args.storage_option))
+    storage = open_storage(args.url, storage_options(args.storage_option))
     if read_commit_marker(storage) is None:
         return _inspect_incomplete(storage, args, console)
     checkpoint = open_checkpoint(storage)
@@ -172,7 +153,7 @@ def _inspect_incomplete(storage: Storage, args: argparse.Namespace, console: Con
 
 
 def cmd_verify(args: argparse.Namespace, console: Console) -> int:
-    storage = open_storage(args.url, _storage_options(args.storage_option))
+    storage = open_storage(args.url, storage_options(args.storage_option))
     show_progress = not args.json and not args.quiet and console.is_terminal
     if show_progress:
         with Progress(
@@ -228,7 +209,7 @@ def _total_bytes(storage: Storage) -> int | None:
 
 
 def cmd_ls(args: argparse.Namespace, console: Console) -> int:
-    root = open_storage(args.root, _storage_options(args.storage_option))
+    root = open_storage(args.root, storage_options(args.storage_option))
     rows = []
     for name in root.list():
         child = root.child(name)
@@ -283,7 +264,7 @@ def cmd_ls(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_gc(args: argparse.Namespace, console: Console) -> int:
-    root = open_storage(args.root, _storage_options(args.storage_option))
+    root = open_storage(args.root, storage_options(args.storage_option))
     plan = plan_gc(root, keep_last=args.keep_last, grace=args.grace)
     if not args.dry_run and not args.json and not args.quiet and console.is_terminal:
         with Progress("[progress.description]{task.description}", BarColumn(), console=console, transient=True) as bar:

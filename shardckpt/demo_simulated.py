@@ -14,8 +14,8 @@ import time
 import torch
 
 import shardckpt
-from shardckpt.cli import human_bytes
 from shardckpt.cli import main as cli_main
+from shardckpt.commands.common import human_bytes
 from shardckpt.format.layout import new_attempt
 
 

@@ -33,8 +33,12 @@ test: lint typecheck unit
 demo: $(STAMP)
 	$(BIN)/python -m shardckpt.demo
 
+# Every benchmark row, about 4 minutes on 2 cores: single process, 4 gloo ranks vs DCP, metadata scale, S3.
 bench: $(STAMP)
-	$(BIN)/python -m benchmarks
+	$(BIN)/python -m benchmarks --size-mib 512 --json benchmarks/results.json
+	$(BIN)/python -m benchmarks.distributed --size-mib 256 --json benchmarks/distributed.json
+	$(BIN)/python -m benchmarks.scale --ranks 1024 4096 --json benchmarks/scale.json
+	$(BIN)/python -m benchmarks.s3
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 import shardckpt
+from benchmarks.pagecache import drop_caches
 from shardckpt.format.layout import new_attempt
 
 GIB = 1 << 30
@@ -44,17 +45,6 @@ def fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def drop_caches() -> bool:
-    """Drop the page cache for cold reads when allowed (root on Linux); False when it is not."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as handle:
-            handle.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def timed(run: Callable[[], None], setup: Callable[[], None] | None, repeats: int) -> float:

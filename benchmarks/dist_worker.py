@@ -22,21 +22,14 @@ from torch.distributed.tensor import DTensor, Shard
 
 import shardckpt
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script
+from benchmarks.pagecache import drop_caches
+
 
 def read_bytes() -> int:
     """Bytes this process read through read syscalls (page cache or disk): what a load pulled from storage."""
     with open("/proc/self/io") as handle:
         return next(int(line.split()[1]) for line in handle if line.startswith("rchar"))
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as handle:
-            handle.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def make_state(args: dict, world: int, rank: int, fill: bool) -> dict[str, DTensor]:

@@ -80,6 +80,17 @@ class HelpFormatter(argparse.HelpFormatter):
         return super()._fill_text(text, width, indent)
 
 
+def add_memory_limit(command: argparse.ArgumentParser) -> None:
+    """The --memory-limit option of the streaming commands (export, diff)."""
+    command.add_argument(
+        "--memory-limit",
+        type=parse_size,
+        default="1GiB",
+        metavar="SIZE",
+        help="bound on tensor data in memory (default: 1GiB)",
+    )
+
+
 def new_command(subparsers: Any, name: str, help_text: str, description: str, epilog: str) -> argparse.ArgumentParser:
     """A subcommand with its description, examples in the epilog (kept as written), --storage-option and --json."""
     command: argparse.ArgumentParser = subparsers.add_parser(

@@ -12,7 +12,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from shardckpt.commands.common import new_command, parse_size, progress_bar, storage_options
+from shardckpt.commands.common import add_memory_limit, new_command, progress_bar, storage_options
 from shardckpt.diff import diff
 
 NAME = "diff"
@@ -36,13 +36,7 @@ def register(subparsers: Any) -> None:
     command.add_argument("b", metavar="B", help="second checkpoint URL or path")
     command.add_argument("--atol", type=float, help="tensors whose largest absolute difference is <= ATOL are close")
     command.add_argument("--all", action="store_true", help="list equal tensors too")
-    command.add_argument(
-        "--memory-limit",
-        type=parse_size,
-        default="1GiB",
-        metavar="SIZE",
-        help="bound on tensor data in memory (default: 1GiB)",
-    )
+    add_memory_limit(command)
 
 
 def run(args: argparse.Namespace, console: Console) -> int:

@@ -12,7 +12,15 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from shardckpt.commands.common import human_bytes, new_command, parse_regex, parse_size, progress_bar, storage_options
+from shardckpt.commands.common import (
+    add_memory_limit,
+    human_bytes,
+    new_command,
+    parse_regex,
+    parse_size,
+    progress_bar,
+    storage_options,
+)
 from shardckpt.export import DEFAULT_INCLUDE, DTYPES, INDEX_FILE, export_hf_safetensors
 
 NAME = "export"
@@ -58,13 +66,7 @@ def register(subparsers: Any) -> None:
     command.add_argument(
         "--max-shard-size", type=parse_size, default="5GB", metavar="SIZE", help="bytes per file (default: 5GB)"
     )
-    command.add_argument(
-        "--memory-limit",
-        type=parse_size,
-        default="1GiB",
-        metavar="SIZE",
-        help="bound on tensor data in memory (default: 1GiB)",
-    )
+    add_memory_limit(command)
 
 
 def run(args: argparse.Namespace, console: Console) -> int:

@@ -30,6 +30,7 @@ import torch
 
 import shardckpt
 import shardckpt.coordinator
+from shardckpt.torch_bytes import TORCH_TO_FORMAT
 
 HERE = Path(__file__).resolve().parent
 VALID = HERE / "valid"
@@ -38,27 +39,7 @@ ATTEMPT = "golden1"
 BLOCK = 4096
 CREATED = 1767225600.0  # 2026-01-01T00:00:00Z: the commit clock, pinned so manifests are reproducible
 
-FORMAT_DTYPES: dict[torch.dtype, str] = {
-    torch.bool: "BOOL",
-    torch.uint8: "U8",
-    torch.int8: "I8",
-    torch.int16: "I16",
-    torch.uint16: "U16",
-    torch.int32: "I32",
-    torch.uint32: "U32",
-    torch.int64: "I64",
-    torch.uint64: "U64",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float32: "F32",
-    torch.float64: "F64",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
-    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
-    torch.float8_e8m0fnu: "F8_E8M0",
-    torch.complex64: "C64",
-}
+FORMAT_DTYPES = TORCH_TO_FORMAT  # the library's table; tests/test_spec_vectors.py spells its own out
 # Dtypes whose values JSON cannot state exactly (or at all): described by sha256 only.
 EXOTIC = {"F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0", "C64"}
 MAX_LISTED_VALUES = 64

@@ -6,7 +6,7 @@ save and load are collective over a process group (or run in one process); see p
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from shardckpt import protocol
@@ -57,6 +57,7 @@ def load(
     strict: bool = True,
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     verify_first: bool = False,
+    optional: Sequence[str] = (),
 ) -> ReadStats:
     """Fill the tensors of `state_dict` in place from the checkpoint at `url`, on any world size and sharding.
 
@@ -76,6 +77,8 @@ def load(
       bytes (about the size of the rank's destinations) are held until then, whatever max_in_flight says.
     Over a group without verify_first, a rank whose own reads succeeded has written all of its tensors and values
     even when another rank failed.
+    optional: entry names (or prefixes before a '.') that strict lets the checkpoint lack; such entries keep
+    their values (e.g. another engine's counters when a checkpoint crosses from FSDP2 to DeepSpeed).
     """
     return protocol.load(
         state_dict,
@@ -86,6 +89,7 @@ def load(
         strict=strict,
         max_in_flight=max_in_flight,
         verify_first=verify_first,
+        optional=optional,
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,8 +88,13 @@ class Checkpointer:
 
     # ----------------------------------------------------------------------------------------------- resume
 
-    def restore_latest(self, state: Mapping[str, Any], *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> int | None:
-        """Fill `state` from the newest committed checkpoint under root (chosen once, by the coordinator)."""
+    def restore_latest(
+        self, state: Mapping[str, Any], *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, optional: Sequence[str] = ()
+    ) -> int | None:
+        """Fill `state` from the newest committed checkpoint under root (chosen once, by the coordinator).
+
+        optional: entries the checkpoint may lack (see shardckpt.load).
+        """
         url = latest(self.root, storage_options=self.storage_options) if self.group.rank == 0 else None
         if isinstance(self.group, Group):
             url = broadcast_bytes(self.group, (url or "").encode(), 0).decode() or None
@@ -102,6 +107,7 @@ class Checkpointer:
             storage_options=self.storage_options,
             max_in_flight=max_in_flight,
             strict=True,
+            optional=optional,
         )
         manifest_step = self._step_of(url)
         self.last_saved_step = manifest_step

@@ -7,7 +7,7 @@ manifest once -> (all) receive them, plan and read only their own boxes -> (all)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -182,12 +182,13 @@ def load(
     strict: bool = True,
     max_in_flight: int,
     verify_first: bool = False,
+    optional: Sequence[str] = (),
 ) -> ReadStats:
     group = resolve_group(process_group)
     storage = open_storage(url, storage_options)
     if isinstance(group, _Solo):
         checkpoint = open_checkpoint(storage, max_in_flight=max_in_flight)
-        pending, assign = _prepare_fill(checkpoint, state_dict, group.rank, strict)
+        pending, assign = _prepare_fill(checkpoint, state_dict, group.rank, strict, optional)
         if verify_first:
             pending.fetch()
         stats = pending.apply()
@@ -213,7 +214,7 @@ def load(
     stats = ReadStats(0, 0, 0, 0.0)
     prepared: tuple[PendingRead, Callable[[], None]] | None = None
     try:
-        prepared = pending, assign = _prepare_fill(checkpoint, state_dict, group.rank, strict)
+        prepared = pending, assign = _prepare_fill(checkpoint, state_dict, group.rank, strict, optional)
         if verify_first:
             pending.fetch()  # every rank verifies all its bytes; the destinations are written after the vote
         else:
@@ -235,11 +236,12 @@ def load(
 
 
 def _prepare_fill(
-    checkpoint: Checkpoint, state_dict: Mapping[str, Any], rank: int, strict: bool
+    checkpoint: Checkpoint, state_dict: Mapping[str, Any], rank: int, strict: bool, optional: Sequence[str] = ()
 ) -> tuple[PendingRead, Callable[[], None]]:
     """Check and plan this rank's part of a load (writing nothing); returns the read and what sets plain values.
 
-    strict: every entry of the state dict must be in the checkpoint.
+    strict: every entry of the state dict must be in the checkpoint, except those named by `optional` (an entry
+    name, or a prefix before a '.'), which are left as they are when the checkpoint lacks them.
     """
     stored = checkpoint.manifest.tensor_index()
     shared, own = checkpoint.objects, checkpoint.rank_objects(rank)
@@ -252,6 +254,7 @@ def _prepare_fill(
         # A rank that did not exist when the checkpoint was saved has no per-rank values to restore.
         if isinstance(leaf.value, PerRank) and leaf.name not in own and rank < checkpoint.manifest.world_size:
             missing.append(leaf.name)
+    missing = [name for name in missing if not _is_optional(name, optional)]
     if missing and strict:
         raise ShardckptUsageError(
             f"{checkpoint.url} lacks {len(missing)} entries of the state dict: {missing[:10]}"
@@ -274,3 +277,7 @@ def _prepare_fill(
                 leaf.assign(shared[leaf.name])
 
     return pending, assign
+
+
+def _is_optional(name: str, optional: Sequence[str]) -> bool:
+    return any(name == prefix or name.startswith(prefix + ".") for prefix in optional)

@@ -52,8 +52,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--loss-log", help="append one JSON line per step (rank 0) to this file")
     parser.add_argument("--pid-dir", help="write each rank's process id to PID_DIR/rank-<r>.pid")
     parser.add_argument("--cpu", action="store_true", help="use gloo on the CPU even when CUDA is available")
+    parser.add_argument(
+        "--engine",
+        choices=("fsdp2", "deepspeed"),
+        default="fsdp2",
+        help="ZeRO-3 engine: torch FSDP2 (default) or DeepSpeed (pip install shardckpt[deepspeed]); checkpoints "
+        "of one resume in the other",
+    )
     parser.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
     return parser.parse_args(argv)
+
+
+# AdamW's settings, shared with the DeepSpeed variant of the loop so that their checkpoints interchange.
+ADAMW_BETAS = (0.9, 0.95)
+ADAMW_WEIGHT_DECAY = 0.01
 
 
 def warmup_cosine(warmup: int, total: int, floor: float = 0.1) -> Any:
@@ -107,13 +119,7 @@ class Trainer:
         self.args, self.rank, self.world, self.device = args, rank, world, device
         self.config = GPTConfig(args.vocab, args.seq_len, args.d_model, args.layers, args.heads)
         torch.manual_seed(args.seed)  # identical initial weights on every rank before sharding
-        self.model = GPT(self.config).to(device)
-        mesh = init_device_mesh(device.type, (world,))
-        for block in self.model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
-        self.scheduler = LambdaLR(self.optimizer, warmup_cosine(args.warmup, args.steps))
+        self.build(GPT(self.config).to(device))
         self.stream = TokenStream(args.seed, self.config.vocab, self.config.seq_len)
         self.step = 0
         self.storage_options = {k: v for k, _, v in (o.partition("=") for o in args.storage_option)}
@@ -125,6 +131,18 @@ class Trainer:
             storage_options=self.storage_options,
             on_save=self.on_save,
         )
+
+    def build(self, model: GPT) -> None:
+        """Shard the model with FSDP2 and make its optimizer and schedule (DeepSpeedTrainer does it with DeepSpeed)."""
+        mesh = init_device_mesh(self.device.type, (self.world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.model = model
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=self.args.lr, betas=ADAMW_BETAS, weight_decay=ADAMW_WEIGHT_DECAY
+        )
+        self.scheduler = LambdaLR(self.optimizer, warmup_cosine(self.args.warmup, self.args.steps))
 
     def state(self) -> dict[str, Any]:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
@@ -145,23 +163,33 @@ class Trainer:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["trainer"]["step"]
+        return self._resumed(state, step, began)
+
+    def _resumed(self, state: dict[str, Any], step: int, began: float) -> int:
         if state["rng"].value is not None:
             set_rng_state(state["rng"].value, self.device)
         self._say(f"resumed at step {self.step} on {self.world} ranks in {time.perf_counter() - began:.2f} s")
         return step
 
-    def train_step(self) -> float:
+    def batch(self) -> torch.Tensor:
+        """This rank's samples of the current step: a fixed global batch, split evenly over the ranks."""
         per_rank = self.args.global_batch // self.world
         first = self.step * self.args.global_batch + self.rank * per_rank
-        tokens = self.stream.batch(first, per_rank).to(self.device)
-        loss = next_token_loss(self.model, tokens)
+        return self.stream.batch(first, per_rank).to(self.device)
+
+    def train_step(self) -> float:
+        loss = next_token_loss(self.model, self.batch())
         loss.backward()  # type: ignore[no-untyped-call]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return self.finish_step(loss)
+
+    def finish_step(self, loss: torch.Tensor) -> float:
+        """Count the step; the global batch's mean loss (sum of equal-sized per-rank means / world)."""
         self.step += 1
         total = loss.detach().clone()
-        dist.all_reduce(total)  # sum of equal-sized per-rank means / world = the global batch mean
+        dist.all_reduce(total)
         return float(total.item()) / self.world
 
     def on_save(self, record: shardckpt.SaveRecord) -> None:
@@ -174,7 +202,7 @@ class Trainer:
 
     def run(self) -> None:
         self._say(
-            f"training {sum(p.numel() for p in self.model.parameters())} parameters on {self.world} ranks "
+            f"training {sum(getattr(p, 'ds_numel', p.numel()) for p in self.model.parameters())} parameters on {self.world} ranks "
             f"({dist.get_backend()}), global batch {self.args.global_batch}, steps {self.step}..{self.args.steps}"
         )
         while self.step < self.args.steps:
@@ -211,14 +239,21 @@ class Trainer:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     use_cuda = torch.cuda.is_available() and not args.cpu
-    rank, world, device = init_distributed(use_cuda)
+    if args.engine == "deepspeed":
+        from shardckpt.train.deepspeed_loop import DeepSpeedTrainer, init_deepspeed
+
+        trainer_class: type[Trainer] = DeepSpeedTrainer
+        rank, world, device = init_deepspeed(use_cuda)
+    else:
+        trainer_class = Trainer
+        rank, world, device = init_distributed(use_cuda)
     if args.pid_dir:
         os.makedirs(args.pid_dir, exist_ok=True)
         with open(os.path.join(args.pid_dir, f"rank-{rank}.pid"), "w") as handle:
             handle.write(str(os.getpid()))
     code = 0
     try:
-        trainer = Trainer(args, rank, world, device)
+        trainer = trainer_class(args, rank, world, device)
         if args.resume:
             trainer.resume()
         trainer.run()

@@ -13,6 +13,7 @@ from shardckpt import protocol
 from shardckpt.errors import ShardckptError
 from shardckpt.format.limits import DEFAULT_BLOCK_SIZE
 from shardckpt.format.manifest import CommitMarker, GlobalManifest
+from shardckpt.planner.plan import DEFAULT_MAX_GAP
 from shardckpt.restorer import DEFAULT_MAX_IN_FLIGHT, Checkpoint, ReadStats, read_commit_marker
 from shardckpt.storage import Storage, open_storage
 
@@ -58,6 +59,7 @@ def load(
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     verify_first: bool = False,
     optional: Sequence[str] = (),
+    max_gap: int = DEFAULT_MAX_GAP,
 ) -> ReadStats:
     """Fill the tensors of `state_dict` in place from the checkpoint at `url`, on any world size and sharding.
 
@@ -79,6 +81,7 @@ def load(
     even when another rank failed.
     optional: entry names (or prefixes before a '.') that strict lets the checkpoint lack; such entries keep
     their values (e.g. another engine's counters when a checkpoint crosses from FSDP2 to DeepSpeed).
+    max_gap: bytes between two needed ranges of a file read through rather than split into two requests.
     """
     return protocol.load(
         state_dict,
@@ -90,6 +93,7 @@ def load(
         max_in_flight=max_in_flight,
         verify_first=verify_first,
         optional=optional,
+        max_gap=max_gap,
     )
 
 

@@ -25,6 +25,7 @@ from shardckpt.format.manifest import (
     encode_global_manifest,
 )
 from shardckpt.integrations.leaves import PerRank, load_items, save_items
+from shardckpt.planner.plan import DEFAULT_MAX_GAP
 from shardckpt.restorer import (
     Checkpoint,
     PendingRead,
@@ -183,11 +184,12 @@ def load(
     max_in_flight: int,
     verify_first: bool = False,
     optional: Sequence[str] = (),
+    max_gap: int = DEFAULT_MAX_GAP,
 ) -> ReadStats:
     group = resolve_group(process_group)
     storage = open_storage(url, storage_options)
     if isinstance(group, _Solo):
-        checkpoint = open_checkpoint(storage, max_in_flight=max_in_flight)
+        checkpoint = open_checkpoint(storage, max_in_flight=max_in_flight, max_gap=max_gap)
         pending, assign = _prepare_fill(checkpoint, state_dict, group.rank, strict, optional)
         if verify_first:
             pending.fetch()
@@ -197,7 +199,7 @@ def load(
     opening = None
     if group.rank == coordinator:
         try:
-            checkpoint = open_checkpoint(storage, max_in_flight=max_in_flight)
+            checkpoint = open_checkpoint(storage, max_in_flight=max_in_flight, max_gap=max_gap)
             marker_raw = read_marker_bytes(storage)
             manifest_raw = storage.read_small(checkpoint.marker.manifest, checkpoint.marker.manifest_size)
             opening = _pack({"marker": marker_raw, "manifest": manifest_raw})
@@ -209,7 +211,7 @@ def load(
     # Read once by the coordinator; every rank checks the bytes against the marker itself before trusting them.
     marker = decode_commit_marker(message["marker"], storage.describe(layout.COMMITTED))
     manifest = verify_global_manifest(message["manifest"], marker, storage.describe(marker.manifest))
-    checkpoint = Checkpoint(storage, marker, manifest, max_in_flight=max_in_flight)
+    checkpoint = Checkpoint(storage, marker, manifest, max_in_flight=max_in_flight, max_gap=max_gap)
     local_error: BaseException | None = None
     stats = ReadStats(0, 0, 0, 0.0)
     prepared: tuple[PendingRead, Callable[[], None]] | None = None

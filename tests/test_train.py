@@ -2,44 +2,22 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 import shardckpt
 from shardckpt.verify import verify
+from tests.training import losses, resume, torchrun
 
 STEPS, EVERY = 8, 4
 # Resuming on another world size changes only the order of float32 sums (reduce-scatter of gradients over
 # W ranks, the loss all-reduce): a few ulps per step, compounded over 4 steps of AdamW on a tiny model.
 # 1e-4 relative is two orders of magnitude above what we measure (<= 1e-6) and far below a real error.
 RELATIVE_TOLERANCE = 1e-4
-
-
-def torchrun(world: int, *args: str, wait: bool = True) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
-    process = subprocess.Popen(
-        [*command, "-m", "shardckpt.train", *args],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    if wait:
-        out, _ = process.communicate(timeout=300)
-        assert process.returncode == 0, out.decode(errors="replace")[-6000:]
-    return process
-
-
-def losses(path: str) -> dict[int, dict]:
-    with open(path) as handle:
-        return {row["step"]: row for row in map(json.loads, handle)}
 
 
 @pytest.fixture(scope="module")
@@ -52,22 +30,8 @@ def uninterrupted(tmp_path_factory) -> tuple[str, dict[int, dict]]:
 
 
 def _resume(tmp_path, checkpoints: str, world: int) -> dict[int, dict]:
-    root = tmp_path / f"resume{world}"
-    shutil.copytree(os.path.join(checkpoints, f"step-{EVERY:08d}"), root / "ck" / f"step-{EVERY:08d}")
-    log = str(root / "loss.jsonl")
-    torchrun(
-        world,
-        "--ckpt",
-        str(root / "ck"),
-        "--steps",
-        str(STEPS),
-        "--ckpt-every",
-        str(EVERY),
-        "--resume",
-        "--loss-log",
-        log,
-    )
-    return losses(log)
+    checkpoint = os.path.join(checkpoints, f"step-{EVERY:08d}")
+    return resume(tmp_path / f"resume{world}", checkpoint, world, STEPS, EVERY)
 
 
 def test_resume_on_the_same_world_size_is_bit_identical(tmp_path, uninterrupted) -> None:

@@ -1,6 +1,7 @@
 """shardckpt: sharded, pickle-free, checksummed checkpoints with atomic commit and elastic restore.
 
-Public API (a contract): save, load, latest, open, commit, ShardWriter, Checkpoint, and the errors.
+Public API (a contract): save, load, latest, open, commit, ShardWriter, Checkpoint, and the errors;
+save_deepspeed / load_deepspeed for DeepSpeed ZeRO-3 engines.
 """
 
 from shardckpt.api import latest, load, save
@@ -25,6 +26,7 @@ from shardckpt.planner import Box, ReadPlan
 from shardckpt.restorer import Checkpoint
 from shardckpt.restorer import open_checkpoint as open
 from shardckpt.writer import ShardWriter
+from shardckpt.zero3 import load_deepspeed, save_deepspeed
 
 __version__ = "0.1.0"
 
@@ -53,6 +55,8 @@ __all__ = [
     "commit",
     "latest",
     "load",
+    "load_deepspeed",
     "open",
     "save",
+    "save_deepspeed",
 ]

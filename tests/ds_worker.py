@@ -44,12 +44,14 @@ def main() -> int:
             raise SystemExit(f"nothing to resume under {args.ckpt}")
         shardckpt.save(trainer.state(), out, step=trainer.step)
     elif mode == "load-stats":  # load_deepspeed straight from a checkpoint URL; what this rank read
-        from shardckpt.integrations.deepspeed import load_deepspeed
+        from shardckpt.zero3 import load_deepspeed
 
         stats = load_deepspeed(trainer.engine, args.ckpt, max_gap=0)  # no gap read through: only what it needs
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, f"rank-{rank}.json"), "w") as handle:
-            json.dump({"needed": stats.needed_bytes, "fetched": stats.fetched_bytes, "requests": stats.requests}, handle)
+            json.dump(
+                {"needed": stats.needed_bytes, "fetched": stats.fetched_bytes, "requests": stats.requests}, handle
+            )
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     dist.barrier()

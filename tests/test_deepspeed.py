@@ -20,7 +20,7 @@ import shardckpt
 from shardckpt.errors import ShardckptUsageError
 from shardckpt.integrations.deepspeed import DeepSpeedZero3
 from shardckpt.verify import verify
-from tests.training import losses, resume, torchrun
+from tests.training import TORCH_EXTENSIONS_DIR, losses, resume, torchrun
 
 STEPS, EVERY = 8, 4
 WORKER = str(Path(__file__).resolve().parent / "ds_worker.py")
@@ -166,3 +166,21 @@ def test_adapter_refuses_engines_it_cannot_save() -> None:
 
     with pytest.raises(ShardckptUsageError, match="not a DeepSpeed ZeRO stage 3 optimizer"):
         DeepSpeedZero3(NotZero3())
+
+
+def test_benchmark_smoke(tmp_path) -> None:
+    """`python -m benchmarks.ds_engine` end to end at a tiny size: every row printed, the JSON written."""
+    report = tmp_path / "ds_engine.json"
+    tiny = ["--d-model", "64", "--layers", "1", "--vocab", "128", "--repeats", "1", "--warm"]
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.ds_engine", *tiny, "--json", str(report), "--dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": TORCH_EXTENSIONS_DIR},
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for row in ("durable save, 2 ranks", "load 2 -> 2, warm", "load 2 -> 3, warm (+ds_to_universal)"):
+        assert row in done.stdout, done.stdout
+    result = json.loads(report.read_text())
+    assert result["same_world"]["save"]["shardckpt"] > 0 and result["resharded"]["load_warm"]["universal"] > 0

@@ -201,8 +201,9 @@ class Trainer:
         )
 
     def run(self) -> None:
+        count = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters())  # ZeRO-3: ds_numel
         self._say(
-            f"training {sum(getattr(p, 'ds_numel', p.numel()) for p in self.model.parameters())} parameters on {self.world} ranks "
+            f"training {count} parameters on {self.world} ranks "
             f"({dist.get_backend()}), global batch {self.args.global_batch}, steps {self.step}..{self.args.steps}"
         )
         while self.step < self.args.steps:

@@ -84,19 +84,28 @@ def test_checkpoint_holds_fqn_keyed_global_tensors_and_engine_state(ds_run) -> N
     assert checkpoint.manifest.world_size == 2
 
 
-def test_every_tensor_equals_deepspeeds_own_universal_checkpoint(tmp_path) -> None:
+WIDER = ("--d-model", "256", "--steps", "2")  # parameters up to 1 MiB: pieces of many 64 KiB checksum blocks
+
+
+@pytest.fixture(scope="module")
+def both(tmp_path_factory) -> Path:
+    """One engine after 2 steps on 2 ranks, saved by shardckpt (both/shardckpt) and by DeepSpeed (both/native)."""
+    out = tmp_path_factory.mktemp("both")
+    torchrun(2, "native", str(out), "--", *DEEPSPEED, "--ckpt", str(out / "unused"), *WIDER, script=WORKER)
+    return out
+
+
+def test_every_tensor_equals_deepspeeds_own_universal_checkpoint(tmp_path, both) -> None:
     """Same engine, same step: shardckpt's tensors == ds_to_universal's output from engine.save_checkpoint."""
-    out = tmp_path / "both"
-    torchrun(2, "native", str(out), "--", *DEEPSPEED, "--ckpt", str(tmp_path / "unused"), "--steps", "3", script=WORKER)
     universal = tmp_path / "universal"
     subprocess.run(
         [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal"]
-        + ["--input_folder", str(out / "native" / "global_step3"), "--output_folder", str(universal)],
+        + ["--input_folder", str(both / "native" / "global_step2"), "--output_folder", str(universal)],
         check=True,
         capture_output=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
-    checkpoint = shardckpt.open(str(out / "shardckpt"))
+    checkpoint = shardckpt.open(str(both / "shardckpt"))
     zero = universal / "zero"
     params = sorted(p.name for p in zero.iterdir() if p.is_dir())
     assert len(params) == 29
@@ -108,7 +117,7 @@ def test_every_tensor_equals_deepspeeds_own_universal_checkpoint(tmp_path) -> No
             ours = checkpoint.read(name)
             # ds_to_universal keeps ZeRO-3 tensors flat; the elements must be identical.
             assert theirs.numel() == ours.numel() and torch.equal(theirs.reshape(-1), ours.reshape(-1)), name
-            assert float(checkpoint.read(f"optim.state.{param}.step")) == 3
+            assert float(checkpoint.read(f"optim.state.{param}.step")) == 2
     assert set(checkpoint.tensors) == {f"model.{p}" for p in params} | {
         f"optim.state.{p}.{k}" for p in params for k in ("exp_avg", "exp_avg_sq", "step")
     }
@@ -134,7 +143,7 @@ def test_deepspeed_to_fsdp2_to_deepspeed_keeps_every_parameter_and_moment(tmp_pa
     assert shardckpt.open(str(back)).objects["trainer"]["step"] == STEPS
 
 
-def test_fsdp2_checkpoint_resumes_in_deepspeed_and_back(tmp_path, ds_run) -> None:
+def test_fsdp2_loop_resumes_a_deepspeed_checkpoint(tmp_path, ds_run) -> None:
     """The FSDP2 loop resumes a DeepSpeed checkpoint (3 ranks) and its losses follow the DeepSpeed run."""
     checkpoints, reference = ds_run
     resumed = resume(tmp_path, _checkpoint(checkpoints), 3, STEPS, EVERY)
@@ -142,12 +151,10 @@ def test_fsdp2_checkpoint_resumes_in_deepspeed_and_back(tmp_path, ds_run) -> Non
     assert sorted(resumed) == list(range(EVERY + 1, STEPS + 1)) and worst <= RELATIVE_TOLERANCE, worst
 
 
-def test_each_rank_reads_only_its_own_partitions(tmp_path) -> None:
-    """2 -> 3 ranks with parameters of up to 1 MiB (pieces of many 64 KiB checksum blocks), gaps never read."""
-    wider = ("--d-model", "256", "--steps", "1")
-    torchrun(2, "native", str(tmp_path), "--", *DEEPSPEED, "--ckpt", str(tmp_path / "unused"), *wider, script=WORKER)
-    source, stats = str(tmp_path / "shardckpt"), tmp_path / "stats"
-    torchrun(3, "load-stats", str(stats), "--", *DEEPSPEED, "--ckpt", source, *wider, script=WORKER)
+def test_each_rank_reads_only_its_own_partitions(tmp_path, both) -> None:
+    """2 -> 3 ranks, loaded with max_gap=0 (gaps never read through)."""
+    source, stats = str(both / "shardckpt"), tmp_path / "stats"
+    torchrun(3, "load-stats", str(stats), "--", *DEEPSPEED, "--ckpt", source, *WIDER, script=WORKER)
     ranks = [json.loads((stats / f"rank-{r}.json").read_text()) for r in range(3)]
     checkpoint = shardckpt.open(source)
     shapes = [info.shape for n, info in checkpoint.tensors.items() if n.startswith("model.")]

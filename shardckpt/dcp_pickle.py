@@ -17,6 +17,9 @@ called, so a hostile file cannot reach os.system, eval, getattr or an import:
   importer, never by torch.load.
 - a bytes record's `data.pkl`: no global at all, so only plain values (numbers, strings, lists, dicts,
   tuples) load; anything else is refused and the importer skips it with a message.
+
+The generic parts (RestrictedUnpickler, unpickle, the tensor stand-ins rebuild_v2/rebuild_v3/storage_ref) are
+public: deepspeed_pickle builds its own admitted table from them, so pickle is still imported only here.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import collections
 import io
 import pickle
+import pickletools
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -36,6 +40,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from shardckpt.errors import FormatError
 
 MAX_RECORD_PICKLE_BYTES = 16 << 20  # data.pkl of one record: a tensor description or one plain value
+DCP_LABEL = "a DCP checkpoint"  # completes "refuses the pickled global X (not a name ... uses)"
 _RECORD_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}")  # a file directly in the DCP directory
 
 
@@ -98,16 +103,19 @@ class StoredTensor:
 # ------------------------------------------------------------------------------------ the unpickler
 
 
-class _RestrictedUnpickler(pickle.Unpickler):
+class RestrictedUnpickler(pickle.Unpickler):
+    """Resolves a global only through `admitted`; `label` names the kind of file in the refusal message."""
+
     def __init__(
         self,
         data: bytes,
         where: str,
         admitted: Mapping[tuple[str, str], Any],
         persistent: Callable[[Any], Any] | None = None,
+        label: str = DCP_LABEL,
     ) -> None:
         super().__init__(io.BytesIO(data))
-        self._where, self._admitted, self._persistent = where, admitted, persistent
+        self._where, self._admitted, self._persistent, self._label = where, admitted, persistent, label
 
     def find_class(self, module: str, name: str) -> Any:
         # Exact pairs only: a dotted name ("Metadata.__init__") or another module never resolves.
@@ -115,7 +123,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
             return self._admitted[(module, name)]
         except (KeyError, TypeError):
             raise FormatError(
-                f"{self._where}: refuses the pickled global {module}.{name} (not a name a DCP checkpoint uses; "
+                f"{self._where}: refuses the pickled global {module}.{name} (not a name {self._label} uses; "
                 "nothing was run)"
             ) from None
 
@@ -125,18 +133,49 @@ class _RestrictedUnpickler(pickle.Unpickler):
         return self._persistent(pid)
 
 
-def _unpickle(
-    data: bytes, where: str, admitted: Mapping[tuple[str, str], Any], persistent: Callable[[Any], Any] | None = None
+def unpickle(
+    data: bytes,
+    where: str,
+    admitted: Mapping[tuple[str, str], Any],
+    persistent: Callable[[Any], Any] | None = None,
+    label: str = DCP_LABEL,
 ) -> Any:
+    """Load `data` admitting only the globals in `admitted`; every failure is a FormatError naming `where`."""
+    check_memo_indices(data, where)  # before the C unpickler can be made to allocate for a far memo index
     try:
-        return _RestrictedUnpickler(data, where, admitted, persistent).load()
+        return RestrictedUnpickler(data, where, admitted, persistent, label).load()
     except FormatError:
         raise
-    except Exception as exc:  # a malformed pickle fails in many ways; all of them mean "not a DCP file"
+    except Exception as exc:  # a malformed pickle fails in many ways; all of them mean "not a file of this kind"
         raise FormatError(f"{where}: not a readable pickle ({type(exc).__name__}: {exc})") from None
 
 
-def _torch_values(kinds: tuple[type, ...]) -> dict[tuple[str, str], Any]:
+_MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+
+
+def check_memo_indices(data: bytes, where: str) -> None:
+    """Scan the opcodes (nothing is run) and refuse a memo index beyond those assigned so far.
+
+    The C unpickler grows its memo array to twice any index a PUT names, so a 10-byte pickle naming index 2^32
+    would allocate tens of GB; picklers number memo entries 0, 1, 2, ... in order, so no real file does that.
+    Pure Python and so slower than the unpickler itself: meant for pickles of metadata size, not for bulk data.
+    """
+    assigned = 0
+    try:
+        for opcode, argument, _ in pickletools.genops(data):
+            if opcode.name in _MEMO_PUTS:
+                if not isinstance(argument, int) or not 0 <= argument <= assigned:
+                    raise FormatError(f"{where}: memo index {argument!r:.40} out of order (at most {assigned})")
+                assigned += 1
+            elif opcode.name == "MEMOIZE":
+                assigned += 1
+    except FormatError:
+        raise
+    except Exception as exc:  # genops reads every argument: a length past the end, an unknown opcode
+        raise FormatError(f"{where}: not a readable pickle ({type(exc).__name__}: {exc})") from None
+
+
+def torch_values(kinds: tuple[type, ...]) -> dict[tuple[str, str], Any]:
     # vars() rather than getattr: torch's module __getattr__ would import submodules for unknown names.
     return {("torch", name): value for name, value in vars(torch).items() if isinstance(value, kinds)}
 
@@ -172,7 +211,7 @@ METADATA_ADMITTED: dict[tuple[str, str], Any] = {
     **{("torch.distributed.checkpoint.metadata", n): getattr(dcp_metadata, n) for n in _METADATA_CLASSES},
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): dcp_filesystem._StorageInfo,
     ("torch", "Size"): torch.Size,
-    **_torch_values((torch.dtype, torch.layout, torch.memory_format)),
+    **torch_values((torch.dtype, torch.layout, torch.memory_format)),
     ("torch.serialization", "_get_layout"): _layout_named,
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("builtins", "set"): set,
@@ -186,7 +225,7 @@ METADATA_ADMITTED: dict[tuple[str, str], Any] = {
 
 def read_dcp_metadata(data: bytes, where: str) -> DcpMetadata:
     """Decode a DCP `.metadata` pickle with the restricted unpickler, then check and convert every field."""
-    raw = _unpickle(data, where, METADATA_ADMITTED)
+    raw = unpickle(data, where, METADATA_ADMITTED)
     if not isinstance(raw, dcp_metadata.Metadata):
         raise FormatError(f"{where}: holds a {type(raw).__name__}, not DCP Metadata")
     entries = getattr(raw, "state_dict_metadata", None)
@@ -199,7 +238,7 @@ def read_dcp_metadata(data: bytes, where: str) -> DcpMetadata:
             raise FormatError(f"{where}: storage_data maps {type(key).__name__} to {type(info).__name__}")
         fqn = _text(getattr(key, "fqn", None), f"{where}: storage key")
         offset = getattr(key, "offset", None)
-        records[(fqn, None if offset is None else _ints(offset, f"{where}: {fqn!r} offset"))] = _record(
+        records[(fqn, None if offset is None else ints(offset, f"{where}: {fqn!r} offset"))] = _record(
             info, f"{where}: {fqn!r}"
         )
     planner = getattr(raw, "planner_data", None)
@@ -232,7 +271,7 @@ def _tensor(
     dtype = getattr(getattr(entry, "properties", None), "dtype", None)
     if not isinstance(dtype, torch.dtype):
         raise FormatError(f"{where}: dtype is {dtype!r}")
-    shape = _ints(getattr(entry, "size", None), f"{where} size")
+    shape = ints(getattr(entry, "size", None), f"{where} size")
     chunks = getattr(entry, "chunks", None)
     if not isinstance(chunks, list):
         raise FormatError(f"{where}: chunks must be a list")
@@ -240,8 +279,8 @@ def _tensor(
     for chunk in chunks:
         if not isinstance(chunk, dcp_metadata.ChunkStorageMetadata):
             raise FormatError(f"{where}: a chunk is a {type(chunk).__name__}")
-        offsets = _ints(getattr(chunk, "offsets", None), f"{where} chunk offsets")
-        sizes = _ints(getattr(chunk, "sizes", None), f"{where} chunk sizes")
+        offsets = ints(getattr(chunk, "offsets", None), f"{where} chunk offsets")
+        sizes = ints(getattr(chunk, "sizes", None), f"{where} chunk sizes")
         if len(offsets) != len(shape) or len(sizes) != len(shape):
             raise FormatError(f"{where}: chunk at {list(offsets)} of shape {list(sizes)} for shape {list(shape)}")
         if any(o + s > d for o, s, d in zip(offsets, sizes, shape)):
@@ -278,7 +317,7 @@ def _text(value: object, where: str) -> str:
     return value
 
 
-def _ints(value: object, where: str) -> tuple[int, ...]:
+def ints(value: object, where: str) -> tuple[int, ...]:
     if not isinstance(value, (tuple, list)) or len(value) > 64:
         raise FormatError(f"{where}: expected a sequence of at most 64 integers, got {value!r}")
     if any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 62 for v in value):
@@ -297,12 +336,12 @@ def _path(value: object, name: str) -> tuple[str | int, ...]:
 
 
 @dataclass(frozen=True)
-class _StorageClass:
+class StorageClass:
     dtype: torch.dtype
 
 
 @dataclass(frozen=True)
-class _StorageRef:
+class StorageRef:
     key: str
     dtype: torch.dtype
     numel: int
@@ -324,19 +363,19 @@ _LEGACY_STORAGES = {
 }
 
 
-def _storage_ref(pid: Any) -> _StorageRef:
-    if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageClass)):
+def storage_ref(pid: Any) -> StorageRef:
+    if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], StorageClass)):
         raise FormatError(f"unexpected persistent reference {pid!r:.200}")
     _, kind, key, _location, numel = pid
     if not isinstance(key, str) or isinstance(numel, bool) or not isinstance(numel, int) or not 0 <= numel < 1 << 62:
         raise FormatError(f"bad storage reference {pid!r:.200}")
-    return _StorageRef(key, kind.dtype, numel)
+    return StorageRef(key, kind.dtype, numel)
 
 
 def _stored(storage: object, offset: object, size: object, stride: object, dtype: torch.dtype) -> StoredTensor:
-    if not isinstance(storage, _StorageRef) or isinstance(offset, bool) or not isinstance(offset, int):
+    if not isinstance(storage, StorageRef) or isinstance(offset, bool) or not isinstance(offset, int):
         raise FormatError(f"a tensor rebuild got storage {storage!r:.100} at offset {offset!r:.100}")
-    shape, strides = _ints(size, "tensor size"), _ints(stride, "tensor stride")
+    shape, strides = ints(size, "tensor size"), ints(stride, "tensor stride")
     if len(strides) != len(shape) or offset < 0:
         raise FormatError(f"tensor size {list(shape)}, stride {list(strides)}, offset {offset} do not match")
     return StoredTensor(storage.key, storage.numel * storage.dtype.itemsize, dtype, offset, shape, strides)
@@ -347,16 +386,16 @@ def _check_extra(requires_grad: object, hooks: object, metadata: object) -> None
         raise FormatError(f"tensor with hooks {hooks!r:.100} or metadata {metadata!r:.100} is not a plain tensor")
 
 
-def _rebuild_v2(
+def rebuild_v2(
     storage: object, offset: object, size: object, stride: object, grad: object, hooks: object, meta: object = None
 ) -> StoredTensor:
     """Stand-in for torch._utils._rebuild_tensor_v2: the storage's own dtype."""
     _check_extra(grad, hooks, meta)
-    dtype = storage.dtype if isinstance(storage, _StorageRef) else torch.uint8
+    dtype = storage.dtype if isinstance(storage, StorageRef) else torch.uint8
     return _stored(storage, offset, size, stride, dtype)
 
 
-def _rebuild_v3(
+def rebuild_v3(
     storage: object,
     offset: object,
     size: object,
@@ -374,12 +413,12 @@ def _rebuild_v3(
 
 
 TENSOR_RECORD_ADMITTED: dict[tuple[str, str], Any] = {
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
-    ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
-    **{("torch", name): _StorageClass(dtype) for name, dtype in _LEGACY_STORAGES.items()},
-    ("torch", "UntypedStorage"): _StorageClass(torch.uint8),
-    ("torch.storage", "UntypedStorage"): _StorageClass(torch.uint8),
-    **_torch_values((torch.dtype,)),
+    ("torch._utils", "_rebuild_tensor_v2"): rebuild_v2,
+    ("torch._utils", "_rebuild_tensor_v3"): rebuild_v3,
+    **{("torch", name): StorageClass(dtype) for name, dtype in _LEGACY_STORAGES.items()},
+    ("torch", "UntypedStorage"): StorageClass(torch.uint8),
+    ("torch.storage", "UntypedStorage"): StorageClass(torch.uint8),
+    **torch_values((torch.dtype,)),
     ("collections", "OrderedDict"): collections.OrderedDict,
 }
 
@@ -387,7 +426,7 @@ TENSOR_RECORD_ADMITTED: dict[tuple[str, str], Any] = {
 def read_tensor_pickle(data: bytes, where: str) -> StoredTensor:
     """Describe the tensor a torch.save zip holds, from its data.pkl, without building it."""
     _check_size(data, where)
-    result = _unpickle(data, where, TENSOR_RECORD_ADMITTED, _storage_ref)
+    result = unpickle(data, where, TENSOR_RECORD_ADMITTED, storage_ref)
     if not isinstance(result, StoredTensor):
         raise FormatError(f"{where}: holds a {type(result).__name__}, not one tensor")
     return result
@@ -396,7 +435,7 @@ def read_tensor_pickle(data: bytes, where: str) -> StoredTensor:
 def read_value_pickle(data: bytes, where: str) -> Any:
     """A plain value (numbers, strings, lists, dicts, tuples) from a bytes record's data.pkl; no global admitted."""
     _check_size(data, where)
-    return _unpickle(data, where, {("collections", "OrderedDict"): dict})
+    return unpickle(data, where, {("collections", "OrderedDict"): dict})
 
 
 def _check_size(data: bytes, where: str) -> None:

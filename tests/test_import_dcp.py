@@ -10,6 +10,7 @@ import datetime
 import io
 import os
 import pickle
+import time
 import uuid
 import zipfile
 
@@ -158,6 +159,17 @@ def test_a_malicious_metadata_pickle_is_refused_without_running_it(tmp_path, cap
         pickle.loads(payload)  # the control: plain pickle does run it
         assert marker.exists(), label
     assert not (tmp_path / "ck" / "COMMITTED").exists()
+
+
+def test_a_far_memo_index_is_refused_before_the_unpickler_allocates_for_it(tmp_path) -> None:
+    """10 bytes naming memo slot 2^32 - 1 would make the C unpickler grow its memo to tens of GB."""
+    directory = tmp_path / "dcp"
+    directory.mkdir()
+    (directory / ".metadata").write_bytes(b"\x80\x02N" + b"r\xff\xff\xff\xff" + b".")  # PROTO 2, NONE, LONG_BINPUT
+    began = time.perf_counter()
+    with pytest.raises(FormatError, match="memo index"):
+        import_dcp(str(directory), str(tmp_path / "ck"))
+    assert time.perf_counter() - began < 30  # refused from the opcodes, not after an allocation
 
 
 def test_a_malicious_record_pickle_is_refused_without_running_it(tmp_path) -> None:

@@ -419,11 +419,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     collecting.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
     collecting.add_argument("-q", "--quiet", action="store_true", help="no progress output")
-    for module in commands.MODULES:  # export, import-dcp, diff, du
+    for module in commands.MODULES:  # export, import-dcp, import-deepspeed, diff, du
         module.register(sub)
     train = sub.add_parser(
         "train",
-        help="run the bundled FSDP2 (ZeRO-3) training loop (under torchrun for several ranks)",
+        help="run the bundled ZeRO-3 training loop (FSDP2, or --engine deepspeed; torchrun for several ranks)",
         description="Same as python -m shardckpt.train; see `shardckpt train --help`.",
         add_help=False,
     )

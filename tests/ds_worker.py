@@ -3,6 +3,7 @@
 native: train with DeepSpeed, then save the same state with shardckpt (OUT/shardckpt) and DeepSpeed (OUT/native).
 resave: resume (any engine, any checkpoint) and at once save what the live engine holds to OUT with shardckpt.
 load-stats: load the checkpoint at --ckpt into a DeepSpeed engine; each rank's bytes needed and fetched to OUT.
+check-full: load the checkpoint at --ckpt into a DeepSpeed engine; compare it with DeepSpeed's full parameters.
 """
 
 from __future__ import annotations
@@ -16,6 +17,31 @@ import torch.distributed as dist
 
 import shardckpt
 from shardckpt.train.loop import Trainer, init_distributed, parse_args
+
+
+def check_full(engine, url: str, result: str) -> None:
+    """After load_deepspeed: DeepSpeed's full fp32 masters and moments, and the gathered module parameters (in the
+    engine's own dtype), against what the checkpoint holds; the names of those that differ."""
+    import deepspeed
+    import torch
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    shardckpt.load_deepspeed(engine, url)
+    checkpoint, wrong = shardckpt.open(url), []
+    for name, param in engine.module.named_parameters():
+        stored = checkpoint.read(f"model.{name}")
+        if not torch.equal(safe_get_full_fp32_param(param), stored):
+            wrong.append(f"fp32 {name}")
+        for key in ("exp_avg", "exp_avg_sq"):
+            if not torch.equal(safe_get_full_optimizer_state(param, key), checkpoint.read(f"optim.state.{name}.{key}")):
+                wrong.append(f"{key} {name}")
+        with deepspeed.zero.GatheredParameters([param]):
+            if not torch.equal(param.data, stored.to(param.dtype)):
+                wrong.append(f"module {name}")
+        dtype = str(param.dtype)
+    os.makedirs(os.path.dirname(result), exist_ok=True)
+    with open(result, "w") as handle:
+        json.dump({"wrong": wrong, "dtype": dtype, "step": engine.global_steps}, handle)
 
 
 def main() -> int:
@@ -52,6 +78,8 @@ def main() -> int:
             json.dump(
                 {"needed": stats.needed_bytes, "fetched": stats.fetched_bytes, "requests": stats.requests}, handle
             )
+    elif mode == "check-full":  # load_deepspeed, then compare with DeepSpeed's own view of every parameter
+        check_full(trainer.engine, args.ckpt, os.path.join(out, f"rank-{rank}.json"))
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     dist.barrier()

@@ -167,6 +167,19 @@ def test_each_rank_reads_only_its_own_partitions(tmp_path, both) -> None:
     assert sum(r["fetched"] for r in ranks) <= 1.25 * total, (ranks, total)
 
 
+def test_bf16_engine_saves_fp32_masters_and_loads_them_on_three_ranks(tmp_path) -> None:
+    """Mixed precision: bf16 module weights over fp32 masters; after 2 -> 3 ranks DeepSpeed's own full fp32
+    parameters and moments equal the checkpoint's, and every gathered bf16 weight is the master rounded."""
+    bf16 = (*DEEPSPEED, "--bf16", "--global-batch", "6", "--steps", "2", "--ckpt-every", "2")
+    torchrun(2, *bf16, "--ckpt", str(tmp_path / "ck"))
+    source = _checkpoint(tmp_path / "ck", 2)
+    assert shardckpt.open(source).tensors["model.embed.weight"].dtype == torch.float32
+    torchrun(3, "check-full", str(tmp_path / "check"), "--", *bf16, "--ckpt", source, script=WORKER)
+    for rank in range(3):
+        result = json.loads((tmp_path / "check" / f"rank-{rank}.json").read_text())
+        assert result == {"wrong": [], "dtype": "torch.bfloat16", "step": 2}, result
+
+
 def test_adapter_refuses_engines_it_cannot_save() -> None:
     class NotZero3:
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)

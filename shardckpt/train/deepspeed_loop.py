@@ -36,9 +36,10 @@ def init_deepspeed(use_cuda: bool) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), torch.device("cpu")
 
 
-def deepspeed_config(global_batch: int, world: int, lr: float) -> dict[str, Any]:
-    """ZeRO-3 in fp32 with torch's AdamW (the FSDP2 loop's optimizer), one micro-batch per rank and step."""
+def deepspeed_config(global_batch: int, world: int, lr: float, *, bf16: bool = False) -> dict[str, Any]:
+    """ZeRO-3 with torch's AdamW (the FSDP2 loop's optimizer), one micro-batch per rank and step; fp32 or bf16."""
     return {
+        "bf16": {"enabled": bf16},
         "train_batch_size": global_batch,
         "train_micro_batch_size_per_gpu": global_batch // world,
         "gradient_accumulation_steps": 1,
@@ -69,7 +70,7 @@ class DeepSpeedTrainer(Trainer):
         engine, optimizer, _, scheduler = deepspeed.initialize(
             model=model,
             model_parameters=model.parameters(),
-            config=deepspeed_config(args.global_batch, self.world, args.lr),
+            config=deepspeed_config(args.global_batch, self.world, args.lr, bf16=args.bf16),
             lr_scheduler=lambda base: LambdaLR(base, warmup_cosine(args.warmup, args.steps)),
         )
         self.engine, self.model, self.optimizer, self.scheduler = engine, engine, optimizer, scheduler

@@ -53,6 +53,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--pid-dir", help="write each rank's process id to PID_DIR/rank-<r>.pid")
     parser.add_argument("--cpu", action="store_true", help="use gloo on the CPU even when CUDA is available")
     parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="DeepSpeed engine only: bf16 weights and activations over fp32 master weights (which are checkpointed)",
+    )
+    parser.add_argument(
         "--engine",
         choices=("fsdp2", "deepspeed"),
         default="fsdp2",
@@ -240,6 +245,8 @@ class Trainer:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     use_cuda = torch.cuda.is_available() and not args.cpu
+    if args.bf16 and args.engine != "deepspeed":
+        raise SystemExit("--bf16 is for --engine deepspeed (the FSDP2 loop trains in fp32)")
     if args.engine == "deepspeed":
         from shardckpt.train.deepspeed_loop import DeepSpeedTrainer, init_deepspeed
 

@@ -224,11 +224,33 @@ def _write_manifest(storage: Storage, manifest: GlobalManifest) -> bytes:
         if storage.read_small(path, limits.MAX_GLOBAL_MANIFEST_BYTES) != encoded:
             raise IntegrityError(f"{storage.describe(path)} does not hold the bytes just written")
     except AlreadyExistsError:
-        # A coordinator of this attempt died between manifest and COMMITTED: reuse its manifest if it
-        # describes the same files (nothing is ever overwritten).
-        existing = storage.read_small(path, limits.MAX_GLOBAL_MANIFEST_BYTES)
-        previous = decode_global_manifest(existing, storage.describe(path))
+        # A coordinator of this attempt died between manifest and COMMITTED, or is writing it right now: reuse its
+        # manifest if it describes the same files (nothing is ever overwritten).
+        previous, existing = _existing_manifest(storage, path)
         if previous.files != manifest.files:
             raise CommitConflictError(f"{storage.describe(path)} exists and describes other files") from None
         return existing
     return encoded
+
+
+# A manifest that does not decode may be one a concurrent committer of the same attempt is still writing: look
+# again until its bytes have not changed for MANIFEST_SETTLE seconds (then it is what a dead writer left).
+MANIFEST_SETTLE = 0.25
+MANIFEST_WAIT = 5.0
+
+
+def _existing_manifest(storage: Storage, path: str) -> tuple[GlobalManifest, bytes]:
+    """The global manifest already at `path`, decoded, once it has stopped changing; FormatError if it never does."""
+    deadline = time.monotonic() + MANIFEST_WAIT
+    last, settled = b"", time.monotonic()
+    while True:
+        existing = storage.read_small(path, limits.MAX_GLOBAL_MANIFEST_BYTES)
+        try:
+            return decode_global_manifest(existing, storage.describe(path)), existing
+        except FormatError:
+            now = time.monotonic()
+            if existing != last:
+                last, settled = existing, now
+            if now - settled >= MANIFEST_SETTLE or now >= deadline:
+                raise
+            time.sleep(0.01)

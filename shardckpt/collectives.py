@@ -66,11 +66,26 @@ def all_gather_bytes(group: Group, data: bytes) -> list[bytes]:
     return [bytes(buffer.cpu()[:size].numpy().tobytes()) for buffer, size in zip(buffers, sizes)]
 
 
+# A broadcast carries its length and up to this many bytes in one collective; longer data takes a second one.
+INLINE_BYTES = 64 << 10
+
+
 def broadcast_bytes(group: Group, data: bytes | None, src: int) -> bytes:
-    """`data` of group rank `src`, on every rank."""
-    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=group.device)
-    dist.broadcast(size, src=group.global_rank(src), group=group.handle)
-    length = int(size.item())
-    buffer = _to_tensor(data if group.rank == src and data is not None else b"", length, group.device)
-    dist.broadcast(buffer, src=group.global_rank(src), group=group.handle)
-    return bytes(buffer.cpu().numpy().tobytes())
+    """`data` of group rank `src`, on every rank: one collective when it fits INLINE_BYTES, else two."""
+    mine = data if group.rank == src and data is not None else b""
+    first = _to_tensor(len(mine).to_bytes(8, "little") + mine[:INLINE_BYTES], 8 + INLINE_BYTES, group.device)
+    dist.broadcast(first, src=group.global_rank(src), group=group.handle)
+    head = first.cpu().numpy().tobytes()
+    length = int.from_bytes(head[:8], "little")
+    if length <= INLINE_BYTES:
+        return head[8 : 8 + length]
+    rest = _to_tensor(mine[INLINE_BYTES:], length - INLINE_BYTES, group.device)
+    dist.broadcast(rest, src=group.global_rank(src), group=group.handle)
+    return head[8:] + rest.cpu().numpy().tobytes()
+
+
+def any_rank(group: Group, flag: bool) -> bool:
+    """True on every rank when `flag` is true on any: one small collective."""
+    value = torch.tensor([int(flag)], dtype=torch.int64, device=group.device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group.handle)
+    return bool(value.item())

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import msgpack
 import torch.distributed as dist
 
-from shardckpt.collectives import Group, all_gather_bytes, broadcast_bytes, gather_bytes
+from shardckpt.collectives import Group, all_gather_bytes, any_rank, broadcast_bytes, gather_bytes
 from shardckpt.coordinator import commit
 from shardckpt.errors import AlreadyExistsError, DistributedError, ShardckptError, ShardckptUsageError
 from shardckpt.format import layout
@@ -28,10 +28,11 @@ from shardckpt.integrations.leaves import PerRank, load_items, save_items
 from shardckpt.planner.plan import DEFAULT_MAX_GAP
 from shardckpt.restorer import (
     Checkpoint,
+    Opening,
     PendingRead,
     ReadStats,
     open_checkpoint,
-    read_marker_bytes,
+    read_opening,
     verify_global_manifest,
 )
 from shardckpt.state import flatten
@@ -70,6 +71,12 @@ def _gather(group: Group | _Solo, data: bytes, dst: int) -> list[bytes] | None:
     if isinstance(group, _Solo):
         return [data]
     return _collective(lambda: gather_bytes(group, data, dst), group)
+
+
+def _any_rank(group: Group | _Solo, flag: bool) -> bool:
+    if isinstance(group, _Solo):
+        return flag
+    return _collective(lambda: any_rank(group, flag), group)
 
 
 def _all_gather(group: Group | _Solo, data: bytes) -> list[bytes]:
@@ -197,20 +204,21 @@ def load(
         assign()
         return stats
     opening = None
+    own: Opening | None = None
     if group.rank == coordinator:
         try:
-            checkpoint = open_checkpoint(storage, max_in_flight=max_in_flight, max_gap=max_gap)
-            marker_raw = read_marker_bytes(storage)
-            manifest_raw = storage.read_small(checkpoint.marker.manifest, checkpoint.marker.manifest_size)
-            opening = _pack({"marker": marker_raw, "manifest": manifest_raw})
+            own = read_opening(storage)
+            opening = _pack({"marker": own.marker_raw, "manifest": own.manifest_raw})
         except ShardckptError as exc:
             opening = _pack({"error": _describe(exc)})
     message = _unpack(_broadcast(group, opening, coordinator))
     if "error" in message:
         raise DistributedError("load", {coordinator: message["error"]})
-    # Read once by the coordinator; every rank checks the bytes against the marker itself before trusting them.
-    marker = decode_commit_marker(message["marker"], storage.describe(layout.COMMITTED))
-    manifest = verify_global_manifest(message["manifest"], marker, storage.describe(marker.manifest))
+    if own is not None:  # the coordinator checked and decoded these very bytes already
+        marker, manifest = own.marker, own.manifest
+    else:  # read once by the coordinator; every rank checks the bytes against the marker before trusting them
+        marker = decode_commit_marker(message["marker"], storage.describe(layout.COMMITTED))
+        manifest = verify_global_manifest(message["manifest"], marker, storage.describe(marker.manifest))
     checkpoint = Checkpoint(storage, marker, manifest, max_in_flight=max_in_flight, max_gap=max_gap)
     local_error: BaseException | None = None
     stats = ReadStats(0, 0, 0, 0.0)
@@ -226,9 +234,10 @@ def load(
     except Exception as exc:
         local_error = exc
         status = _pack({"error": _describe(exc)})
-    replies = [_unpack(reply) for reply in _all_gather(group, status)]
-    failures = {rank: reply["error"] for rank, reply in enumerate(replies) if "error" in reply}
-    if failures:
+    # One small collective when every rank succeeded; the ranks' messages are gathered only after a failure.
+    if _any_rank(group, local_error is not None):
+        replies = [_unpack(reply) for reply in _all_gather(group, status)]
+        failures = {rank: reply["error"] for rank, reply in enumerate(replies) if "error" in reply}
         raise DistributedError("load", failures) from local_error
     if verify_first:
         assert prepared is not None

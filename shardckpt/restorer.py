@@ -1,11 +1,15 @@
 """Opening a committed checkpoint and reading any box of any tensor, verifying every byte it reads.
 
 open() checks COMMITTED and the manifest's checksum; reads go planner -> coalesced range reads (concurrent,
-bounded bytes in flight) -> block checksums from the file's local manifest -> strided copies into destinations.
+bounded bytes in flight, into one reused buffer) -> block checksums from the file's local manifest -> strided
+copies into destinations.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -18,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from shardckpt import fetching
 from shardckpt.errors import (
     FormatError,
     IntegrityError,
@@ -41,7 +46,7 @@ from shardckpt.planner import Box, ReadPlan, ReadRequest, Target, VerifySpan, ch
 from shardckpt.planner.box import box_as_flat_range
 from shardckpt.planner.execute import apply_copy
 from shardckpt.planner.plan import DEFAULT_MAX_GAP, DEFAULT_MAX_REQUEST
-from shardckpt.storage import Storage, open_storage
+from shardckpt.storage import RangeReader, Storage, open_storage
 from shardckpt.torch_bytes import host_staging, torch_dtype, writable_bytes
 
 DEFAULT_MAX_IN_FLIGHT = 256 << 20
@@ -130,7 +135,11 @@ class FileIndex:
 
 
 class Checkpoint:
-    """A committed checkpoint opened for reading. Use `shardckpt.open(url)`."""
+    """A committed checkpoint opened for reading. Use `shardckpt.open(url)`.
+
+    It keeps one read buffer for its lifetime (a few requests' worth, never more than max_in_flight or the largest
+    request): faulted in once, reused by every read, so reads do not pay page faults on fresh memory.
+    """
 
     def __init__(
         self,
@@ -149,6 +158,9 @@ class Checkpoint:
         self._indexes: dict[int, FileIndex] = {}
         self._sized: set[int] = set()
         self._lock = threading.Lock()
+        self._positions: dict[tuple[int, str, int], int] = {}
+        self._buffer: ByteArray | None = None  # the read buffer, faulted in once and reused by every read
+        self._buffer_busy = False
 
     # ------------------------------------------------------------------------------------- description
 
@@ -176,8 +188,27 @@ class Checkpoint:
             raise ShardckptUsageError(f"tensor {name!r} is not in {self.url}")
         if name not in self._checked:
             check_cover(name, entry.shape, entry.layout, entry.pieces.start, entry.pieces.length)
+            if entry.numel == 0:
+                self._check_declared(entry)
             self._checked.add(name)
         return entry
+
+    def _check_declared(self, entry: TensorEntry) -> None:
+        """A tensor without elements has no piece to check against a local manifest, so check the rank that
+        declares it (SPEC: at least one does): dtype and shape must agree there too. Reads local manifests until
+        one declares it; cached, and only for empty tensors."""
+        for file in range(len(self.manifest.files)):
+            declared = next((t for t in self.file_index(file).local.tensors if t.name == entry.name), None)
+            if declared is None:
+                continue
+            if (declared.dtype, declared.shape, declared.layout) != (entry.dtype, entry.shape, entry.layout):
+                raise IntegrityError(
+                    f"{self.storage.describe(self.manifest.files[file].index)}: tensor {entry.name!r} is "
+                    f"{declared.dtype} {list(declared.shape)} ({declared.layout}) there, but {entry.dtype} "
+                    f"{list(entry.shape)} ({entry.layout}) in the global manifest"
+                )
+            return
+        raise FormatError(f"{self.url}: no local manifest declares the empty tensor {entry.name!r} (SPEC 6.1)")
 
     # --------------------------------------------------------------------------------------- planning
 
@@ -217,7 +248,8 @@ class Checkpoint:
         No destination byte is written before every destination, the coverage of every tensor read and every local
         manifest the reads need are checked, and no byte is copied before its block's checksum is. verify_first:
         fetch and verify every byte before writing any (holds the fetched bytes, about the destinations' size, in
-        memory); otherwise bytes are copied as each wave of reads verifies, and a failure leaves earlier copies.
+        memory); otherwise each read request is copied once all its blocks verify, and a failure leaves earlier
+        copies.
         """
         pending = self.prepare(items)
         if verify_first:
@@ -247,15 +279,38 @@ class Checkpoint:
         return PendingRead(self, plan, buffers, fixups, began)
 
     def execute(self, plan: ReadPlan, destinations: Sequence[ByteArray]) -> None:
-        """Fetch the plan's requests in waves of at most max_in_flight bytes; verify each wave, then copy it."""
+        """Fetch the plan's requests, at most max_in_flight bytes at a time; verify each, then copy it."""
         self.preflight(plan)
         self.stream(plan, destinations)
 
     def stream(self, plan: ReadPlan, destinations: Sequence[ByteArray]) -> None:
-        """execute() without the preflight (done already): fetch, verify and copy wave by wave."""
-        for wave in self.waves(plan):
-            for request, fetched in self.fetch_wave(wave):
-                self.copy(request, fetched, destinations)
+        """execute() without the preflight (done already): fetch, verify and copy, at most max_in_flight bytes
+        fetched and not yet copied (a larger request alone).
+
+        Worker threads each read a request into a slot of one reused buffer, verify it and copy it out while the
+        next requests are read. Batched backends (object stores) fetch whole waves instead, then verify and copy.
+        """
+        if self.storage.batched_reads:
+            for wave in self.waves(plan):
+                for request, fetched in self.fetch_wave(wave):
+                    self.copy(request, fetched, destinations)
+            return
+
+        def finish(request: ReadRequest, slot: ByteArray) -> None:
+            self.verify(request, slot)
+            self.copy(request, slot, destinations)  # this request's blocks all matched their checksums
+
+        workers = self._workers(len(plan.requests))
+        ordered = self.storage.ordered_reads
+        # Ordered: this thread reads while the workers finish, so the ring holds a slot for it too.
+        size = fetching.ring_size(plan.requests, self.max_in_flight, workers + ordered)
+        with (
+            self.storage.reader() as reader,
+            self._read_buffer(size) as buffer,
+            ThreadPoolExecutor(max_workers=workers) as pool,
+        ):
+            read = functools.partial(self.read_request, reader)
+            fetching.stream(plan.requests, buffer, self.max_in_flight, pool, read, finish, ordered=ordered)
 
     def preflight(self, plan: ReadPlan) -> None:
         """Read and check every local manifest the plan needs and find each piece there, before any data byte."""
@@ -296,15 +351,56 @@ class Checkpoint:
                     f"{request.start}:{request.end} (got {len(blob)})"
                 )
             fetched = np.frombuffer(blob, dtype=np.uint8)
-            for span in request.verify:
-                self._verify(request.file, span, fetched, request.start)
+            self.verify(request, fetched)
             fetched_wave.append((request, fetched))
         return fetched_wave
+
+    def read_request(self, reader: RangeReader, request: ReadRequest, slot: ByteArray) -> None:
+        """Read one request's bytes into `slot` (request.size bytes) through `reader`; nothing is verified yet."""
+        path = self.manifest.files[request.file].data
+        try:
+            reader.read_into(path, request.start, slot.data)
+        except TruncatedError as exc:
+            names = sorted({span.tensor for span in request.verify})
+            raise IntegrityError(f"{exc} while reading tensors {names[:5]}") from exc
+
+    def verify(self, request: ReadRequest, fetched: ByteArray) -> None:
+        """Check every block of a request's bytes against its checksum; IntegrityError on the first mismatch."""
+        for span in request.verify:
+            self._verify(request.file, span, fetched, request.start)
 
     @staticmethod
     def copy(request: ReadRequest, fetched: ByteArray, destinations: Sequence[ByteArray]) -> None:
         for copy in request.copies:
             apply_copy(copy, fetched, request.start, destinations[copy.target])
+
+    def _workers(self, jobs: int) -> int:
+        """Threads for `jobs` reads: the backend's read concurrency, but no more than the cores left for checksums
+        and copies (extra threads only contend for them and for the GIL); with ordered reads, the reading thread
+        keeps a core busy itself."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(1, min(self.storage.read_threads, cores - self.storage.ordered_reads, jobs))
+
+    def worker_pool(self, jobs: int) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(max_workers=self._workers(jobs))
+
+    @contextlib.contextmanager
+    def _read_buffer(self, size: int) -> Iterator[ByteArray]:
+        """This checkpoint's read buffer (grown to `size` bytes if smaller), or a private one while it is in use."""
+        with self._lock:
+            buffer, busy = self._buffer, self._buffer_busy
+            self._buffer_busy = True
+        if busy:
+            yield fetching.allocate(size)
+            return
+        try:
+            if buffer is None or buffer.size < size:
+                buffer = self._buffer = None  # free the old one before touching the new one
+                buffer = self._buffer = fetching.allocate(size)
+            yield buffer[:size]
+        finally:
+            with self._lock:
+                self._buffer_busy = False
 
     # ------------------------------------------------------------------------------------- integrity
 
@@ -354,26 +450,35 @@ class Checkpoint:
             self._sized.add(file)
 
     def _position(self, file: int, span: VerifySpan) -> int:
-        position = self.file_index(file).find(self.entry(span.tensor), span.piece)
-        if isinstance(position, str):
+        """Where the span's piece sits in its file's local manifest (checked once, then remembered)."""
+        key = (file, span.tensor, span.piece)
+        position = self._positions.get(key)
+        if position is not None:
+            return position
+        found = self.file_index(file).find(self.entry(span.tensor), span.piece)
+        if isinstance(found, str):
             path = self.storage.describe(self.manifest.files[file].data)
-            raise IntegrityError(f"{path}: tensor {span.tensor!r}: {position}")
-        return position
+            raise IntegrityError(f"{path}: tensor {span.tensor!r}: {found}")
+        self._positions[key] = found
+        return found
 
     def _verify(self, file: int, span: VerifySpan, fetched: ByteArray, fetched_start: int) -> None:
         index = self.file_index(file)
-        path = self.storage.describe(self.manifest.files[file].data)
         position = self._position(file, span)
         block = self.manifest.block_size
         first = (span.start - span.piece_offset) // block
         last = -(-(span.end - span.piece_offset) // block)
         base = int(index.first_block[position])
-        for number in range(first, last):
-            lo = span.piece_offset + number * block
-            hi = min(lo + block, span.piece_offset + span.piece_size)
-            actual = crc32c.crc32c(fetched[lo - fetched_start : hi - fetched_start].data)
-            expected = int(index.crcs[base + number])
+        view = fetched.data
+        origin = span.piece_offset - fetched_start  # where the piece's first block would start in `fetched`
+        piece_end = origin + span.piece_size
+        # A tight loop: crc32c releases the GIL for each block, so several workers verify at once.
+        for number, expected in enumerate(index.crcs[base + first : base + last].tolist(), first):
+            lo = origin + number * block
+            actual = crc32c.crc32c(view[lo : min(lo + block, piece_end)])
             if actual != expected:
+                lo, hi = lo + fetched_start, min(lo + block, piece_end) + fetched_start
+                path = self.storage.describe(self.manifest.files[file].data)
                 raise IntegrityError(
                     f"{path}: tensor {span.tensor!r}: block {number} of the piece at byte {span.piece_offset} "
                     f"(file bytes {lo}:{hi}) fails its checksum (stored {expected:#010x}, read {actual:#010x})"
@@ -399,22 +504,62 @@ class PendingRead:
         self._fetched: list[tuple[ReadRequest, ByteArray]] | None = None
 
     def fetch(self) -> None:
+        checkpoint, requests = self.checkpoint, self.plan.requests
         fetched: list[tuple[ReadRequest, ByteArray]] = []
-        for wave in self.checkpoint.waves(self.plan):
-            fetched.extend(self.checkpoint.fetch_wave(wave))
+        if checkpoint.storage.batched_reads:
+            for wave in checkpoint.waves(self.plan):
+                fetched.extend(checkpoint.fetch_wave(wave))
+        else:  # one buffer for everything (kept until apply), filled and verified by the workers
+            buffer = fetching.allocate(sum(request.size for request in requests))
+            position = 0
+            for request in requests:
+                fetched.append((request, buffer[position : position + request.size]))
+                position += request.size
+            slots, ordered = [slot for _, slot in fetched], checkpoint.storage.ordered_reads
+            with checkpoint.storage.reader() as reader, checkpoint.worker_pool(len(fetched)) as pool:
+                read = functools.partial(checkpoint.read_request, reader)
+                fetching.fetch_all(requests, slots, pool, read, checkpoint.verify, ordered=ordered)
         self._fetched = fetched
 
     def apply(self) -> ReadStats:
         if self._fetched is None:
             self.checkpoint.stream(self.plan, self._buffers)
         else:
-            for request, fetched in self._fetched:
-                self.checkpoint.copy(request, fetched, self._buffers)
-            self._fetched = None
+            fetched, self._fetched = self._fetched, None
+            with self.checkpoint.worker_pool(len(fetched)) as pool:
+                copy, buffers = self.checkpoint.copy, self._buffers
+                fetching.run_all([functools.partial(copy, request, data, buffers) for request, data in fetched], pool)
         for tensor, staging in self._fixups:
             tensor.copy_(staging)
         plan = self.plan
         return ReadStats(plan.needed_bytes, plan.fetch_bytes, len(plan.requests), time.perf_counter() - self._began)
+
+
+@dataclass(frozen=True)
+class Opening:
+    """What opening a checkpoint reads, raw (to hand to other ranks) and checked: COMMITTED and the manifest."""
+
+    marker_raw: bytes
+    marker: CommitMarker
+    manifest_raw: bytes
+    manifest: GlobalManifest
+
+
+def read_opening(storage: Storage) -> Opening:
+    """Read COMMITTED and the global manifest it points at, each once, and check them; NotCommittedError if none."""
+    try:
+        marker_raw = read_marker_bytes(storage)
+        marker = None if marker_raw is None else decode_commit_marker(marker_raw, storage.describe(layout.COMMITTED))
+    except StorageError as exc:
+        raise StorageError(f"cannot read {storage.describe(layout.COMMITTED)}: {exc}") from exc
+    if marker_raw is None or marker is None:
+        raise NotCommittedError(
+            f"{storage.url} is not committed (no {layout.COMMITTED} marker): the save is incomplete, failed, "
+            "or still running"
+        )
+    manifest_raw = storage.read_small(marker.manifest, limits.MAX_GLOBAL_MANIFEST_BYTES)
+    manifest = verify_global_manifest(manifest_raw, marker, storage.describe(marker.manifest))
+    return Opening(marker_raw, marker, manifest_raw, manifest)
 
 
 def open_checkpoint(
@@ -427,14 +572,12 @@ def open_checkpoint(
 ) -> Checkpoint:
     """Open the committed checkpoint at `url`; NotCommittedError if it has no COMMITTED marker."""
     storage = open_storage(url, storage_options)
-    try:
-        marker = read_commit_marker(storage)
-    except StorageError as exc:
-        raise StorageError(f"cannot read {storage.describe(layout.COMMITTED)}: {exc}") from exc
-    if marker is None:
-        raise NotCommittedError(
-            f"{storage.url} is not committed (no {layout.COMMITTED} marker): the save is incomplete, failed, "
-            "or still running"
-        )
-    manifest = read_global_manifest(storage, marker)
-    return Checkpoint(storage, marker, manifest, max_in_flight=max_in_flight, max_gap=max_gap, max_request=max_request)
+    opening = read_opening(storage)
+    return Checkpoint(
+        storage,
+        opening.marker,
+        opening.manifest,
+        max_in_flight=max_in_flight,
+        max_gap=max_gap,
+        max_request=max_request,
+    )

@@ -441,3 +441,17 @@ def test_the_fuzzer_runs_and_finds_nothing(tmp_path) -> None:
 
     assert fuzz_main(["--seconds", "4", "--crash-dir", str(tmp_path / "crashes"), "--memory-mib", "0"]) == 0
     assert not (tmp_path / "crashes").exists()
+
+
+def test_an_empty_tensor_whose_global_entry_disagrees_with_its_declaration_is_refused(original: Path, tmp_path) -> None:
+    """Found by the test above: an empty tensor has no piece to cross-check, so its declaring rank is checked."""
+    root = tmp_path / "ck"
+    shutil.copytree(original, root)
+    chain = Chain(root)
+    document = chain.global_()
+    (empty,) = [t for t in document["tensors"] if t["name"] == "e"]
+    empty["shape"] = [0, 2**62 - 1]
+    chain.write_global(document)
+    with pytest.raises(IntegrityError, match=r"tensor 'e' is F32 \[0, 4\] \(box\) there"):
+        shardckpt.open(str(root)).read("e")
+    assert not verify(str(root)).ok

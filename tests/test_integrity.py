@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import threading
 
 import pytest
 import torch
@@ -133,3 +134,69 @@ def test_reads_fetch_only_needed_bytes(tmp_path) -> None:
     plan = checkpoint.plan({"w": [((150, 0), (1, 256))]})
     assert plan.needed_bytes == plan.exact_bytes == 1024
     assert plan.fetch_bytes <= 2 * 4096
+
+
+def test_a_lying_short_read_into_a_reused_slot_is_caught(tmp_path) -> None:
+    """A backend that fills half of a reused read slot and reports success leaves the slot's previous bytes in
+    the other half: the checksums catch it, and no destination holds anything but its old or its saved value."""
+    url = str(tmp_path / "ck")
+    state = {f"t{i}": torch.randn(64, 1024, generator=torch.Generator().manual_seed(i)) for i in range(6)}
+    save_sharded(state, url, 2, block_size=4096)
+    for nth in (2, 5):
+        faulty = FaultyStorage(LocalStorage(url), [Fault("read_range", "data/*", kind="short", nth=nth)])
+        destination = {name: torch.full_like(tensor, 7.0) for name, tensor in state.items()}
+        # 64 KiB requests through a 128 KiB budget: every slot is reused several times over.
+        checkpoint = shardckpt.open(faulty, max_in_flight=128 << 10, max_request=64 << 10)
+        items = [(name, shardckpt.Box((0, 0), (64, 1024)), destination[name]) for name in state]
+        with pytest.raises(shardckpt.IntegrityError, match="fails its checksum"):
+            checkpoint.read_into(items)
+        for name, tensor in state.items():
+            assert bool(((destination[name] == 7.0) | (destination[name] == tensor)).all()), name
+
+
+def test_one_checkpoint_reuses_its_read_buffer_and_serves_concurrent_reads(checkpoint_dir: str) -> None:
+    checkpoint = shardckpt.open(checkpoint_dir, max_request=4096)
+    expected = sample_state()
+    names = [name for name, info in checkpoint.tensors.items() if info.nbytes]
+    first = {name: checkpoint.read(name) for name in names}
+    buffer = checkpoint._buffer
+    assert buffer is not None
+    again = {name: checkpoint.read(name) for name in names}
+    assert checkpoint._buffer is buffer  # faulted in once, reused by every later read
+    results: list[dict[str, torch.Tensor]] = []
+
+    def read_all() -> None:
+        results.append({name: checkpoint.read(name) for name in names})
+
+    threads = [threading.Thread(target=read_all) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results) == 3
+    for got in (first, again, *results):
+        for name in names:
+            assert torch.equal(got[name], expected[name]), name
+
+
+@pytest.mark.parametrize("verify_first", [False, True])
+def test_memory_backend_reads_through_the_default_copying_path(tmp_path, verify_first: bool) -> None:
+    """A backend without its own read_range_into (fsspec memory) streams through read_range plus a copy."""
+    url = f"memory://integrity-{tmp_path.name}-{verify_first}/ck"
+    state = sample_state()
+    save_sharded(state, url, 3, block_size=4096)
+    fresh = {name: torch.zeros_like(tensor) for name, tensor in state.items()}
+    shardckpt.load(fresh, url, verify_first=verify_first, strict=False, max_in_flight=8192)
+    for name, tensor in state.items():
+        assert torch.equal(fresh[name], tensor), name
+
+
+def test_the_read_buffer_stays_within_max_in_flight(tmp_path) -> None:
+    url = str(tmp_path / "ck")
+    state = {"w": torch.randn(256, 1024, generator=torch.Generator().manual_seed(1))}  # 1 MiB in 64 KiB+ requests
+    save_sharded(state, url, 2, block_size=4096)
+    checkpoint = shardckpt.open(url, max_in_flight=96 << 10, max_request=32 << 10)
+    got = torch.empty(256, 1024)
+    stats = checkpoint.read_into([("w", shardckpt.Box((0, 0), (256, 1024)), got)])
+    assert torch.equal(got, state["w"]) and stats.requests >= 32
+    assert checkpoint._buffer is not None and checkpoint._buffer.size <= 96 << 10

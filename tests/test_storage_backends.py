@@ -40,6 +40,32 @@ class BackendContract:
         with pytest.raises(TruncatedError):
             storage.read_range("a.bin", 1, 10)
 
+    def test_reads_into_caller_buffers(self, tmp_path) -> None:
+        storage = self.make(tmp_path)
+        storage.write_new("data/a.bin", b"0123456789")
+        out = bytearray(b"xxxxx")
+        storage.read_range_into("data/a.bin", 3, memoryview(out)[1:4])
+        assert out == b"x345x"
+        outs = [bytearray(2), bytearray(1), bytearray(10)]
+        storage.read_ranges_into(
+            [("data/a.bin", 0), ("data/a.bin", 9), ("data/a.bin", 0)], [memoryview(o) for o in outs]
+        )
+        assert outs == [b"01", b"9", b"0123456789"]
+        with pytest.raises(TruncatedError):
+            storage.read_range_into("data/a.bin", 8, memoryview(bytearray(5)))
+        with pytest.raises(TruncatedError):
+            storage.read_ranges_into([("data/a.bin", 0), ("data/a.bin", 9)], [memoryview(bytearray(2))] * 2)
+        with pytest.raises(NotFoundError):
+            storage.read_range_into("nope", 0, memoryview(bytearray(1)))
+        with storage.reader() as reader:  # many reads in a row, through handles the backend may keep open
+            for start in (7, 0, 4):
+                reader.read_into("data/a.bin", start, memoryview(out)[:3])
+                assert out[:3] == b"0123456789"[start : start + 3]
+            with pytest.raises(TruncatedError):
+                reader.read_into("data/a.bin", 8, memoryview(bytearray(5)))
+            with pytest.raises(NotFoundError):
+                reader.read_into("nope", 0, memoryview(bytearray(1)))
+
     def test_missing_objects(self, tmp_path) -> None:
         storage = self.make(tmp_path)
         with pytest.raises(NotFoundError):
@@ -79,6 +105,17 @@ class TestLocalBackend(BackendContract):
         with pytest.raises(AlreadyExistsError):
             storage.commit_marker("COMMITTED", b"y")
         assert os.listdir(storage.url) == ["COMMITTED"]
+
+    def test_a_reader_keeps_one_descriptor_per_file_and_closes_them(self, tmp_path) -> None:
+        storage = self.make(tmp_path)
+        storage.write_new("a.bin", b"0123456789")
+        storage.write_new("b.bin", b"abcdefghij")
+        before = len(os.listdir("/proc/self/fd"))
+        with storage.reader() as reader:
+            for name in ("a.bin", "b.bin", "a.bin", "b.bin"):
+                reader.read_into(name, 2, memoryview(bytearray(3)))
+            assert len(os.listdir("/proc/self/fd")) == before + 2
+        assert len(os.listdir("/proc/self/fd")) == before
 
 
 class TestMemoryBackend(BackendContract):

@@ -21,7 +21,9 @@ from shardckpt.format.manifest import TensorEntry
 from shardckpt.planner.box import Box, intersect, linear_index, linear_range_boxes, row_major_strides
 
 DEFAULT_MAX_GAP = 32 << 10
-DEFAULT_MAX_REQUEST = 64 << 20
+# Small enough that a reader's slot stays in cache between its read, its checksums and its copy; large enough
+# that per-request costs vanish. Coalescing never splits a checksum block, so at most one block per cut is read twice.
+DEFAULT_MAX_REQUEST = 8 << 20
 
 
 @dataclass(frozen=True)

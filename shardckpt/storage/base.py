@@ -45,6 +45,30 @@ class NewFile(abc.ABC):
             self.abort()
 
 
+class RangeReader:
+    """Range reads of one storage over a while (one load), as `with storage.reader() as reader:`.
+
+    A backend may keep handles open between the reads (local disk: one descriptor per file, so the kernel's
+    read-ahead follows a sequential reader from one request to the next); everything is released on exit.
+    """
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+
+    def read_into(self, path: str, start: int, out: memoryview) -> None:
+        """Storage.read_range_into, through this reader's handles."""
+        self.storage.read_range_into(path, start, out)
+
+    def close(self) -> None:
+        """Release what the reader holds."""
+
+    def __enter__(self) -> RangeReader:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.close()
+
+
 class Storage(abc.ABC):
     """One checkpoint's (or one root's) objects. `url` names the root for messages and for child URLs."""
 
@@ -52,6 +76,12 @@ class Storage(abc.ABC):
     #: True when `commit_marker` is an atomic create-if-absent of the backend itself.
     atomic_create: bool = True
     read_threads: int = 8
+    #: True when one read_ranges call beats concurrent single reads (object stores: one event loop, one GET
+    #: limit); readers then fetch in batches. False: readers run read_range_into on their own worker threads.
+    batched_reads: bool = False
+    #: True when one sequential reader is faster than several concurrent ones (a disk and its read-ahead):
+    #: readers then issue their reads from one thread, in file order, and verify and copy on others.
+    ordered_reads: bool = False
 
     @abc.abstractmethod
     def child(self, name: str) -> Storage:
@@ -79,6 +109,30 @@ class Storage(abc.ABC):
             return [self.read_range(*request) for request in requests]
         with ThreadPoolExecutor(max_workers=min(self.read_threads, len(requests))) as pool:
             return list(pool.map(lambda request: self.read_range(*request), requests))
+
+    def read_range_into(self, path: str, start: int, out: memoryview) -> None:
+        """Exactly len(out) bytes of `path` from byte `start` into the writable byte buffer `out`.
+
+        TruncatedError on a short read, NotFoundError if missing. Default: read_range, then a copy; backends that
+        can read straight into caller memory (local disk: preadv) override it, so no bytes object is allocated.
+        """
+        view = memoryview(out).cast("B")
+        end = start + view.nbytes
+        view[:] = check_length(self, path, start, end, self.read_range(path, start, end))
+
+    def reader(self) -> RangeReader:
+        """A reader for many range reads in a row; use it as a context manager."""
+        return RangeReader(self)
+
+    def read_ranges_into(self, requests: Sequence[tuple[str, int]], outs: Sequence[memoryview]) -> None:
+        """read_range_into for several (path, start) requests and their buffers, concurrently.
+
+        Default: one read_ranges call (a backend's batched reads stay batched), then a copy into each buffer.
+        """
+        views = [memoryview(out).cast("B") for out in outs]
+        ranges = [(path, start, start + view.nbytes) for (path, start), view in zip(requests, views, strict=True)]
+        for (path, start, end), view, data in zip(ranges, views, self.read_ranges(ranges)):
+            view[:] = check_length(self, path, start, end, data)
 
     def read_small(self, path: str, max_bytes: int) -> bytes:
         """The whole object, refusing one larger than `max_bytes` (a format limit) before reading it."""

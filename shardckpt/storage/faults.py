@@ -162,6 +162,19 @@ class FaultyStorage(Storage):
             return data[:middle] + bytes([data[middle] ^ 0x40]) + data[middle + 1 :]
         return data
 
+    def read_range_into(self, path: str, start: int, out: memoryview) -> None:
+        """The inner backend's read into `out`, under the same faults as read_range: "short" fills only the first
+        half and reports success (a lying backend: the stale rest must fail its checksums), "corrupt" flips a byte.
+        """
+        fault = self.trigger("read_range", path)
+        view = memoryview(out).cast("B")
+        if fault is not None and fault.kind == "short":
+            self.inner.read_range_into(path, start, view[: view.nbytes // 2])
+            return
+        self.inner.read_range_into(path, start, view)
+        if fault is not None and fault.kind == "corrupt" and view.nbytes:
+            view[view.nbytes // 2] ^= 0x40
+
     def size(self, path: str) -> int:
         self.trigger("size", path)
         return self.inner.size(path)

@@ -123,6 +123,7 @@ class S3Storage(Storage):
     """
 
     list_page_size = 1000  # S3's own maximum keys per LIST page
+    batched_reads = True  # read_ranges puts a wave of GETs on one event loop under one max_requests limit
 
     def __init__(
         self,

@@ -1,0 +1,171 @@
+"""The streamed read loop: slots of the reused buffer never overlap while in use, stay within the byte budget (a
+larger request alone), ordered reads run one at a time in request order, and a failure stops new work and returns
+only after every running call has finished."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardckpt import fetching
+from shardckpt.planner import ReadRequest
+
+
+def _requests(sizes: list[int]) -> list[ReadRequest]:
+    out, position = [], 0
+    for size in sizes:
+        out.append(ReadRequest(0, position, position + size, (), ()))
+        position += size
+    return out
+
+
+class _Recorder:
+    """read and finish steps that check, while a request holds its slot (from its read to the end of its finish),
+    that no other request holds an overlapping one and that the bytes in use stay within the budget."""
+
+    def __init__(self, buffer: np.ndarray, budget: int, seed: int, ordered: bool) -> None:
+        self.base = buffer.__array_interface__["data"][0]
+        self.budget, self.lock, self.random = budget, threading.Lock(), random.Random(seed)
+        self.ordered, self.reading, self.reads = ordered, 0, []
+        self.active: dict[int, tuple[int, int]] = {}
+        self.done: list[int] = []
+        self.problems: list[str] = []
+
+    def read(self, request: ReadRequest, slot: np.ndarray) -> None:
+        offset = slot.__array_interface__["data"][0] - self.base
+        size = request.size
+        with self.lock:
+            self.reads.append(request.start)
+            self.reading += 1
+            if self.ordered and self.reading > 1:
+                self.problems.append("two ordered reads at once")
+            for other, (lo, n) in self.active.items():
+                if offset < lo + n and lo < offset + size:
+                    self.problems.append(f"request at {request.start} overlaps request at {other}")
+            in_use = size + sum(n for _, n in self.active.values())
+            if self.active and in_use > self.budget:
+                self.problems.append(f"{in_use} bytes in use over a budget of {self.budget}")
+            self.active[request.start] = (offset, size)
+            delay = self.random.uniform(0, 0.001)
+        slot[:] = request.start % 251  # the slot is this request's alone until its finish returns
+        time.sleep(delay)
+        with self.lock:
+            self.reading -= 1
+
+    def finish(self, request: ReadRequest, slot: np.ndarray) -> None:
+        with self.lock:
+            delay = self.random.uniform(0, 0.002)
+        time.sleep(delay)
+        if request.size and not (slot == request.start % 251).all():
+            with self.lock:
+                self.problems.append(f"the slot of request {request.start} changed under it")
+        with self.lock:
+            del self.active[request.start]
+            self.done.append(request.start)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 64), min_size=1, max_size=30),
+    budget=st.integers(1, 200),
+    workers=st.integers(1, 4),
+    seed=st.integers(0, 1000),
+    ordered=st.booleans(),
+)
+def test_slots_are_disjoint_and_within_the_budget(
+    sizes: list[int], budget: int, workers: int, seed: int, ordered: bool
+) -> None:
+    requests = _requests(sizes)
+    buffer = fetching.allocate(fetching.ring_size(requests, budget, workers))
+    recorder = _Recorder(buffer, budget, seed, ordered)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        fetching.stream(requests, buffer, budget, pool, recorder.read, recorder.finish, ordered=ordered)
+    assert recorder.problems == []
+    assert sorted(recorder.done) == [request.start for request in requests]
+    if ordered:
+        assert recorder.reads == [request.start for request in requests]
+
+
+def test_ring_size_bounds() -> None:
+    requests = _requests([8, 8, 8, 8, 8])
+    assert fetching.ring_size(requests, 1 << 30, 2) == 24  # a slot per worker and one more
+    assert fetching.ring_size(requests, 16, 2) == 16  # the budget
+    assert fetching.ring_size(requests, 4, 2) == 8  # always room for the largest request
+    assert fetching.ring_size(requests[:2], 1 << 30, 4) == 16  # never more than all the requests
+    assert fetching.ring_size([], 16, 2) == 0
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+def test_a_failure_stops_new_work_and_waits_for_running_work(ordered: bool) -> None:
+    requests = _requests([4] * 40)
+    started, running, finished_after = [], [0], []
+    lock = threading.Lock()
+    raised = threading.Event()
+
+    def work(request: ReadRequest, slot: np.ndarray) -> None:  # the finishing step; reads do nothing here
+        with lock:
+            started.append(request.start)
+            running[0] += 1
+        try:
+            if request.start == 4 * 5:
+                raise OSError("injected")
+            time.sleep(0.003)
+            if raised.is_set():
+                finished_after.append(request.start)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    buffer = fetching.allocate(fetching.ring_size(requests, 16, 3))
+    with ThreadPoolExecutor(max_workers=3) as pool, pytest.raises(OSError, match="injected"):
+        try:
+            fetching.stream(requests, buffer, 16, pool, lambda request, slot: None, work, ordered=ordered)
+        finally:
+            raised.set()
+            assert running[0] == 0  # nothing still runs once stream() has returned or raised
+    assert len(started) < len(requests)  # the requests after the failure never started
+    assert finished_after == []
+
+
+def test_run_all_raises_the_first_failure_after_the_rest_finished() -> None:
+    finished = []
+
+    def job(number: int) -> None:
+        time.sleep(0.002)
+        if number == 1:
+            raise ValueError(f"job {number}")
+        finished.append(number)
+
+    jobs = [lambda number=number: job(number) for number in range(6)]
+    with ThreadPoolExecutor(max_workers=2) as pool, pytest.raises(ValueError, match="job 1"):
+        fetching.run_all(jobs, pool)
+    assert 0 in finished
+
+
+def test_an_ordered_read_failure_raises_an_earlier_requests_failure_first() -> None:
+    """Reads run in order on the calling thread, finishes on the pool: read 5 fails while the finish of request 2
+    (earlier) fails too; the earlier failure is raised, after everything running has finished."""
+    requests = _requests([1] * 12)
+    slots = [np.zeros(1, np.uint8) for _ in requests]
+    reads: list[int] = []
+
+    def read(request: ReadRequest, slot: np.ndarray) -> None:
+        reads.append(request.start)
+        if request.start == 5:
+            raise OSError("read 5 failed")
+
+    def finish(request: ReadRequest, slot: np.ndarray) -> None:
+        time.sleep(0.002)
+        if request.start == 2:
+            raise ValueError("request 2 fails its checksum")
+
+    with ThreadPoolExecutor(max_workers=2) as pool, pytest.raises(ValueError, match="request 2"):
+        fetching.fetch_all(requests, slots, pool, read, finish, ordered=True)
+    assert reads == [0, 1, 2, 3, 4, 5]  # no read after the failed one

@@ -9,6 +9,7 @@ import datetime
 import json
 import os
 import resource
+import statistics
 import sys
 import time
 import warnings
@@ -23,6 +24,7 @@ from torch.distributed.tensor import DTensor, Shard
 import shardckpt
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script
+from benchmarks.memory import peak_above
 from benchmarks.pagecache import drop_caches
 
 
@@ -42,8 +44,8 @@ def make_state(args: dict, world: int, rank: int, fill: bool) -> dict[str, DTens
         if fill:
             generator = torch.Generator().manual_seed(index * 1000 + rank)
             local = torch.randn(local_rows, 1024, generator=generator)
-        else:
-            local = torch.empty(local_rows, 1024)
+        else:  # preallocated and touched, as a model's tensors are: first-touch page faults are no loader's cost
+            local = torch.zeros(local_rows, 1024)
         state[f"t{index:03d}"] = DTensor.from_local(local, mesh, [Shard(0)], shape=(rows, 1024), stride=(1024, 1))
     return state
 
@@ -56,6 +58,13 @@ def timed_collective(run) -> float:
     return time.perf_counter() - began
 
 
+def timed_with_peak(run) -> tuple[float, int | None]:
+    """timed_collective(run), and by how much this rank's peak RSS during it exceeded its RSS before."""
+    seconds: list[float] = []
+    peak = peak_above(lambda: seconds.append(timed_collective(run)))
+    return seconds[0], peak
+
+
 def scenario_save(args: dict, rank: int, world: int) -> dict:
     state = make_state(args, world, rank, fill=True)
     sc = timed_collective(lambda: shardckpt.save(state, args["shardckpt"]))
@@ -65,22 +74,31 @@ def scenario_save(args: dict, rank: int, world: int) -> dict:
 
 
 def scenario_load(args: dict, rank: int, world: int) -> dict:
+    """Each library's load, cold then warm, `repeats` times alternating; medians, bytes read and peak RSS."""
     state = make_state(args, world, rank, fill=False)
     needed = sum(t.to_local().numel() * 4 for t in state.values())
-    result: dict = {"needed": needed}
-    for temperature in ("cold", "warm"):
-        for name, run in (
-            ("shardckpt", lambda: shardckpt.load(state, args["shardckpt"])),
-            ("dcp", lambda: dcp.load(state, storage_reader=FileSystemReader(args["dcp"]))),
-        ):
-            if temperature == "cold":
-                if rank == 0:
-                    result["cold_possible"] = drop_caches()
-                dist.barrier()
-            before = read_bytes()
-            seconds = timed_collective(run)
-            result[f"{name}_{temperature}"] = seconds
-            result[f"{name}_{temperature}_read"] = read_bytes() - before
+    result: dict = {"needed": needed, "cold_possible": False}
+    runs = (
+        ("shardckpt", lambda: shardckpt.load(state, args["shardckpt"])),
+        ("dcp", lambda: dcp.load(state, storage_reader=FileSystemReader(args["dcp"]))),
+    )
+    for temperature in ("warm",) if args.get("warm") else ("cold", "warm"):
+        samples: dict[str, list[float]] = {name: [] for name, _ in runs}
+        for _ in range(args.get("repeats", 1)):
+            for name, run in runs:
+                if temperature == "cold":
+                    if rank == 0:
+                        result["cold_possible"] = drop_caches()
+                    dist.barrier()
+                before = read_bytes()
+                seconds, peak = timed_with_peak(run)
+                samples[name].append(seconds)
+                result[f"{name}_{temperature}_read"] = read_bytes() - before
+                if peak is not None:
+                    key = f"{name}_peak_above"
+                    result[key] = max(result.get(key, 0), peak)
+        for name, times in samples.items():
+            result[f"{name}_{temperature}"] = statistics.median(times)
     result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return result
 

@@ -27,3 +27,18 @@ def test_s3_benchmark_smoke(s3_server, tmp_path) -> None:
     result = json.loads(out.read_text())
     assert result["state_bytes"] == 8 << 20 and len(result["rows"]) == 4
     assert result["save_ratio_to_s3fs"] > 0 and result["load_ratio_to_s3fs"] > 0
+
+
+def test_distributed_benchmark_smoke(tmp_path) -> None:
+    """The gloo harness end to end at its smallest: 2 ranks save, 1 loads, warm, one run per row."""
+    from benchmarks.distributed import main as distributed_main
+
+    out = tmp_path / "distributed.json"
+    args = ["--size-mib", "1", "--tensors", "4", "--save-world", "2", "--worlds", "1", "--repeats", "1", "--warm"]
+    assert distributed_main([*args, "--dir", str(tmp_path), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["save_world"] == 2 and report["save"]["shardckpt_gib_s"] > 0
+    [row] = report["rows"]
+    assert row["load"] == "2 -> 1" and row["temperature"] == "warm"
+    assert row["shardckpt_gib_s"] > 0 and row["dcp_gib_s"] > 0 and row["peak_rss_bytes"] > 0
+    assert row["shardckpt_read_ratio"] >= 1.0  # a load reads at least the bytes it fills

@@ -324,3 +324,28 @@ def test_slab_sweep_verdict_matches_a_brute_force_counter(sharding: Sharding) ->
     finally:
         cover._MAX_COUNTED_CELLS = original
     assert verdict == brute_force_ok(sharding.shape, sharding.layout, sharding.start, sharding.length)
+
+
+@given(
+    rows=st.integers(1, 40),
+    cols=st.integers(1, 5),
+    cuts=st.lists(st.tuples(st.integers(0, 39), st.integers(1, 40)), min_size=1, max_size=6),
+)
+@settings(max_examples=300, deadline=None)
+def test_row_slabs_take_the_fast_path_and_agree_with_brute_force(rows: int, cols: int, cuts) -> None:
+    """Pieces spanning every column (FSDP Shard(0)) are checked as row intervals: same verdict as counting cells."""
+    slabs = [(lo, min(length, rows - lo)) for lo, length in cuts if lo < rows]
+    assume(slabs)
+    start = np.array([[lo, 0] for lo, _ in slabs], dtype=np.int64)
+    length = np.array([[n, cols] for _, n in slabs], dtype=np.int64)
+    covered = np.zeros(rows, dtype=np.int64)
+    for lo, n in slabs:
+        covered[lo : lo + n] += 1
+    exact = bool((covered == 1).all())
+    if exact:
+        check_cover("t", (rows, cols), "box", start, length)
+    else:
+        # With both a gap and an overlap, either may be the one reported.
+        expected = "gap" if covered.max() <= 1 else "overlap" if covered.min() >= 1 else "gap|overlap"
+        with pytest.raises(CoverageError, match=expected):
+            check_cover("t", (rows, cols), "box", start, length)

@@ -103,13 +103,16 @@ def scenario_load(args: dict, rank: int, world: int) -> dict:
     return result
 
 
-def main() -> None:
+def run_scenario(scenarios: dict, init_group: bool) -> None:
+    """`worker.py SCENARIO ARGS_JSON`: run scenario_<SCENARIO>(args, rank, world) from `scenarios` (a module's
+    globals), write its verdict to RESULT_DIR/rank-<r>.json and leave without interpreter teardown."""
     warnings.filterwarnings("ignore")
     scenario, args = sys.argv[1], json.loads(sys.argv[2])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    if init_group:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     try:
-        result = {"ok": True, "value": globals()[f"scenario_{scenario}"](args, rank, world)}
+        result = {"ok": True, "value": scenarios[f"scenario_{scenario}"](args, rank, world)}
     except Exception as exc:
         result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     with open(os.path.join(args["result_dir"], f"rank-{rank}.json"), "w") as handle:
@@ -119,4 +122,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_scenario(globals(), init_group=True)

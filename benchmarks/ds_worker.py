@@ -6,16 +6,14 @@ directory is on sys.path); rank verdicts go to RESULT_DIR/rank-<r>.json.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
-import warnings
 
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script
-from benchmarks.dist_worker import timed_collective
+from benchmarks.dist_worker import run_scenario, timed_collective
 from benchmarks.pagecache import drop_caches
 from shardckpt.train.deepspeed_loop import DeepSpeedTrainer, deepspeed_config, init_deepspeed
 from shardckpt.train.loop import parse_args
@@ -93,19 +91,5 @@ def scenario_reshard(args: dict, rank: int, world: int) -> dict:
     return result
 
 
-def main() -> None:
-    warnings.filterwarnings("ignore")
-    scenario, args = sys.argv[1], json.loads(sys.argv[2])
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    try:
-        result = {"ok": True, "value": globals()[f"scenario_{scenario}"](args, rank, world)}
-    except Exception as exc:
-        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-    with open(os.path.join(args["result_dir"], f"rank-{rank}.json"), "w") as handle:
-        json.dump(result, handle)
-    sys.stdout.flush()
-    os._exit(0)
-
-
 if __name__ == "__main__":
-    main()
+    run_scenario(globals(), init_group=False)  # DeepSpeed sets up its own process group in trainer()

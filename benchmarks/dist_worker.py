@@ -9,6 +9,7 @@ import datetime
 import json
 import os
 import resource
+import shutil
 import statistics
 import sys
 import time
@@ -66,11 +67,24 @@ def timed_with_peak(run) -> tuple[float, int | None]:
 
 
 def scenario_save(args: dict, rank: int, world: int) -> dict:
+    """Each library's durable save `repeats` times, taking turns; medians. Every output but the last is deleted
+    before the next save (so each writes into disk blocks the machine already backs); the last ones are loaded."""
     state = make_state(args, world, rank, fill=True)
-    sc = timed_collective(lambda: shardckpt.save(state, args["shardckpt"]))
-    writer = FileSystemWriter(args["dcp"], thread_count=2, sync_files=True)
-    dc = timed_collective(lambda: dcp.save(state, storage_writer=writer))
-    return {"shardckpt": sc, "dcp": dc}
+    saves = {
+        "shardckpt": lambda path: shardckpt.save(state, path),
+        "dcp": lambda path: dcp.save(state, storage_writer=FileSystemWriter(path, thread_count=2, sync_files=True)),
+    }
+    samples: dict[str, list[float]] = {name: [] for name in saves}
+    repeats = args.get("repeats", 1)
+    for repeat in range(repeats):
+        for name in sorted(saves, reverse=repeat % 2 == 1):
+            path = args[name] if repeat == repeats - 1 else f"{args[name]}-scratch"
+            samples[name].append(timed_collective(lambda: saves[name](path)))  # noqa: B023 (called at once)
+            if rank == 0 and path != args[name]:
+                shutil.rmtree(path)
+                os.sync()
+            dist.barrier()
+    return {name: statistics.median(times) for name, times in samples.items()}
 
 
 def scenario_load(args: dict, rank: int, world: int) -> dict:

@@ -31,6 +31,8 @@ from shardckpt.torch_bytes import format_dtype, host_bytes
 WRITE_CHUNK = 16 << 20  # bytes handed to the backend per call: large enough for disks and multipart uploads
 PARALLEL_MIN_BYTES = 64 << 20  # below this one stream is as fast as several
 DEFAULT_WRITE_THREADS = 2
+# Checksummed, then written at once while still in the core's cache; also the local backend's write-behind unit.
+HOT_CHUNK = 2 << 20
 
 
 @dataclass
@@ -274,11 +276,16 @@ class ShardWriter:
                 )
             position += piece.nbytes
 
+        step = max(HOT_CHUNK // block, 1) * block
+
         def run(job: tuple[memoryview, int, np.ndarray, int]) -> None:
             chunk, file_offset, piece_crcs, first_block = job
-            for offset in range(0, len(chunk), block):
-                piece_crcs[first_block + offset // block] = crc32c.crc32c(chunk[offset : offset + block])
-            handle.write_at(chunk, file_offset)
+            # Checksum a cache-sized part, then write it while its bytes are still in cache: the copy into the
+            # page cache then reads them from cache, not from memory a second time.
+            for part in range(0, len(chunk), step):
+                for offset in range(part, min(part + step, len(chunk)), block):
+                    piece_crcs[first_block + offset // block] = crc32c.crc32c(chunk[offset : offset + block])
+                handle.write_at(chunk[part : part + step], file_offset + part)
 
         with ThreadPoolExecutor(max_workers=self.write_threads) as pool:
             for number, _ in enumerate(pool.map(run, jobs)):
@@ -293,8 +300,10 @@ class ShardWriter:
         block = self.block_size
         crcs = np.empty(-(-piece.nbytes // block), dtype=np.uint32)
         view = data.data
-        # A whole number of blocks per chunk, so a block never straddles two chunks.
-        chunk_size = max(WRITE_CHUNK // block, 1) * block
+        # A whole number of blocks per chunk, so a block never straddles two chunks. Disks take cache-sized
+        # chunks (checksummed while hot); streaming backends large ones (each may become an upload part).
+        target = HOT_CHUNK if getattr(handle, "supports_write_at", False) else WRITE_CHUNK
+        chunk_size = max(target // block, 1) * block
         for chunk_start in range(0, piece.nbytes, chunk_size):
             chunk = view[chunk_start : chunk_start + chunk_size]
             for offset in range(0, len(chunk), block):

@@ -74,6 +74,7 @@ def remove(path: str) -> None:
 
 
 def timed(run: Callable[[], None], setup: Callable[[], None] | None, repeats: int) -> float:
+    """Median seconds of `repeats` runs of `run`, each after `setup`."""
     samples = []
     for _ in range(repeats):
         if setup is not None:
@@ -206,19 +207,10 @@ def main(argv: list[str] | None = None) -> int:
             while handle.readinto(read_buffer):
                 pass
 
-    record(f"raw read, 1 stream ({temperature})", timed(raw_read, setup, args.repeats), "disk")
-
     def st_load() -> None:
         loaded = load_file(st_path)
         for tensor in loaded.values():
             tensor.sum()  # touch every page of the lazily mapped file
-
-    record(
-        f"torch.load ({temperature})",
-        timed(lambda: torch.load(torch_path, weights_only=True), setup, args.repeats),
-        "load",
-    )
-    record(f"safetensors load_file + touch ({temperature})", timed(st_load, setup, args.repeats), "load")
 
     def dcp_load() -> None:
         dcp.load(destination, storage_reader=FileSystemReader(dcp_path))
@@ -226,12 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     def sc_load() -> None:
         shardckpt.load(destination, sc_path)
 
-    dcp_name = f"torch DCP load into preallocated ({temperature})"
-    sc_name = f"shardckpt.load into preallocated ({temperature})"
-    record(dcp_name, timed(dcp_load, setup, args.repeats), "load", measured_peak(dcp_load, setup))
-    record(sc_name, timed(sc_load, setup, args.repeats), "load", measured_peak(sc_load, setup))
-
-    # ---- resharded read: saved as 4 ranks, read as 3
+    # ---- resharded read: saved as 4 ranks, read as 3 (all three ranks' reads in this one process)
     resharded = fresh("reshard")
     attempt = new_attempt()
     for rank in range(4):
@@ -242,25 +229,44 @@ def main(argv: list[str] | None = None) -> int:
         writer.close()
     shardckpt.commit(resharded, world_size=4, attempt=attempt)
     fetched: list[int] = []
+    thirds = []
+    for rank in range(3):
+        items = []
+        for name, tensor in state.items():
+            lo, hi = rank * tensor.shape[0] // 3, (rank + 1) * tensor.shape[0] // 3
+            box = shardckpt.Box((lo, 0), (hi - lo, tensor.shape[1]))
+            items.append((name, box, torch.zeros(box.shape)))  # preallocated and touched, like the others
+        thirds.append(items)
 
     def read_as_three() -> None:
         checkpoint = shardckpt.open(resharded)
         fetched.clear()
-        for rank in range(3):
-            items = []
-            for name, tensor in state.items():
-                lo, hi = rank * tensor.shape[0] // 3, (rank + 1) * tensor.shape[0] // 3
-                box = shardckpt.Box((lo, 0), (hi - lo, tensor.shape[1]))
-                items.append((name, box, torch.empty(box.shape)))
-            stats = checkpoint.read_into(items)
-            fetched.append(stats.fetched_bytes)
+        for items in thirds:
+            fetched.append(checkpoint.read_into(items).fetched_bytes)
 
-    record(
-        f"shardckpt resharded load 4 -> 3 ranks ({temperature})",
-        timed(read_as_three, setup, args.repeats),
-        "load",
-        measured_peak(read_as_three, setup),
-    )
+    dcp_name = f"torch DCP load into preallocated ({temperature})"
+    sc_name = f"shardckpt.load into preallocated ({temperature})"
+    loads: dict[str, tuple[Callable[[], object], str]] = {
+        f"raw read, 1 stream ({temperature})": (raw_read, "disk"),
+        f"torch.load ({temperature})": (lambda: torch.load(torch_path, weights_only=True), "load"),
+        f"safetensors load_file + touch ({temperature})": (st_load, "load"),
+        dcp_name: (dcp_load, "load"),
+        sc_name: (sc_load, "load"),
+        f"shardckpt resharded load 4 -> 3 ranks ({temperature})": (read_as_three, "load"),
+    }
+    # Libraries take turns (a different order each round), so a slow spell of the disk hits them alike.
+    load_samples: dict[str, list[float]] = {name: [] for name in loads}
+    for repeat in range(args.repeats):
+        names = list(loads)
+        for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+            if setup is not None:
+                setup()
+            began = time.perf_counter()
+            loads[name][0]()
+            load_samples[name].append(time.perf_counter() - began)
+    for name, (run, kind) in loads.items():
+        peak = measured_peak(run, setup) if kind == "load" and "torch.load" not in name else None
+        record(name, statistics.median(load_samples[name]), kind, peak)
     read_ratio = sum(fetched) / size
 
     save_rows = {k: v for k, v in rows.items() if v["kind"] == "save"}

@@ -50,14 +50,16 @@ def stream(
     finish: Step,
     *,
     ordered: bool = False,
+    prefetch: Callable[[int], None] | None = None,
 ) -> None:
     """read(request, slot), then finish(request, slot), for every request; each slot a slice of `buffer`.
 
     Slots in use (read, not yet finished) hold at most `budget` bytes together, except that a larger request runs
     alone. ordered: this thread reads every request, one after another in order (a disk streams one sequential
     reader fastest, and its read-ahead sees it), and the pool finishes them; otherwise each pool job reads and
-    finishes one request. On the first failure (in request order) nothing more starts, everything running is
-    awaited (nothing runs after this returns or raises), and the failure propagates.
+    finishes one request. prefetch(number): called before each ordered read with the request's number.
+    On the first failure (in request order) nothing more starts, everything running is awaited (nothing runs
+    after this returns or raises), and the failure propagates.
     """
     active: deque[tuple[Future[None], int, int]] = deque()
     head = in_use = 0
@@ -76,7 +78,7 @@ def stream(
         finish(request, slot)
 
     try:
-        for request in requests:
+        for number, request in enumerate(requests):
             size = request.size
             if size > buffer.size:
                 raise ValueError(f"a request of {size} bytes does not fit a buffer of {buffer.size}")
@@ -86,6 +88,8 @@ def stream(
                 future.result()
             slot = buffer[start : start + size]
             if ordered:
+                if prefetch is not None:
+                    prefetch(number)
                 _read_after(read, request, slot, [future for future, _, _ in active])
             future = pool.submit(finish if ordered else both, request, slot)
             active.append((future, start, size))

@@ -134,6 +134,11 @@ class FileIndex:
         return position
 
 
+# How far past the request being read the ordered reader announces ranges that do not follow on (a disk serves a
+# jump at full speed only when it is asked early; sequential runs are left to the kernel's own read-ahead).
+PREFETCH_AHEAD = 16 << 20
+
+
 class Checkpoint:
     """A committed checkpoint opened for reading. Use `shardckpt.open(url)`.
 
@@ -310,7 +315,24 @@ class Checkpoint:
             ThreadPoolExecutor(max_workers=workers) as pool,
         ):
             read = functools.partial(self.read_request, reader)
-            fetching.stream(plan.requests, buffer, self.max_in_flight, pool, read, finish, ordered=ordered)
+            files, requests = self.manifest.files, plan.requests
+            hinted = [0]  # requests up to this number have been hinted (or need no hint)
+
+            def prefetch(number: int) -> None:
+                """Hint the requests within PREFETCH_AHEAD bytes after this one that jump (read-ahead misses them)."""
+                ahead, following = 0, number + 1
+                while following < len(requests) and ahead < PREFETCH_AHEAD:
+                    if following > hinted[0]:
+                        before, request = requests[following - 1], requests[following]
+                        if request.file != before.file or request.start != before.end:
+                            reader.prefetch(files[request.file].data, request.start, request.size)
+                        hinted[0] = following
+                    ahead += requests[following].size
+                    following += 1
+
+            fetching.stream(
+                plan.requests, buffer, self.max_in_flight, pool, read, finish, ordered=ordered, prefetch=prefetch
+            )
 
     def preflight(self, plan: ReadPlan) -> None:
         """Read and check every local manifest the plan needs and find each piece there, before any data byte."""

@@ -11,11 +11,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import shardckpt
 from shardckpt import fetching
+from shardckpt.format.layout import new_attempt
 from shardckpt.planner import ReadRequest
+from shardckpt.storage.local import _LocalReader
 
 
 def _requests(sizes: list[int]) -> list[ReadRequest]:
@@ -169,3 +173,63 @@ def test_an_ordered_read_failure_raises_an_earlier_requests_failure_first() -> N
     with ThreadPoolExecutor(max_workers=2) as pool, pytest.raises(ValueError, match="request 2"):
         fetching.fetch_all(requests, slots, pool, read, finish, ordered=True)
     assert reads == [0, 1, 2, 3, 4, 5]  # no read after the failed one
+
+
+def _save_four_ranks(url: str, state: dict) -> None:
+    attempt = new_attempt()
+    for rank in range(4):
+        writer = shardckpt.ShardWriter(url, rank=rank, world_size=4, attempt=attempt)
+        for name, tensor in state.items():
+            lo, hi = rank * tensor.shape[0] // 4, (rank + 1) * tensor.shape[0] // 4
+            writer.add(name, tensor[lo:hi], global_shape=tensor.shape, offsets=(lo, 0))
+        writer.close()
+    shardckpt.commit(url, world_size=4, attempt=attempt)
+
+
+def test_the_ordered_reader_announces_jumps_ahead_and_leaves_sequential_runs_to_read_ahead(
+    tmp_path, monkeypatch
+) -> None:
+    """A resharded read (4 -> 3, the middle third) skips part of every piece: each request that does not follow
+    on from the one before is hinted once, before it is read and within PREFETCH_AHEAD of the reader; a
+    same-layout read is one sequential run and gets no hint."""
+    hints: list[tuple[str, int, int]] = []
+    events: list[tuple[str, str, int]] = []  # ("hint" | "read", path, start) in the order they happened
+    real_prefetch, real_read = _LocalReader.prefetch, _LocalReader.read_into
+
+    def recording_prefetch(self, path: str, start: int, length: int) -> None:
+        hints.append((path, start, length))
+        events.append(("hint", path, start))
+        real_prefetch(self, path, start, length)
+
+    def recording_read(self, path: str, start: int, out: memoryview) -> None:
+        events.append(("read", path, start))
+        real_read(self, path, start, out)
+
+    monkeypatch.setattr(_LocalReader, "prefetch", recording_prefetch)
+    monkeypatch.setattr(_LocalReader, "read_into", recording_read)
+    generator = torch.Generator().manual_seed(0)
+    state = {f"t{i}": torch.randn(96, 4096, generator=generator) for i in range(6)}  # 1.5 MiB each
+    url = str(tmp_path / "four")
+    _save_four_ranks(url, state)
+    checkpoint = shardckpt.open(url, max_in_flight=4 << 20)
+    items = [(name, shardckpt.Box((32, 0), (32, 4096)), torch.zeros(32, 4096)) for name in state]
+    pending = checkpoint.prepare(items)
+    requests = pending.plan.requests
+    jumps = {
+        (checkpoint.manifest.files[r.file].data, r.start, r.size)
+        for before, r in zip(requests, requests[1:])
+        if r.file != before.file or r.start != before.end
+    }
+    assert len(jumps) >= 6  # every piece of rank 1's file is read from its middle on
+    pending.apply()
+    for name, _, out in items:
+        assert torch.equal(out, state[name][32:64]), name
+    assert sorted(hints) == sorted(jumps)  # each jump hinted exactly once, nothing else
+    for path, start, _ in hints:  # announced before it is read
+        assert events.index(("hint", path, start)) < events.index(("read", path, start))
+    hints.clear()
+    whole = {name: torch.zeros_like(tensor) for name, tensor in state.items()}
+    shardckpt.save(state, str(tmp_path / "one"))
+    shardckpt.load(whole, str(tmp_path / "one"))
+    assert all(torch.equal(whole[name], state[name]) for name in state)
+    assert hints == []

@@ -59,6 +59,9 @@ class RangeReader:
         """Storage.read_range_into, through this reader's handles."""
         self.storage.read_range_into(path, start, out)
 
+    def prefetch(self, path: str, start: int, length: int) -> None:
+        """A hint that bytes [start, start + length) of `path` will be read soon (default: ignored)."""
+
     def close(self) -> None:
         """Release what the reader holds."""
 

@@ -6,6 +6,7 @@ fails if the name exists (rename would silently replace it), then a directory fs
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -118,12 +119,23 @@ class _LocalReader(RangeReader):
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def read_into(self, path: str, start: int, out: memoryview) -> None:
+    def _fd(self, path: str) -> int:
         with self._lock:
             fd = self._fds.get(path)
             if fd is None:
                 fd = self._fds[path] = self.local._open_read(path)
-        self.local.pread_into(fd, path, start, out)
+            return fd
+
+    def read_into(self, path: str, start: int, out: memoryview) -> None:
+        self.local.pread_into(self._fd(path), path, start, out)
+
+    def prefetch(self, path: str, start: int, length: int) -> None:
+        """posix_fadvise(WILLNEED): the kernel starts reading the range now, while the current request is read.
+        Only for a jump: the kernel's own read-ahead already follows a sequential reader (and a hint there
+        competes with it)."""
+        if hasattr(os, "posix_fadvise"):
+            with contextlib.suppress(OSError):  # a hint; the read itself reports any error
+                os.posix_fadvise(self._fd(path), start, length, os.POSIX_FADV_WILLNEED)
 
     def close(self) -> None:
         with self._lock:

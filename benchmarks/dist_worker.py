@@ -117,6 +117,90 @@ def scenario_load(args: dict, rank: int, world: int) -> dict:
     return result
 
 
+def loop_trainer(args: dict, rank: int, world: int):
+    """The bundled FSDP2 training loop's Trainer at the benchmark's model size, after one step (AdamW state)."""
+    from shardckpt.train.loop import Trainer, parse_args
+
+    options = ["--ckpt", os.path.join(args["result_dir"], "unused"), "--global-batch", str(args["batch"])]
+    for key in ("vocab", "seq_len", "d_model", "layers", "heads"):
+        options += [f"--{key.replace('_', '-')}", str(args[key])]
+    trainer = Trainer(parse_args(options), rank, world, torch.device("cpu"))
+    trainer.train_step()
+    return trainer
+
+
+def loop_state(trainer) -> dict:
+    """What both libraries save and load: the loop's model and optimizer state dicts (DTensor shards)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer)
+    return {"model": model_state, "optim": optim_state}
+
+
+def local_tensors(state: dict) -> list[torch.Tensor]:
+    out = []
+    for value in state.values():
+        if isinstance(value, dict):
+            out.extend(local_tensors(value))
+        elif isinstance(value, torch.Tensor):
+            out.append(value.to_local() if isinstance(value, DTensor) else value)
+    return out
+
+
+def scenario_loop_save(args: dict, rank: int, world: int) -> dict:
+    """The training loop's state saved by each library, `repeats` times in turns (outputs but the last deleted)."""
+    state = loop_state(loop_trainer(args, rank, world))
+    saves = {
+        "shardckpt": lambda path: shardckpt.save(state, path),
+        "dcp": lambda path: dcp.save(state, storage_writer=FileSystemWriter(path, thread_count=2, sync_files=True)),
+    }
+    samples: dict[str, list[float]] = {name: [] for name in saves}
+    repeats = args.get("repeats", 1)
+    for repeat in range(repeats):
+        for name in sorted(saves, reverse=repeat % 2 == 1):
+            path = args[name] if repeat == repeats - 1 else f"{args[name]}-scratch"
+            samples[name].append(timed_collective(lambda: saves[name](path)))  # noqa: B023 (called at once)
+            if rank == 0 and path != args[name]:
+                shutil.rmtree(path)
+                os.sync()
+            dist.barrier()
+    tensors = local_tensors(state)
+    total = torch.tensor([sum(t.numel() * t.element_size() for t in tensors), len(tensors)], dtype=torch.int64)
+    dist.all_reduce(total)
+    return {
+        **{name: statistics.median(times) for name, times in samples.items()},
+        "bytes": int(total[0]),
+        "tensors": int(total[1]) // world,
+    }
+
+
+def scenario_loop_load(args: dict, rank: int, world: int) -> dict:
+    """A fresh loop on `world` ranks loads the saved state with each library, cold then warm; both must agree."""
+    state = loop_state(loop_trainer(args, rank, world))
+    runs = (
+        ("shardckpt", lambda: shardckpt.load(state, args["shardckpt"])),
+        ("dcp", lambda: dcp.load(state, storage_reader=FileSystemReader(args["dcp"]))),
+    )
+    result: dict = {"cold_possible": False}
+    loaded: dict[str, list[torch.Tensor]] = {}
+    for temperature in ("warm",) if args.get("warm") else ("cold", "warm"):
+        samples: dict[str, list[float]] = {name: [] for name, _ in runs}
+        for _ in range(args.get("repeats", 1)):
+            for name, run in runs:
+                for tensor in local_tensors(state):
+                    tensor.zero_()  # every load starts from zeros: a load that skipped a tensor cannot pass
+                if temperature == "cold":
+                    if rank == 0:
+                        result["cold_possible"] = drop_caches()
+                    dist.barrier()
+                samples[name].append(timed_collective(run))
+                loaded[name] = [t.clone() for t in local_tensors(state)]
+        for name, times in samples.items():
+            result[f"{name}_{temperature}"] = statistics.median(times)
+    result["agree"] = all(torch.equal(a, b) for a, b in zip(loaded["shardckpt"], loaded["dcp"], strict=True))
+    return result
+
+
 def run_scenario(scenarios: dict, init_group: bool) -> None:
     """`worker.py SCENARIO ARGS_JSON`: run scenario_<SCENARIO>(args, rank, world) from `scenarios` (a module's
     globals), write its verdict to RESULT_DIR/rank-<r>.json and leave without interpreter teardown."""

@@ -42,3 +42,18 @@ def test_distributed_benchmark_smoke(tmp_path) -> None:
     assert row["load"] == "2 -> 1" and row["temperature"] == "warm"
     assert row["shardckpt_gib_s"] > 0 and row["dcp_gib_s"] > 0 and row["peak_rss_bytes"] > 0
     assert row["shardckpt_read_ratio"] >= 1.0  # a load reads at least the bytes it fills
+
+
+def test_loop_state_benchmark_smoke(tmp_path) -> None:
+    """The training loop's state through both libraries at the smallest size: 2 ranks save, 1 loads, warm; the
+    harness itself fails unless both libraries loaded identical tensors."""
+    from benchmarks.loop_state import main as loop_main
+
+    out = tmp_path / "loop.json"
+    args = ["--d-model", "32", "--layers", "1", "--heads", "2", "--vocab", "64", "--seq-len", "8"]
+    args += ["--save-world", "2", "--worlds", "1", "--repeats", "1", "--warm", "--dir", str(tmp_path)]
+    assert loop_main([*args, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["tensors"] > 10 and report["state_bytes"] > 0
+    [row] = report["rows"]
+    assert row["load"] == "2 -> 1" and row["shardckpt_seconds"] > 0 and row["dcp_seconds"] > 0

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from shardckpt.errors import CoverageError, FormatError
 from shardckpt.format import columns, layout
+from shardckpt.format import manifest as manifest_module
 from shardckpt.format.columns import decode_int_column, decode_u32_column, encode_int_column, encode_u32_column
 from shardckpt.format.limits import MAX_DEPTH
 from shardckpt.format.local_manifest import (
@@ -902,3 +903,59 @@ def test_validate_attempt_rejects(attempt: object) -> None:
     if isinstance(attempt, str):
         with pytest.raises(FormatError):
             layout.data_path(0, attempt)
+
+
+def _outcome(run) -> tuple[str, str] | None:
+    try:
+        run()
+    except Exception as exc:  # the comparison is of whatever either path raises
+        return type(exc).__name__, str(exc)
+    return None
+
+
+@settings(max_examples=600, deadline=None)
+@given(data=st.data())
+def test_piece_range_checks_for_few_pieces_match_the_array_path(data) -> None:
+    """The plain-integer checks used for a handful of pieces accept and refuse exactly what the numpy checks do,
+    with the same message. Tables are drawn valid, at their edges, then maybe broken in one value."""
+    layout = data.draw(st.sampled_from(["box", "flat"]))
+    shape = tuple(data.draw(st.lists(st.integers(1, 6), min_size=0, max_size=3)))
+    extents = [math.prod(shape)] if layout == "flat" else list(shape)
+    count = data.draw(st.integers(1, 5))
+    file_sizes = data.draw(st.lists(st.integers(0, 300), min_size=1, max_size=3))
+    file, offset, start, length = [], [], [], []
+    for _ in range(count):
+        starts = [data.draw(st.integers(0, extent - 1)) for extent in extents]
+        lengths = [data.draw(st.integers(1, extent - at)) for at, extent in zip(starts, extents)]
+        index = data.draw(st.integers(0, len(file_sizes) - 1))
+        room = file_sizes[index] - math.prod(lengths) * 4
+        file.append(index)
+        offset.append(data.draw(st.sampled_from([0, room, room + 1, max(room - 1, 0)])))
+        start.append(starts)
+        length.append(lengths)
+    columns_ = {"file": file, "offset": offset, "start": start, "length": length}
+    if data.draw(st.booleans()):  # break one value
+        name = data.draw(st.sampled_from(sorted(columns_)))
+        piece = data.draw(st.integers(0, count - 1))
+        value = data.draw(st.integers(-2, 320))
+        if name in ("start", "length"):
+            if extents:
+                columns_[name][piece][data.draw(st.integers(0, len(extents) - 1))] = value
+        else:
+            columns_[name][piece] = value
+    k = len(extents)
+    arrays = (
+        np.array(columns_["file"], dtype=np.int64),
+        np.array(columns_["offset"], dtype=np.int64),
+        np.array(columns_["start"], dtype=np.int64).reshape(count, k),
+        np.array(columns_["length"], dtype=np.int64).reshape(count, k),
+    )
+    check = manifest_module._PieceCheck("t", shape, layout, 4, file_sizes)
+    few = _outcome(lambda: check._check_few(*(a.tolist() for a in arrays)))
+    saved = manifest_module._FEW_PIECES
+    manifest_module._FEW_PIECES = -1  # every table through the numpy path
+    try:
+        many = _outcome(lambda: check(*arrays))
+    finally:
+        manifest_module._FEW_PIECES = saved
+    assert few == many

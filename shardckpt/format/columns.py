@@ -62,10 +62,9 @@ def decode_int_column(column: object, where: str, expected_n: int | None = None)
         raise FormatError(f"{where}: column data is not valid zlib ({exc})") from None
     if len(raw) != 8 * n or inflater.unconsumed_tail or inflater.unused_data or not inflater.eof:
         raise FormatError(f"{where}: column data does not decode to exactly {n} int64 values")
-    deltas = np.frombuffer(raw, dtype="<i8").astype(np.int64)
-    # Overflow wraps silently in numpy; every caller range-checks the decoded values, which catches it.
-    with np.errstate(over="ignore"):
-        return np.cumsum(deltas, dtype=np.int64)
+    # Overflow wraps silently in numpy's integer cumsum (no warning); every caller range-checks the decoded values,
+    # which catches it. cumsum makes a new array, so the result never aliases `raw`.
+    return np.cumsum(np.frombuffer(raw, dtype="<i8"), dtype=np.int64)
 
 
 def decode_u32_column(column: object, where: str, expected_n: int | None = None) -> UInt32Array:

@@ -223,6 +223,9 @@ class _PieceCheck:
             raise CoverageError(f"{self.where}: {count} pieces for {numel} element(s): pieces overlap")
 
     def __call__(self, file: Int64Array, offset: Int64Array, start: Int64Array, length: Int64Array) -> None:
+        if file.size <= _FEW_PIECES:  # most tensors: numpy's per-call cost would dominate; same checks, same order
+            self._check_few(file.tolist(), offset.tolist(), start.tolist(), length.tolist())
+            return
         where = self.where
         if file.size and (file.min() < 0 or file.max() >= len(self.file_sizes)):
             raise FormatError(f"{where}: a piece names a file index outside 0..{len(self.file_sizes) - 1}")
@@ -241,6 +244,28 @@ class _PieceCheck:
         sizes = np.array(self.file_sizes, dtype=np.int64)[file] if file.size else np.zeros(0, np.int64)
         if offset.size and (offset.min() < 0 or (offset > sizes).any() or (offset + nbytes > sizes).any()):
             raise FormatError(f"{where}: a piece's bytes lie outside its data file")
+
+    def _check_few(self, file: list[int], offset: list[int], start: list[list[int]], length: list[list[int]]) -> None:
+        """__call__ for a handful of pieces, in plain integers (no overflow to reason about)."""
+        where = self.where
+        if any(f < 0 or f >= len(self.file_sizes) for f in file):
+            raise FormatError(f"{where}: a piece names a file index outside 0..{len(self.file_sizes) - 1}")
+        extents = [math.prod(self.shape)] if self.layout == "flat" else list(self.shape)
+        for starts, lengths in zip(start, length):
+            if any(a < 0 or n < 1 or n > b or a > b for a, n, b in zip(starts, lengths, extents)):
+                raise FormatError(f"{where}: a piece has a negative start, an empty length or lies outside the shape")
+        for bad, (starts, lengths) in enumerate(zip(start, length)):
+            if any(a + n > b for a, n, b in zip(starts, lengths, extents)):
+                raise FormatError(
+                    f"{where}: piece {bad} (start {starts}, length {lengths}) extends past shape {list(self.shape)}"
+                )
+        for f, at, lengths in zip(file, offset, length):
+            size = self.file_sizes[f]
+            if at < 0 or at > size or at + math.prod(lengths) * self.size > size:
+                raise FormatError(f"{where}: a piece's bytes lie outside its data file")
+
+
+_FEW_PIECES = 16
 
 
 def _decode_tensor(raw: object, where: str, file_sizes: list[int]) -> TensorEntry:

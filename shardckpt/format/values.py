@@ -5,7 +5,7 @@ Tuples survive the round trip as msgpack extension type 1; everything else is ms
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import msgpack
@@ -115,18 +115,30 @@ def unique_map(pairs: list[tuple[Any, Any]], where: str) -> dict[Any, Any]:
 
 
 def _check_depth(value: object, where: str, depth: int) -> None:
-    # Iterative, so a hostile nesting cannot exhaust Python's recursion limit.
+    # Iterative, so a hostile nesting cannot exhaust Python's recursion limit. Only containers go on the stack;
+    # leaves (almost every node of a manifest) are checked where they are met.
+    if depth > MAX_DEPTH:
+        raise FormatError(f"{where}: value nested deeper than {MAX_DEPTH}")
+    if isinstance(value, msgpack.Timestamp):
+        raise FormatError(f"{where}: msgpack timestamps are not part of the format")
     stack: list[tuple[object, int]] = [(value, depth)]
     while stack:
         item, level = stack.pop()
-        if level > MAX_DEPTH:
-            raise FormatError(f"{where}: value nested deeper than {MAX_DEPTH}")
-        if isinstance(item, msgpack.Timestamp):
-            raise FormatError(f"{where}: msgpack timestamps are not part of the format")
+        children: Collection[object]
         if isinstance(item, (list, tuple)):
-            stack.extend((child, level + 1) for child in item)
+            children = item
         elif isinstance(item, dict):
-            for key, child in item.items():
-                if isinstance(key, bool) or not isinstance(key, (str, int)):
+            for key in item:
+                if type(key) is not str and type(key) is not int:  # bool is an int subclass: refused too
                     raise FormatError(f"{where}: map keys must be str or int, got {type(key).__name__}")
+            children = item.values()
+        else:
+            continue
+        if level + 1 > MAX_DEPTH and len(children) > 0:
+            raise FormatError(f"{where}: value nested deeper than {MAX_DEPTH}")
+        for child in children:
+            kind = type(child)
+            if kind is list or kind is tuple or kind is dict:
                 stack.append((child, level + 1))
+            elif kind is msgpack.Timestamp:
+                raise FormatError(f"{where}: msgpack timestamps are not part of the format")

@@ -6,13 +6,15 @@ tensor so that replicated writes spread over the replicas.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import crc32c
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from shardckpt.errors import ShardckptUsageError
 
@@ -29,6 +31,16 @@ def is_dtensor(value: object) -> bool:
     return isinstance(value, DTensor)
 
 
+@functools.lru_cache(maxsize=4096)
+def _local_shape_and_offset(
+    global_shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[Placement, ...], coordinate: object
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """torch's computation, once per distinct (shape, mesh, placements, this rank's coordinate): a model has
+    hundreds of tensors but few distinct shapes, and the computation is a noticeable part of a small load."""
+    local_shape, offsets = compute_local_shape_and_global_offset(global_shape, mesh, placements)
+    return tuple(int(d) for d in local_shape), tuple(int(o) for o in offsets)
+
+
 def local_box(name: str, tensor: DTensor) -> LocalBox:
     placements = tuple(tensor.placements)
     for placement in placements:
@@ -43,13 +55,15 @@ def local_box(name: str, tensor: DTensor) -> LocalBox:
             )
     mesh = tensor.device_mesh
     global_shape = tuple(int(d) for d in tensor.shape)
-    local_shape, offsets = compute_local_shape_and_global_offset(global_shape, mesh, placements)
+    coordinate = mesh.get_coordinate()
+    local_shape, offsets = _local_shape_and_offset(
+        global_shape, mesh, placements, None if coordinate is None else tuple(coordinate)
+    )
     local = tensor.to_local()
     if tuple(local.shape) != tuple(local_shape):
         raise ShardckptUsageError(
             f"tensor {name!r}: local shard has shape {list(local.shape)}, its placements imply {list(local_shape)}"
         )
-    coordinate = mesh.get_coordinate()
     if coordinate is None:  # this rank is not in the tensor's mesh
         return LocalBox(global_shape, tuple(offsets), local, writes=False)
     replicated = [d for d, p in enumerate(placements) if isinstance(p, Replicate)]

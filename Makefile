@@ -37,7 +37,7 @@ demo: $(STAMP)
 # reference state (2 GiB: 64 fp32 tensors of 32 MiB) and on the training loop's own state, metadata scale, S3, a DeepSpeed ZeRO-3 engine vs
 # DeepSpeed's own checkpoints and ds_to_universal.
 bench: $(STAMP)
-	$(BIN)/python -m benchmarks --size-mib 2048 --json benchmarks/results.json
+	$(BIN)/python -m benchmarks --size-mib 2048 --repeats 5 --json benchmarks/results.json
 	$(BIN)/python -m benchmarks.distributed --size-mib 2048 --json benchmarks/distributed.json
 	$(BIN)/python -m benchmarks.loop_state --json benchmarks/loop_state.json
 	$(BIN)/python -m benchmarks.scale --ranks 1024 4096 --json benchmarks/scale.json

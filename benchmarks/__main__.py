@@ -104,8 +104,16 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: dict[str, dict[str, object]] = {}
 
-    def record(name: str, seconds: float, kind: str, peak: int | None = None) -> None:
-        rows[name] = {"seconds": seconds, "gib_per_s": size / seconds / GIB, "kind": kind, "peak_rss_bytes": peak}
+    def record(name: str, samples: list[float], kind: str, peak: int | None = None) -> None:
+        """A row: the median of its samples, and the slowest and fastest (this disk has slow spells)."""
+        seconds = statistics.median(samples)
+        rows[name] = {
+            "seconds": seconds,
+            "gib_per_s": size / seconds / GIB,
+            "range_gib_per_s": [size / max(samples) / GIB, size / min(samples) / GIB],
+            "kind": kind,
+            "peak_rss_bytes": peak,
+        }
 
     def measured_peak(run: Callable[[], None], setup: Callable[[], None] | None) -> int | None:
         """Peak RSS above the RSS before, of one more (untimed) run."""
@@ -180,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             peak = peak_above(lambda: saves[name](path))  # noqa: B023 (called at once)
             remove(path)
         kind = "disk" if name.startswith("raw") else "probe" if "probe" in name else "save"
-        record(name, statistics.median(samples), kind, peak)
+        record(name, samples, kind, peak)
     crc_seconds = statistics.median(checksum_seconds(state) for _ in range(args.repeats))
     unchecked = rows["shardckpt.save without checksums (cost probe)"]["gib_per_s"]
     checksum_share = 1 - rows["shardckpt.save (durable, committed)"]["gib_per_s"] / unchecked  # type: ignore[operator]
@@ -266,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             load_samples[name].append(time.perf_counter() - began)
     for name, (run, kind) in loads.items():
         peak = measured_peak(run, setup) if kind == "load" and "torch.load" not in name else None
-        record(name, statistics.median(load_samples[name]), kind, peak)
+        record(name, load_samples[name], kind, peak)
     read_ratio = sum(fetched) / size
 
     save_rows = {k: v for k, v in rows.items() if v["kind"] == "save"}
@@ -277,13 +285,15 @@ def main(argv: list[str] | None = None) -> int:
         f"state: {len(state)} fp32 tensors, {size / GIB:.2f} GiB; {args.repeats} runs per row (median); "
         f"{platform.machine()}, {os.cpu_count()} cores; loads are {temperature}"
     )
-    print(f"{'row':55} {'GiB/s':>7} {'ratio to best baseline':>24} {'peak RSS +MiB':>14}")
+    print(f"{'row':55} {'GiB/s':>7} {'(min-max)':>11} {'ratio to best baseline':>24} {'peak RSS +MiB':>14}")
     for name, row in rows.items():
         best = {"save": best_save, "load": best_load}.get(str(row["kind"]), row["gib_per_s"])
         row["ratio_to_best_baseline"] = row["gib_per_s"] / best  # type: ignore[operator]
         peak = row["peak_rss_bytes"]
         shown = f"{peak / 2**20:14.0f}" if isinstance(peak, int) else f"{'':14}"
-        print(f"{name:55} {row['gib_per_s']:7.2f} {row['ratio_to_best_baseline']:24.2f} {shown}")
+        low, high = row["range_gib_per_s"]  # type: ignore[misc]
+        spread = f"{low:.2f}-{high:.2f}"
+        print(f"{name:55} {row['gib_per_s']:7.2f} {spread:>11} {row['ratio_to_best_baseline']:24.2f} {shown}")
     sc_save_rate = rows["shardckpt.save (durable, committed)"]["gib_per_s"]
     two_streams = rows["raw write + fsync (2 streams, 2 files)"]["gib_per_s"]
     save_vs_disk = sc_save_rate / two_streams  # type: ignore[operator]

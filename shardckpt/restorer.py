@@ -45,7 +45,7 @@ from shardckpt.format.manifest import (
 from shardckpt.planner import Box, ReadPlan, ReadRequest, Target, VerifySpan, check_cover, plan_reads
 from shardckpt.planner.box import box_as_flat_range
 from shardckpt.planner.execute import apply_copy
-from shardckpt.planner.plan import DEFAULT_MAX_GAP, DEFAULT_MAX_REQUEST
+from shardckpt.planner.plan import DEFAULT_MAX_GAP, DEFAULT_MAX_REQUEST, RESIDENT_MAX_REQUEST
 from shardckpt.storage import RangeReader, Storage, open_storage
 from shardckpt.torch_bytes import host_staging, torch_dtype, writable_bytes
 
@@ -134,6 +134,8 @@ class FileIndex:
         return position
 
 
+RESIDENT_PROBES = 8  # requests probed to decide whether a plan's bytes are in memory already
+
 # How far past the request being read the ordered reader announces ranges that do not follow on (a disk serves a
 # jump at full speed only when it is asked early; sequential runs are left to the kernel's own read-ahead).
 PREFETCH_AHEAD = 16 << 20
@@ -154,8 +156,10 @@ class Checkpoint:
         *,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         max_gap: int = DEFAULT_MAX_GAP,
-        max_request: int = DEFAULT_MAX_REQUEST,
+        max_request: int | None = None,
     ) -> None:
+        """max_request: the largest range read; None picks it per read (DEFAULT_MAX_REQUEST from storage,
+        RESIDENT_MAX_REQUEST when the storage says the bytes are in memory already)."""
         self.storage, self.marker, self.manifest = storage, marker, manifest
         self.url = storage.url
         self.max_in_flight, self.max_gap, self.max_request = max_in_flight, max_gap, max_request
@@ -228,13 +232,29 @@ class Checkpoint:
 
     def _plan(self, targets: Sequence[Target]) -> ReadPlan:
         entries = {t.name: self.entry(t.name) for t in targets}
-        return plan_reads(
-            entries,
-            targets,
-            block_size=self.manifest.block_size,
-            max_gap=self.max_gap,
-            max_request=self.max_request,
-        )
+
+        def plan(max_request: int) -> ReadPlan:
+            return plan_reads(
+                entries, targets, block_size=self.manifest.block_size, max_gap=self.max_gap, max_request=max_request
+            )
+
+        if self.max_request is not None:
+            return plan(self.max_request)
+        planned = plan(DEFAULT_MAX_REQUEST)
+        if len(planned.requests) > 1 and self._resident(planned):
+            return plan(RESIDENT_MAX_REQUEST)
+        return planned
+
+    def _resident(self, plan: ReadPlan) -> bool:
+        """Whether the plan's bytes are in memory already, judged by probing the start and middle of up to
+        RESIDENT_PROBES of its requests, spread over the plan."""
+        requests = plan.requests
+        step = max(1, len(requests) // RESIDENT_PROBES)
+        files = self.manifest.files
+        places = [
+            (files[r.file].data, offset) for r in requests[::step] for offset in (r.start, (r.start + r.end) // 2)
+        ]
+        return self.storage.resident(places) is True
 
     # ---------------------------------------------------------------------------------------- reading
 
@@ -590,7 +610,7 @@ def open_checkpoint(
     storage_options: dict[str, Any] | None = None,
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     max_gap: int = DEFAULT_MAX_GAP,
-    max_request: int = DEFAULT_MAX_REQUEST,
+    max_request: int | None = None,
 ) -> Checkpoint:
     """Open the committed checkpoint at `url`; NotCommittedError if it has no COMMITTED marker."""
     storage = open_storage(url, storage_options)

@@ -4,6 +4,7 @@ only after every running call has finished."""
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -19,6 +20,8 @@ import shardckpt
 from shardckpt import fetching
 from shardckpt.format.layout import new_attempt
 from shardckpt.planner import ReadRequest
+from shardckpt.planner.plan import DEFAULT_MAX_REQUEST, RESIDENT_MAX_REQUEST
+from shardckpt.storage import LocalStorage
 from shardckpt.storage.local import _LocalReader
 
 
@@ -233,3 +236,44 @@ def test_the_ordered_reader_announces_jumps_ahead_and_leaves_sequential_runs_to_
     shardckpt.load(whole, str(tmp_path / "one"))
     assert all(torch.equal(whole[name], state[name]) for name in state)
     assert hints == []
+
+
+def _evict(path: str) -> None:
+    """Drop a file's clean pages from the page cache (no root needed)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_read_size_follows_where_the_bytes_are(tmp_path) -> None:
+    """Bytes in the page cache are read in RESIDENT_MAX_REQUEST requests (a slot stays in a core's cache), bytes on
+    disk in DEFAULT_MAX_REQUEST ones (a disk wants large reads); an explicit max_request always wins. Every read is
+    bit-exact whichever size it used."""
+    generator = torch.Generator().manual_seed(1)
+    state = {f"t{i}": torch.randn(1024, 2048, generator=generator) for i in range(3)}  # 8 MiB each
+    url = str(tmp_path / "ck")
+    shardckpt.save(state, url)
+    data = [str(path) for path in (tmp_path / "ck" / "data").iterdir()]
+    storage = LocalStorage(url)
+    places = [(f"data/{os.path.basename(path)}", offset) for path in data for offset in (0, 12 << 20)]
+
+    def plan_and_read(**options) -> int:
+        checkpoint = shardckpt.open(url, **options)
+        items = [(name, shardckpt.Box((0, 0), tuple(t.shape)), torch.zeros_like(t)) for name, t in state.items()]
+        pending = checkpoint.prepare(items)
+        largest = max(request.size for request in pending.plan.requests)
+        pending.apply()
+        assert all(torch.equal(out, state[name]) for name, _, out in items)
+        return largest
+
+    for path in data:
+        _evict(path)
+    assert storage.resident(places) is False
+    assert plan_and_read() == DEFAULT_MAX_REQUEST  # on disk: large reads (and now cached)
+    assert storage.resident(places) is True
+    assert plan_and_read() == RESIDENT_MAX_REQUEST
+    assert plan_and_read(max_request=4 << 20) == 4 << 20
+    assert shardckpt.storage.open_storage("memory://resident-probe").resident(places) is None

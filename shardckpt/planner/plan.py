@@ -21,9 +21,12 @@ from shardckpt.format.manifest import TensorEntry
 from shardckpt.planner.box import Box, intersect, linear_index, linear_range_boxes, row_major_strides
 
 DEFAULT_MAX_GAP = 32 << 10
-# Small enough that a reader's slot stays in cache between its read, its checksums and its copy; large enough
-# that per-request costs vanish. Coalescing never splits a checksum block, so at most one block per cut is read twice.
+# Large enough that a disk streams at full speed and per-request costs vanish. Coalescing never splits a checksum
+# block, so at most one block per cut is read twice.
 DEFAULT_MAX_REQUEST = 8 << 20
+# For bytes already in memory (page cache): small enough that a slot stays in a core's cache between its read, its
+# checksums and its copy (warm loads on 4 ranks: +16-35% over 8 MiB; cold reads lose ~15% at this size).
+RESIDENT_MAX_REQUEST = 2 << 20
 
 
 @dataclass(frozen=True)

@@ -127,6 +127,11 @@ class Storage(abc.ABC):
         """A reader for many range reads in a row; use it as a context manager."""
         return RangeReader(self)
 
+    def resident(self, places: Sequence[tuple[str, int]]) -> bool | None:
+        """True when the byte at each (path, offset) is already in memory (a local page cache), so reading it
+        is a memory copy; False when one is not; None when the backend cannot tell (the default)."""
+        return None
+
     def read_ranges_into(self, requests: Sequence[tuple[str, int]], outs: Sequence[memoryview]) -> None:
         """read_range_into for several (path, start) requests and their buffers, concurrently.
 

@@ -218,6 +218,31 @@ class LocalStorage(Storage):
     def reader(self) -> RangeReader:
         return _LocalReader(self)
 
+    def resident(self, places: Sequence[tuple[str, int]]) -> bool | None:
+        """preadv(RWF_NOWAIT) of one byte at each place: it fails with EAGAIN where the page is not cached.
+
+        (A miss also starts the kernel's read-ahead there, for bytes about to be read anyway.)
+        """
+        flag = getattr(os, "RWF_NOWAIT", None)
+        if flag is None or not places:
+            return None
+        probe = bytearray(1)
+        fds: dict[str, int] = {}
+        try:
+            for path, offset in places:
+                if path not in fds:
+                    fds[path] = self._open_read(path)
+                if os.preadv(fds[path], [probe], offset, flag) != 1:
+                    return False
+        except BlockingIOError:
+            return False
+        except OSError:  # not supported here, or the file is gone: the read itself will say so
+            return None
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return True
+
     def read_ranges_into(self, requests: Sequence[tuple[str, int]], outs: Sequence[memoryview]) -> None:
         """Concurrent preadv calls (the kernel copy and the wait on the disk release the GIL)."""
         jobs = list(zip(requests, outs, strict=True))

@@ -129,10 +129,12 @@ class Checkpointer:
 
     def save(self, step: int, state: State, *, wait: bool = False) -> None:
         """Save now; with async_save the write runs in the background unless `wait`."""
+        # The stall counts everything the training thread waits for: a previous save still running, building the
+        # state dict, and the staging copy (or the whole save, when synchronous).
+        began = time.perf_counter()
         self.wait()  # one save at a time: a second one queues behind the first
         url = f"{self.root}/step-{step:08d}"
         materialized = state() if callable(state) else state
-        began = time.perf_counter()
         if not self.async_save:
             manifest = self._save(materialized, url, step)
             elapsed = time.perf_counter() - began

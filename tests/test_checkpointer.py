@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -45,6 +46,33 @@ def test_async_save_writes_the_staged_values(tmp_path) -> None:
     assert torch.equal(shardckpt.open(f"{root}/step-00000001").read("w"), torch.full((64, 32), 1.0))
     assert torch.equal(shardckpt.open(f"{root}/step-00000002").read("w"), torch.full((64, 32), 2.0))
     assert [r.step for r in records] == [1, 2]
+
+
+def test_the_stall_counts_all_the_training_thread_waits_for(tmp_path, monkeypatch) -> None:
+    """An async save's stall covers building the state and staging; a save that queues behind a slow one counts
+    the wait too (only the background write is left out)."""
+    records = []
+    checkpointer = shardckpt.Checkpointer(
+        str(tmp_path / "ck"), every_steps=1, async_save=True, preemption_signals=(), on_save=records.append
+    )
+    real_save = checkpointer._save
+
+    def slow_save(*args, **kwargs):
+        time.sleep(0.4)  # the background write of the first save takes a while
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(checkpointer, "_save", slow_save)
+
+    def slow_state() -> dict:
+        time.sleep(0.1)  # building the state dict is the training thread's time
+        return _state(1.0)
+
+    checkpointer.maybe_save(1, slow_state)
+    checkpointer.maybe_save(2, _state(2.0))  # waits for the first save's write
+    checkpointer.close()
+    first, second = records
+    assert 0.1 <= first.stall_seconds < 0.4 <= first.save_seconds
+    assert second.stall_seconds >= 0.25  # queued behind the first
 
 
 def test_async_save_errors_surface_on_wait(tmp_path) -> None:

@@ -69,7 +69,13 @@ def timed_with_peak(run) -> tuple[float, int | None]:
 def scenario_save(args: dict, rank: int, world: int) -> dict:
     """Each library's durable save `repeats` times, taking turns; medians. Every output but the last is deleted
     before the next save (so each writes into disk blocks the machine already backs); the last ones are loaded."""
-    state = make_state(args, world, rank, fill=True)
+    return timed_saves(make_state(args, world, rank, fill=True), args, rank)
+
+
+def timed_saves(state: dict, args: dict, rank: int) -> dict[str, float]:
+    """Median seconds of each library's durable save of `state`, `repeats` times taking turns. Every output but the
+    last is deleted before the next save (so each writes into disk blocks the machine already backs); the last
+    ones, at args["shardckpt"] and args["dcp"], are what the loads read."""
     saves = {
         "shardckpt": lambda path: shardckpt.save(state, path),
         "dcp": lambda path: dcp.save(state, storage_writer=FileSystemWriter(path, thread_count=2, sync_files=True)),
@@ -150,25 +156,12 @@ def local_tensors(state: dict) -> list[torch.Tensor]:
 def scenario_loop_save(args: dict, rank: int, world: int) -> dict:
     """The training loop's state saved by each library, `repeats` times in turns (outputs but the last deleted)."""
     state = loop_state(loop_trainer(args, rank, world))
-    saves = {
-        "shardckpt": lambda path: shardckpt.save(state, path),
-        "dcp": lambda path: dcp.save(state, storage_writer=FileSystemWriter(path, thread_count=2, sync_files=True)),
-    }
-    samples: dict[str, list[float]] = {name: [] for name in saves}
-    repeats = args.get("repeats", 1)
-    for repeat in range(repeats):
-        for name in sorted(saves, reverse=repeat % 2 == 1):
-            path = args[name] if repeat == repeats - 1 else f"{args[name]}-scratch"
-            samples[name].append(timed_collective(lambda: saves[name](path)))  # noqa: B023 (called at once)
-            if rank == 0 and path != args[name]:
-                shutil.rmtree(path)
-                os.sync()
-            dist.barrier()
+    medians = timed_saves(state, args, rank)
     tensors = local_tensors(state)
     total = torch.tensor([sum(t.numel() * t.element_size() for t in tensors), len(tensors)], dtype=torch.int64)
     dist.all_reduce(total)
     return {
-        **{name: statistics.median(times) for name, times in samples.items()},
+        **medians,
         "bytes": int(total[0]),
         "tensors": int(total[1]) // world,
     }

@@ -64,6 +64,26 @@ def checksum_seconds(state: dict[str, torch.Tensor], block: int = DEFAULT_BLOCK_
     return time.perf_counter() - began
 
 
+def save_row_shards(url: str, state: dict[str, torch.Tensor], world: int) -> None:
+    """Save `state` as `world` ranks would with FSDP's Shard(0): each rank writes its slab of rows (one process)."""
+    attempt = new_attempt()
+    for rank in range(world):
+        writer = shardckpt.ShardWriter(url, rank=rank, world_size=world, attempt=attempt)
+        for name, tensor in state.items():
+            lo, hi = rank * tensor.shape[0] // world, (rank + 1) * tensor.shape[0] // world
+            writer.add(name, tensor[lo:hi], global_shape=tensor.shape, offsets=(lo, 0))
+        writer.close()
+    shardckpt.commit(url, world_size=world, attempt=attempt)
+
+
+def write_report(path: str | None, report: dict) -> None:
+    """The results as JSON at `path` (nothing when it is empty)."""
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as handle:
+            json.dump(report, handle, indent=1)
+
+
 def remove(path: str) -> None:
     """Delete a file or a directory tree and wait until the disk has forgotten it (the next row starts even)."""
     if os.path.isdir(path):
@@ -228,14 +248,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- resharded read: saved as 4 ranks, read as 3 (all three ranks' reads in this one process)
     resharded = fresh("reshard")
-    attempt = new_attempt()
-    for rank in range(4):
-        writer = shardckpt.ShardWriter(resharded, rank=rank, world_size=4, attempt=attempt)
-        for name, tensor in state.items():
-            lo, hi = rank * tensor.shape[0] // 4, (rank + 1) * tensor.shape[0] // 4
-            writer.add(name, tensor[lo:hi], global_shape=tensor.shape, offsets=(lo, 0))
-        writer.close()
-    shardckpt.commit(resharded, world_size=4, attempt=attempt)
+    save_row_shards(resharded, state, 4)
     fetched: list[int] = []
     thirds = []
     for rank in range(3):
@@ -327,10 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_ratio_to_dcp": versus_dcp,
         "checksum_cost": {"crc32c_seconds": crc_seconds, "share_of_save": checksum_share},
     }
-    if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as handle:
-            json.dump(result, handle, indent=1)
+    write_report(args.json, result)
     shutil.rmtree(scratch, ignore_errors=True)
     return 0
 

@@ -7,7 +7,6 @@ shardckpt and torch DCP on the same state in the same run: durable save, same-la
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -16,6 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from launch import run_ranks
+
+from benchmarks.__main__ import write_report
 
 WORKER = Path(__file__).resolve().parent / "dist_worker.py"
 GIB = 1 << 30
@@ -92,9 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['shardckpt_load_peak_bytes'] / 2**20:11.0f} / {row['dcp_load_peak_bytes'] / 2**20:.0f}",
                 flush=True,
             )
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=1)
+    write_report(args.json, report)
     shutil.rmtree(scratch, ignore_errors=True)
     return 0
 

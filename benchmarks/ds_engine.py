@@ -7,7 +7,6 @@ Same engine state for both in one run; medians of --repeats; loads warm, and col
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -19,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from launch import run_ranks
 
+from benchmarks.__main__ import write_report
 from benchmarks.distributed import values
 
 WORKER = Path(__file__).resolve().parent / "ds_worker.py"
@@ -70,9 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"state_bytes": size, "save_world": 2, "load_world": 3, "same_world": saved, "resharded": resharded}
     report["ds_to_universal_seconds"] = convert
     print_table(report)
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2)
+    write_report(args.json, report)
     return 0
 
 

@@ -9,11 +9,10 @@ dicts, zeroed before every load, and must end with identical tensors.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shutil
 import tempfile
 
+from benchmarks.__main__ import write_report
 from benchmarks.distributed import WORKER, run_ranks, values
 
 GIB = 1 << 30
@@ -75,10 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             report["rows"].append(row)
             print(f"{'load ' + row['load']:16} {temperature:5} {sc * 1e3:8.0f}ms {dc * 1e3:8.0f}ms {dc / sc:7.2f}x")
-    if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=1)
+    write_report(args.json, report)
     shutil.rmtree(scratch, ignore_errors=True)
     return 0
 

@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardckpt
+from benchmarks.__main__ import save_row_shards
 from shardckpt import fetching
-from shardckpt.format.layout import new_attempt
 from shardckpt.planner import ReadRequest
 from shardckpt.planner.plan import DEFAULT_MAX_REQUEST, RESIDENT_MAX_REQUEST
 from shardckpt.storage import LocalStorage
@@ -178,17 +178,6 @@ def test_an_ordered_read_failure_raises_an_earlier_requests_failure_first() -> N
     assert reads == [0, 1, 2, 3, 4, 5]  # no read after the failed one
 
 
-def _save_four_ranks(url: str, state: dict) -> None:
-    attempt = new_attempt()
-    for rank in range(4):
-        writer = shardckpt.ShardWriter(url, rank=rank, world_size=4, attempt=attempt)
-        for name, tensor in state.items():
-            lo, hi = rank * tensor.shape[0] // 4, (rank + 1) * tensor.shape[0] // 4
-            writer.add(name, tensor[lo:hi], global_shape=tensor.shape, offsets=(lo, 0))
-        writer.close()
-    shardckpt.commit(url, world_size=4, attempt=attempt)
-
-
 def test_the_ordered_reader_announces_jumps_ahead_and_leaves_sequential_runs_to_read_ahead(
     tmp_path, monkeypatch
 ) -> None:
@@ -213,7 +202,7 @@ def test_the_ordered_reader_announces_jumps_ahead_and_leaves_sequential_runs_to_
     generator = torch.Generator().manual_seed(0)
     state = {f"t{i}": torch.randn(96, 4096, generator=generator) for i in range(6)}  # 1.5 MiB each
     url = str(tmp_path / "four")
-    _save_four_ranks(url, state)
+    save_row_shards(url, state, 4)
     checkpoint = shardckpt.open(url, max_in_flight=4 << 20)
     items = [(name, shardckpt.Box((32, 0), (32, 4096)), torch.zeros(32, 4096)) for name in state]
     pending = checkpoint.prepare(items)

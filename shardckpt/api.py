@@ -10,12 +10,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from shardckpt import protocol
-from shardckpt.errors import ShardckptError
+from shardckpt.catalog import list_root
 from shardckpt.format.limits import DEFAULT_BLOCK_SIZE
-from shardckpt.format.manifest import CommitMarker, GlobalManifest
+from shardckpt.format.manifest import GlobalManifest
 from shardckpt.planner.plan import DEFAULT_MAX_GAP
-from shardckpt.restorer import DEFAULT_MAX_IN_FLIGHT, Checkpoint, ReadStats, read_commit_marker
-from shardckpt.storage import Storage, open_storage
+from shardckpt.restorer import DEFAULT_MAX_IN_FLIGHT, Checkpoint, ReadStats
+from shardckpt.storage import Storage
 
 
 def save(
@@ -98,22 +98,18 @@ def load(
 
 
 def latest(root_url: str | Storage, *, storage_options: dict[str, Any] | None = None) -> str | None:
-    """URL of the newest committed checkpoint directly under `root_url` (by step, then time), or None."""
-    root = open_storage(root_url, storage_options)
-    best: tuple[tuple[int, int, float], str] | None = None
-    for name in root.list():
-        child = root.child(name)
-        try:
-            marker: CommitMarker | None = read_commit_marker(child)
-        except ShardckptError as exc:
-            warnings.warn(f"skipping {child.url}: {exc}", stacklevel=2)
-            continue
-        if marker is None:
-            continue
-        key = (marker.step is not None, marker.step or 0, marker.created)
-        if best is None or key > best[0]:
-            best = (key, child.url)
-    return None if best is None else best[1]
+    """URL of the newest committed checkpoint directly under `root_url`, or None.
+
+    Newest by shardckpt.catalog.order_key (step, then commit time, then name), the order retention and gc keep by.
+    A link to a checkpoint of the same root is that checkpoint: the URL returned is the checkpoint's own, never
+    the link's. A checkpoint whose COMMITTED cannot be read is skipped with a warning.
+    """
+    listing = list_root(root_url, storage_options=storage_options)
+    for entry in listing.entries:
+        if entry.error is not None and entry.alias_of is None:
+            warnings.warn(f"skipping {entry.url}: {entry.error}", stacklevel=2)
+    newest = listing.newest()
+    return None if newest is None else newest.url
 
 
 __all__ = ["Checkpoint", "latest", "load", "save"]

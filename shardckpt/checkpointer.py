@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,12 +19,13 @@ import torch.distributed as dist
 
 from shardckpt import protocol
 from shardckpt.api import latest
+from shardckpt.catalog import read_commit_marker
 from shardckpt.collectives import Group, broadcast_bytes
 from shardckpt.errors import ShardckptUsageError
 from shardckpt.format.limits import DEFAULT_BLOCK_SIZE
 from shardckpt.format.manifest import GlobalManifest
-from shardckpt.restorer import DEFAULT_MAX_IN_FLIGHT, read_commit_marker
-from shardckpt.retention import prune
+from shardckpt.restorer import DEFAULT_MAX_IN_FLIGHT
+from shardckpt.retention import retain
 from shardckpt.staging import StagingBuffers, stage
 from shardckpt.storage import open_storage
 
@@ -33,20 +35,27 @@ PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 @dataclass(frozen=True)
 class SaveRecord:
-    """What one save cost: the training stall (staging or the whole save), the save time, the bytes committed."""
+    """What one save cost: the training stall (staging or the whole save), the save time, the bytes committed.
+
+    warning: set (on the coordinator) when the root holds a newer committed checkpoint than this one (another
+    run's?): latest() and restore_latest resume from that one, not from this.
+    """
 
     step: int
     url: str
     stall_seconds: float
     save_seconds: float
     bytes: int
+    warning: str | None = None
 
 
 class Checkpointer:
     """Saves `state` under `root` as root/step-XXXXXXXX every `every_steps` steps, keeping the newest `keep_last`.
 
     All ranks of the group call every method together. preemption_signals: on SIGTERM or SIGUSR1 (on any rank)
-    the next maybe_save writes a checkpoint of that step and `should_stop` turns true.
+    the next maybe_save writes a checkpoint of that step and `should_stop` turns true. Retention never deletes the
+    checkpoint just saved; when the root already holds a higher step (a new run pointed at an old root, a forgotten
+    resume), each save warns (warnings.warn and SaveRecord.warning): the old run's steps stay the newest.
     """
 
     def __init__(
@@ -95,9 +104,7 @@ class Checkpointer:
 
         optional: entries the checkpoint may lack (see shardckpt.load).
         """
-        url = latest(self.root, storage_options=self.storage_options) if self.group.rank == 0 else None
-        if isinstance(self.group, Group):
-            url = broadcast_bytes(self.group, (url or "").encode(), 0).decode() or None
+        url = self.latest_url()
         if url is None:
             return None
         protocol.load(
@@ -112,6 +119,13 @@ class Checkpointer:
         manifest_step = self._step_of(url)
         self.last_saved_step = manifest_step
         return manifest_step
+
+    def latest_url(self) -> str | None:
+        """URL of the newest committed checkpoint under root (shardckpt.latest on the coordinator, shared)."""
+        url = latest(self.root, storage_options=self.storage_options) if self.group.rank == 0 else None
+        if isinstance(self.group, Group):
+            url = broadcast_bytes(self.group, (url or "").encode(), 0).decode() or None
+        return url
 
     # ------------------------------------------------------------------------------------------------- save
 
@@ -136,9 +150,9 @@ class Checkpointer:
         url = f"{self.root}/step-{step:08d}"
         materialized = state() if callable(state) else state
         if not self.async_save:
-            manifest = self._save(materialized, url, step)
+            manifest, warning = self._save(materialized, url, step)
             elapsed = time.perf_counter() - began
-            self._record(SaveRecord(step, url, elapsed, elapsed, manifest.total_bytes))
+            self._record(SaveRecord(step, url, elapsed, elapsed, manifest.total_bytes, warning))
             return
         staged = stage(materialized, self._buffers)
         stall = time.perf_counter() - began
@@ -161,7 +175,8 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------------------- internals
 
-    def _save(self, state: Mapping[str, Any], url: str, step: int) -> GlobalManifest:
+    def _save(self, state: Mapping[str, Any], url: str, step: int) -> tuple[GlobalManifest, str | None]:
+        """Save, then (coordinator) retention; the manifest and the warning about a newer checkpoint, if any."""
         manifest = protocol.save(
             state,
             url,
@@ -170,19 +185,31 @@ class Checkpointer:
             step=step,
             block_size=self.block_size,
         )
+        warning = None
         if self.group.rank == 0:
-            prune(open_storage(self.root, self.storage_options), self.keep_last)
+            # The checkpoint just saved stays whatever its place in the order: it is what this run has.
+            retained = retain(open_storage(self.root, self.storage_options), self.keep_last, keep=(_name_of(url),))
+            newest = retained.newest
+            newest_step = None if newest is None or newest.marker is None else newest.marker.step
+            if newest is not None and newest_step is not None and newest_step > step:
+                warning = (
+                    f"step {step} is below step {newest_step} of {newest.url}, the newest committed checkpoint "
+                    f"under {self.root} (another run's?): latest() and restore_latest resume from that one, and "
+                    f"retention keeps the newest {self.keep_last} by step plus the checkpoint just saved "
+                    f"({url}); use a fresh root, or resume from it"
+                )
+                warnings.warn(warning, UserWarning, stacklevel=2)
         self.last_saved_step = step
-        return manifest
+        return manifest, warning
 
     def _background(self, staged: dict[str, Any], url: str, step: int, stall: float) -> None:
         began = time.perf_counter()
         try:
-            manifest = self._save(staged, url, step)
+            manifest, warning = self._save(staged, url, step)
         except BaseException as exc:  # surfaced by the next wait() on the training thread
             self._pending_error = exc
             return
-        self._record(SaveRecord(step, url, stall, time.perf_counter() - began, manifest.total_bytes))
+        self._record(SaveRecord(step, url, stall, time.perf_counter() - began, manifest.total_bytes, warning))
 
     def _record(self, record: SaveRecord) -> None:
         self.records.append(record)
@@ -204,3 +231,8 @@ class Checkpointer:
     def _step_of(self, url: str) -> int | None:
         marker = read_commit_marker(open_storage(url, self.storage_options))
         return None if marker is None else marker.step
+
+
+def _name_of(url: str) -> str:
+    """The last path segment of a checkpoint URL: its name under the root."""
+    return url.rstrip("/").rsplit("/", 1)[-1]

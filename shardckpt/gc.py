@@ -1,28 +1,24 @@
 """Garbage collection under a root: committed checkpoints beyond keep_last, and leftovers of failed attempts.
 
 Never deletes the newest committed checkpoint, a file of a committed attempt, a name the layout does not give,
-anything modified within the grace period (it may belong to a save running now), or anything outside ROOT.
+anything modified within the grace period (it may belong to a save running now), or anything behind a link or
+outside ROOT. The listing, the order and the deletion itself are catalog's, shared with Checkpointer retention.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from shardckpt.catalog import DIRECTORIES, delete_objects, layout_objects, list_root, read_commit_marker
 from shardckpt.crashpoints import crash_point
-from shardckpt.errors import FormatError, NotFoundError, ShardckptError, ShardckptUsageError
+from shardckpt.errors import NotFoundError, ShardckptError, ShardckptUsageError
 from shardckpt.format import layout
-from shardckpt.restorer import read_commit_marker
-from shardckpt.storage import LocalStorage, Storage, open_storage
+from shardckpt.storage import Storage, open_storage
 
 DEFAULT_GRACE = 3600.0
-TEMP_PREFIX = f"{layout.COMMITTED}.tmp-"  # the local commit's temporary marker (a crash can leave one behind)
-# Deletion order inside a checkpoint: global manifests first, so a crash mid-way never leaves a manifest whose
-# local manifests or data are gone while the manifest itself still looks committable; data last.
-_ORDER = {"manifest": 0, "ranks": 1, "data": 2, "temp": 3}
 
 
 @dataclass(frozen=True)
@@ -107,41 +103,38 @@ def plan_gc(
     root = open_storage(root_url, storage_options)
     now = time.time() if now is None else now
     plan = GcPlan(root, grace, keep_last)
-    committed: list[tuple[tuple[bool, int, float], str]] = []
-    for name in root.list():
-        if name in (".", "..") or "/" in name or "\\" in name or _escapes(root, name):
-            plan.skipped.append(Skipped(name, "not a plain directory inside ROOT (a link elsewhere?)"))
+    listing = list_root(root)
+    for entry in listing.entries:
+        name = entry.name
+        if entry.not_owned is not None:
+            plan.skipped.append(Skipped(name, entry.not_owned))
             continue
         checkpoint = root.child(name)
-        try:
-            marker = read_commit_marker(checkpoint)
-        except ShardckptError as exc:
-            reason = f"unreadable {layout.COMMITTED} marker, left for a person to judge: {exc}"
+        if entry.error is not None:
+            reason = f"unreadable {layout.COMMITTED} marker, left for a person to judge: {entry.error}"
             plan.skipped.append(Skipped(name, reason))
             continue
-        objects = _layout_objects(checkpoint)
-        if marker is None:
+        objects = layout_objects(checkpoint)
+        if entry.marker is None:
             if objects:
                 _plan_incomplete(plan, name, checkpoint, objects, now)
             else:
                 _plan_skeleton(plan, name, checkpoint, now)
             continue
-        committed.append(((marker.step is not None, marker.step or 0, marker.created), name))
-        stale = [(path, attempt) for path, attempt in objects if attempt != marker.attempt]
+        stale = [(path, attempt) for path, attempt in objects if attempt != entry.marker.attempt]
         if stale:
             _plan_leftovers(plan, name, checkpoint, stale, now)
-    committed.sort()
-    doomed = committed[: max(0, len(committed) - keep_last)] if keep_last is not None else []
-    pruned = {name for _, name in doomed}
+    doomed = listing.to_prune(keep_last) if keep_last is not None else []
+    pruned = {entry.name for entry in doomed}
     plan.actions = [action for action in plan.actions if action.checkpoint not in pruned]  # pruning covers them
     plan.skipped = [skipped for skipped in plan.skipped if skipped.checkpoint not in pruned]
-    for _, name in doomed:
-        checkpoint = root.child(name)
+    for entry in doomed:
+        checkpoint = root.child(entry.name)
         marker_object = Doomed(layout.COMMITTED, _size(checkpoint, layout.COMMITTED))
-        doomed_objects = [marker_object, *_sized(checkpoint, [path for path, _ in _layout_objects(checkpoint)])]
+        doomed_objects = [marker_object, *_sized(checkpoint, [path for path, _ in layout_objects(checkpoint)])]
         reason = f"committed, older than the newest {keep_last}"
-        plan.actions.append(Action(name, "prune", reason, doomed_objects, [layout.RANKS_DIR, layout.DATA_DIR, ""]))
-    plan.kept = [name for _, name in committed if name not in pruned]
+        plan.actions.append(Action(entry.name, "prune", reason, doomed_objects, list(DIRECTORIES)))
+    plan.kept = [entry.name for entry in listing.committed() if entry.owned and entry.name not in pruned]
     return plan
 
 
@@ -152,20 +145,20 @@ def collect(plan: GcPlan, progress: Callable[[Action, Doomed], None] | None = No
     checkpoint that is not being pruned intact, and a pruned one without COMMITTED (a reader sees it as gone).
     """
     for action in plan.actions:
-        checkpoint = plan.storage.child(action.checkpoint)
         try:
-            if action.kind == "incomplete" and read_commit_marker(checkpoint) is not None:
+            if action.kind == "incomplete" and read_commit_marker(plan.storage.child(action.checkpoint)) is not None:
                 action.note = "committed while gc ran: left alone"
                 continue
-            for doomed in action.objects:
-                checkpoint.delete(doomed.path)
+            by_path = {doomed.path: doomed for doomed in action.objects}
+
+            def deleted(path: str, action: Action = action, by_path: dict[str, Doomed] = by_path) -> None:
                 action.deleted += 1
                 crash_point("during_gc")
                 if progress is not None:
-                    progress(action, doomed)
-            for directory in action.directories:
-                if not checkpoint.list(directory):
-                    checkpoint.delete(directory)
+                    progress(action, by_path[path])
+
+            paths = [doomed.path for doomed in action.objects]
+            delete_objects(plan.storage, action.checkpoint, paths, directories=action.directories, after_each=deleted)
         except ShardckptError as exc:
             action.error = str(exc)
     return plan
@@ -198,8 +191,8 @@ def _plan_incomplete(plan: GcPlan, name: str, checkpoint: Storage, objects: list
         plan.skipped.append(Skipped(name, reason))
         return
     reason = f"never committed; nothing in it changed for {youngest:.0f} s (a failed save)"
-    directories = [layout.RANKS_DIR, layout.DATA_DIR, ""]
-    plan.actions.append(Action(name, "incomplete", reason, _sized(checkpoint, [p for p, _ in objects]), directories))
+    objects_sized = _sized(checkpoint, [path for path, _ in objects])
+    plan.actions.append(Action(name, "incomplete", reason, objects_sized, list(DIRECTORIES)))
 
 
 def _plan_skeleton(plan: GcPlan, name: str, checkpoint: Storage, now: float) -> None:
@@ -226,37 +219,6 @@ def _plan_leftovers(plan: GcPlan, name: str, checkpoint: Storage, stale: list[tu
         plan.actions.append(Action(name, "leftovers", reason, _sized(checkpoint, old)))
 
 
-def _layout_objects(checkpoint: Storage) -> list[tuple[str, str]]:
-    """(path, attempt) of every object in a checkpoint directory that the layout names, COMMITTED excepted.
-
-    Temporary commit markers have attempt "" (they belong to no attempt). Anything else is not ours: never listed.
-    """
-    found: list[tuple[str, str]] = []
-    for name in checkpoint.list():
-        if name.startswith(TEMP_PREFIX):
-            found.append((name, ""))
-            continue
-        try:
-            found.append((name, layout.parse_global_manifest_path(name)))
-        except FormatError:
-            continue
-    parsers = ((layout.RANKS_DIR, layout.parse_local_manifest_path), (layout.DATA_DIR, layout.parse_data_path))
-    for directory, parse in parsers:
-        for name in checkpoint.list(directory):
-            path = f"{directory}/{name}"
-            try:
-                found.append((path, parse(path)[1]))
-            except FormatError:
-                continue
-    return sorted(found, key=lambda item: (_ORDER[_kind(item[0])], item[0]))
-
-
-def _kind(path: str) -> str:
-    if path.startswith(TEMP_PREFIX):
-        return "temp"
-    return path.split("/", 1)[0] if "/" in path else "manifest"
-
-
 def _age(storage: Storage, path: str, now: float) -> float:
     """Seconds since `path` was modified: NaN when the backend cannot tell, infinity when it is gone already."""
     try:
@@ -275,22 +237,3 @@ def _size(storage: Storage, path: str) -> int:
 
 def _sized(storage: Storage, paths: list[str]) -> list[Doomed]:
     return [Doomed(path, _size(storage, path)) for path in paths]
-
-
-def _escapes(root: Storage, name: str) -> bool:
-    """True when ROOT/name, or its data/ or ranks/ directory, resolves outside ROOT (local links)."""
-    base = _local_root(root)
-    if base is None:
-        return False  # object stores have no links: every key listed under the prefix is inside it
-    real_root = os.path.realpath(base)
-    for relative in (name, os.path.join(name, layout.DATA_DIR), os.path.join(name, layout.RANKS_DIR)):
-        target = os.path.realpath(os.path.join(base, relative))
-        if os.path.commonpath([real_root, target]) != real_root or target == real_root:
-            return True
-    return False
-
-
-def _local_root(storage: Storage) -> str | None:
-    while not isinstance(storage, LocalStorage) and isinstance(getattr(storage, "inner", None), Storage):
-        storage = storage.inner  # type: ignore[attr-defined]
-    return storage.root if isinstance(storage, LocalStorage) else None

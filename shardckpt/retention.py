@@ -1,52 +1,55 @@
-"""Retention: keep the newest N committed checkpoints under a root and delete older ones safely.
+"""Retention: keep the newest N committed checkpoints under a root (and the one just saved), delete older ones.
 
-COMMITTED goes first (the checkpoint stops existing for readers at once), then its files; the newest committed
-checkpoint is never deleted, nor anything outside the checkpoints being pruned.
+Which ones go is catalog.Listing.to_prune and how they go is catalog.delete_objects, the rules gc follows too: the
+newest is never deleted, nor anything behind a link, outside the root, or not named by the layout.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from shardckpt.catalog import Entry, checkpoint_objects, delete_objects, list_root
+from shardckpt.catalog.listing import OrderKey
 from shardckpt.crashpoints import crash_point
-from shardckpt.errors import ShardckptError, ShardckptUsageError
 from shardckpt.format import layout
-from shardckpt.restorer import read_commit_marker
 from shardckpt.storage import Storage
 
 
-def committed_checkpoints(root: Storage) -> list[tuple[tuple[bool, int, float], str]]:
-    """(sort key, name) of every committed checkpoint directly under `root`, oldest first."""
-    found = []
-    for name in root.list():
-        try:
-            marker = read_commit_marker(root.child(name))
-        except ShardckptError:
-            continue  # a broken marker: not ours to judge here (verify/gc report it)
-        if marker is not None:
-            found.append(((marker.step is not None, marker.step or 0, marker.created), name))
-    return sorted(found)
+def committed_checkpoints(root: Storage) -> list[tuple[OrderKey, str]]:
+    """(sort key, name) of every committed checkpoint directly under `root` once (aliases left out), oldest first."""
+    return [(entry.key, entry.name) for entry in list_root(root).committed()]
 
 
-def delete_checkpoint(storage: Storage) -> None:
-    """Delete one checkpoint: its COMMITTED marker first, then every file the layout names, then directories."""
-    storage.delete(layout.COMMITTED)
-    crash_point("during_retention")
-    for name in storage.list():
-        # Global manifests of every attempt, and the temporary file of a local commit that crashed midway.
-        if name.startswith(("manifest-", f"{layout.COMMITTED}.tmp-")):
-            storage.delete(name)
-    for directory in (layout.RANKS_DIR, layout.DATA_DIR):
-        for name in storage.list(directory):
-            storage.delete(f"{directory}/{name}")
-        storage.delete(directory)
-    storage.delete("")
+def delete_checkpoint(root: Storage, name: str) -> None:
+    """Delete the committed checkpoint ROOT/name: COMMITTED first, then every file the layout names, then its
+    directories when empty (SPEC section 14)."""
+
+    def after(path: str) -> None:
+        if path == layout.COMMITTED:
+            crash_point("during_retention")
+
+    delete_objects(root, name, checkpoint_objects(root.child(name)), after_each=after)
 
 
-def prune(root: Storage, keep_last: int) -> list[str]:
-    """Delete all but the newest `keep_last` committed checkpoints under `root`; returns the deleted names."""
-    if keep_last < 1:
-        raise ShardckptUsageError(f"keep_last must be >= 1 (the newest checkpoint is never deleted), got {keep_last}")
-    committed = committed_checkpoints(root)
-    doomed = [name for _, name in committed[: max(0, len(committed) - keep_last)]]
-    for name in doomed:
-        delete_checkpoint(root.child(name))
-    return doomed
+@dataclass(frozen=True)
+class Retained:
+    """What retention did: the names it deleted, and the newest committed checkpoint under the root."""
+
+    deleted: list[str]
+    newest: Entry | None
+
+
+def retain(root: Storage, keep_last: int, *, keep: Collection[str] = ()) -> Retained:
+    """Delete all but the newest `keep_last` committed checkpoints under `root`, never one named in `keep`."""
+    listing = list_root(root)
+    doomed = listing.to_prune(keep_last, keep=keep)
+    for entry in doomed:
+        delete_checkpoint(root, entry.name)
+    return Retained([entry.name for entry in doomed], listing.newest())
+
+
+def prune(root: Storage, keep_last: int, *, keep: Collection[str] = ()) -> list[str]:
+    """Delete all but the newest `keep_last` committed checkpoints under `root` (and those in `keep`); the names
+    deleted."""
+    return retain(root, keep_last, keep=keep).deleted

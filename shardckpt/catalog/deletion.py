@@ -1,0 +1,99 @@
+"""SPEC section 14 deletion, the one routine Checkpointer retention and gc both call.
+
+COMMITTED first (the checkpoint stops existing for readers at once), then the other files in layout order; only
+names the layout gives; never through a link, never outside the root.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from shardckpt.catalog.listing import not_owned_reason
+from shardckpt.errors import FormatError, StorageError
+from shardckpt.format import layout
+from shardckpt.storage import Storage
+
+TEMP_PREFIX = f"{layout.COMMITTED}.tmp-"  # the local commit's temporary marker (a crash can leave one behind)
+# Directories a deletion removes once empty, after the files: "" is the checkpoint directory itself. Anything
+# the layout does not name keeps its directory (and the checkpoint's) in place.
+DIRECTORIES = (layout.RANKS_DIR, layout.DATA_DIR, "")
+# Global manifests go right after COMMITTED, so a crash mid-way never leaves a manifest whose local manifests or
+# data are gone while the manifest itself still looks committable; data last.
+_ORDER = {layout.COMMITTED: 0, "manifest": 1, layout.RANKS_DIR: 2, layout.DATA_DIR: 3, "temp": 4}
+
+
+def attempt_of(path: str) -> str:
+    """The attempt a layout path belongs to ("" for COMMITTED and temporary markers); FormatError for any other name."""
+    if path == layout.COMMITTED or (path.startswith(TEMP_PREFIX) and "/" not in path):
+        return ""
+    if path.startswith(f"{layout.RANKS_DIR}/"):
+        return layout.parse_local_manifest_path(path)[1]
+    if path.startswith(f"{layout.DATA_DIR}/"):
+        return layout.parse_data_path(path)[1]
+    return layout.parse_global_manifest_path(path)
+
+
+def deletion_order(path: str) -> tuple[int, str]:
+    """Sort key of a layout path in SPEC 14 order: COMMITTED, global manifests, ranks/, data/, temporary markers."""
+    if path == layout.COMMITTED:
+        return _ORDER[path], path
+    if path.startswith(TEMP_PREFIX):
+        return _ORDER["temp"], path
+    return _ORDER[path.split("/", 1)[0] if "/" in path else "manifest"], path
+
+
+def layout_objects(checkpoint: Storage) -> list[tuple[str, str]]:
+    """(path, attempt) of every object in a checkpoint directory that the layout names, COMMITTED excepted.
+
+    In deletion order; temporary markers have attempt "". Anything else is not ours: never listed.
+    """
+    candidates = [name for name in checkpoint.list() if name != layout.COMMITTED]
+    for directory in (layout.RANKS_DIR, layout.DATA_DIR):
+        candidates += [f"{directory}/{name}" for name in checkpoint.list(directory)]
+    found: list[tuple[str, str]] = []
+    for path in candidates:
+        try:
+            found.append((path, attempt_of(path)))
+        except FormatError:
+            continue
+    return sorted(found, key=lambda item: deletion_order(item[0]))
+
+
+def checkpoint_objects(checkpoint: Storage) -> list[str]:
+    """What deleting a whole committed checkpoint removes, in order: COMMITTED, then every layout object."""
+    return [layout.COMMITTED, *(path for path, _ in layout_objects(checkpoint))]
+
+
+def delete_objects(
+    root: Storage,
+    name: str,
+    paths: Sequence[str],
+    *,
+    directories: Sequence[str] = DIRECTORIES,
+    after_each: Callable[[str], None] | None = None,
+) -> int:
+    """Delete `paths` of checkpoint ROOT/name in SPEC 14 order, then `directories` that are empty; the count deleted.
+
+    Refuses before deleting anything: StorageError when ROOT/name is not a plain directory of the root (a link,
+    or data/ or ranks/ a link: what they point at is not the root's to delete), FormatError for a path the layout
+    does not give. after_each(path) runs after each deletion (progress, crash points).
+    """
+    reason = not_owned_reason(root, name)
+    if reason is not None:
+        raise StorageError(f"refusing to delete from {root.describe(name)}: {reason}")
+    for path in paths:
+        try:
+            attempt_of(path)
+        except FormatError as exc:
+            raise FormatError(f"refusing to delete {root.describe(name)}/{path}: only layout names are ours") from exc
+    checkpoint = root.child(name)
+    deleted = 0
+    for path in sorted(paths, key=deletion_order):
+        checkpoint.delete(path)
+        deleted += 1
+        if after_each is not None:
+            after_each(path)
+    for directory in directories:
+        if directory in ("", layout.RANKS_DIR, layout.DATA_DIR) and not checkpoint.list(directory):
+            checkpoint.delete(directory)
+    return deleted

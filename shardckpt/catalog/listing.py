@@ -1,0 +1,147 @@
+"""The checkpoints directly under a root and which one is the newest: one listing, one ordering, for every caller.
+
+A link to a checkpoint of the same root is an alias of it, never a second checkpoint. Only plain directories of the
+root (with plain data/ and ranks/) are ever entered for deletion: never a link, wherever it points.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+from shardckpt.catalog.chain import read_commit_marker
+from shardckpt.errors import ShardckptError, ShardckptUsageError
+from shardckpt.format import layout
+from shardckpt.format.manifest import CommitMarker
+from shardckpt.storage import LocalStorage, Storage, open_storage
+
+OrderKey = tuple[bool, int, float, str]
+
+
+def order_key(marker: CommitMarker, name: str) -> OrderKey:
+    """Sort key of a committed checkpoint named `name`: the greatest is the newest.
+
+    A known step beats an unknown one, then the higher step, then the later commit time; the name breaks the last
+    ties, so that latest(), retention, gc and ls all call the same checkpoint the newest.
+    """
+    return (marker.step is not None, marker.step or 0, marker.created, name)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One name directly under the root, as far as checkpoints go."""
+
+    name: str
+    url: str
+    marker: CommitMarker | None = None  # None: not committed, or COMMITTED unreadable (then `error` says why)
+    error: str | None = None
+    alias_of: str | None = None  # a link to the checkpoint of this root with that name: the same checkpoint
+    not_owned: str | None = None  # why deletion never enters it (a link, data/ or ranks/ a link); None: a plain dir
+
+    @property
+    def owned(self) -> bool:
+        return self.not_owned is None
+
+    @property
+    def key(self) -> OrderKey:
+        if self.marker is None:
+            raise ShardckptUsageError(f"{self.url} is not committed: it has no place in the order of checkpoints")
+        return order_key(self.marker, self.name)
+
+
+@dataclass(frozen=True)
+class Listing:
+    root: Storage
+    entries: tuple[Entry, ...]
+
+    def entry(self, name: str) -> Entry | None:
+        return next((entry for entry in self.entries if entry.name == name), None)
+
+    def committed(self) -> list[Entry]:
+        """Every committed checkpoint under the root once (aliases left out), oldest first."""
+        found = [entry for entry in self.entries if entry.marker is not None and entry.alias_of is None]
+        return sorted(found, key=lambda entry: entry.key)
+
+    def newest(self) -> Entry | None:
+        committed = self.committed()
+        return committed[-1] if committed else None
+
+    def to_prune(self, keep_last: int, *, keep: Collection[str] = ()) -> list[Entry]:
+        """Committed checkpoints retention deletes to keep the newest `keep_last`, oldest first.
+
+        Only plain directories of the root count and go (a checkpoint behind a link is not this root's to delete);
+        names in `keep` (the checkpoint just saved) stay whatever their place in the order. keep_last >= 1, so
+        the newest committed checkpoint is never among them.
+        """
+        if keep_last < 1:
+            raise ShardckptUsageError(
+                f"keep_last must be >= 1 (the newest checkpoint is never deleted), got {keep_last}"
+            )
+        owned = [entry for entry in self.committed() if entry.owned]
+        return [entry for entry in owned[: max(0, len(owned) - keep_last)] if entry.name not in keep]
+
+
+def list_root(root_url: str | Storage, *, storage_options: dict[str, Any] | None = None) -> Listing:
+    """Every name directly under `root_url`, with its COMMITTED marker (read once per checkpoint) and ownership."""
+    root = open_storage(root_url, storage_options)
+    names = root.list()
+    base = local_path(root)
+    entries: list[Entry] = []
+    for name in names:
+        alias_of, not_owned = _links(base, name, names)
+        if alias_of is not None:
+            entries.append(Entry(name, root.child(name).url, alias_of=alias_of, not_owned=not_owned))
+            continue
+        child = root.child(name)
+        try:
+            marker, error = read_commit_marker(child), None
+        except ShardckptError as exc:
+            marker, error = None, str(exc)
+        entries.append(Entry(name, child.url, marker, error, None, not_owned))
+    by_name = {entry.name: entry for entry in entries}
+    # An alias has its checkpoint's marker (read once, through the real name).
+    resolved = [
+        Entry(e.name, e.url, by_name[e.alias_of].marker, by_name[e.alias_of].error, e.alias_of, e.not_owned)
+        if e.alias_of is not None
+        else e
+        for e in entries
+    ]
+    return Listing(root, tuple(resolved))
+
+
+def not_owned_reason(root: Storage, name: str) -> str | None:
+    """Why deletion must not enter ROOT/name (a link, or data/ or ranks/ a link; not a plain name); None if it may."""
+    return _links(local_path(root), name, None)[1]
+
+
+def local_path(storage: Storage) -> str | None:
+    """The local directory behind `storage` (through wrappers such as FaultyStorage), None for other backends."""
+    while not isinstance(storage, LocalStorage) and isinstance(getattr(storage, "inner", None), Storage):
+        storage = storage.inner  # type: ignore[attr-defined]
+    return storage.root if isinstance(storage, LocalStorage) else None
+
+
+def _links(base: str | None, name: str, names: Collection[str] | None) -> tuple[str | None, str | None]:
+    """(alias_of, not_owned reason) of ROOT/name; `names` (the root's listing) lets a link be an alias."""
+    if name in ("", ".", "..") or "/" in name or "\\" in name:
+        return None, f"{name!r} is not a plain name inside ROOT"
+    if base is None:
+        return None, None  # object stores have no links: every key listed under the prefix is inside it
+    real_root = os.path.realpath(base)
+    path = os.path.join(base, name)
+    if os.path.islink(path):
+        target = os.path.realpath(path)
+        if names is not None and os.path.dirname(target) == real_root and os.path.basename(target) in names:
+            alias = os.path.basename(target)
+            return alias, f"a link to {alias} (an alias of it): never deleted through"
+        where = "elsewhere inside ROOT" if os.path.commonpath([real_root, target]) == real_root else "outside ROOT"
+        return None, f"a link to {target} ({where}): never deleted through"
+    if os.path.realpath(path) != os.path.join(real_root, name):
+        return None, f"resolves to {os.path.realpath(path)}, not a plain directory of ROOT"
+    for directory in (layout.DATA_DIR, layout.RANKS_DIR):
+        inner = os.path.join(path, directory)
+        if os.path.islink(inner) or os.path.realpath(inner) != os.path.join(real_root, name, directory):
+            return None, f"its {directory}/ is a link to {os.path.realpath(inner)}: never deleted through"
+    return None, None

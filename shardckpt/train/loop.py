@@ -39,6 +39,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ckpt-every", type=int, default=10, help="checkpoint every N steps (and at the end)")
     parser.add_argument("--keep-last", type=int, default=3, help="committed checkpoints to keep")
     parser.add_argument("--resume", action="store_true", help="continue from the newest committed checkpoint")
+    parser.add_argument(
+        "--ignore-existing",
+        action="store_true",
+        help="start at step 0 even though --ckpt already holds committed checkpoints (without it, and without "
+        "--resume, such a root is refused: its higher steps would stay the newest, and a later --resume would "
+        "continue the old run)",
+    )
     parser.add_argument("--async-save", action="store_true", help="stage to host memory, write in the background")
     parser.add_argument("--global-batch", type=int, default=12, help="samples per step over all ranks")
     parser.add_argument("--lr", type=float, default=1e-2, help="peak learning rate")
@@ -170,6 +177,22 @@ class Trainer:
         self.step = state["trainer"]["step"]
         return self._resumed(state, step, began)
 
+    def check_fresh_root(self) -> None:
+        """Without --resume: refuse a --ckpt root that holds committed checkpoints, unless --ignore-existing.
+
+        A forgotten --resume (or an old root reused) would train from scratch beside the old run's checkpoints,
+        whose higher steps stay the newest: a later --resume would pick them, not this run's.
+        """
+        existing = self.checkpointer.latest_url()
+        if existing is None:
+            return
+        if not self.args.ignore_existing:
+            raise shardckpt.ShardckptUsageError(
+                f"--ckpt {self.args.ckpt} already holds committed checkpoints (newest: {existing}); pass --resume to "
+                "continue from it, use a fresh root, or pass --ignore-existing to start at step 0 beside them"
+            )
+        self._say(f"WARNING: starting at step 0 under {self.args.ckpt}, which already holds {existing}")
+
     def _resumed(self, state: dict[str, Any], step: int, began: float) -> int:
         if state["rng"].value is not None:
             set_rng_state(state["rng"].value, self.device)
@@ -204,6 +227,8 @@ class Trainer:
             f"checkpoint step {record.step}: {size:.2f} MiB in {record.save_seconds:.3f} s "
             f"({size / max(record.save_seconds, 1e-9):.1f} MiB/s){stall} -> {record.url}"
         )
+        if record.warning:
+            self._say(f"WARNING: {record.warning}")
 
     def run(self) -> None:
         count = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters())  # ZeRO-3: ds_numel
@@ -264,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         trainer = trainer_class(args, rank, world, device)
         if args.resume:
             trainer.resume()
+        else:
+            trainer.check_fresh_root()
         trainer.run()
         dist.barrier()
     except shardckpt.ShardckptError as exc:

@@ -6,9 +6,10 @@ names the layout gives; never through a link, never outside the root.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 
-from shardckpt.catalog.listing import not_owned_reason
+from shardckpt.catalog.listing import local_path, not_owned_reason
 from shardckpt.errors import FormatError, StorageError
 from shardckpt.format import layout
 from shardckpt.storage import Storage
@@ -94,6 +95,21 @@ def delete_objects(
         if after_each is not None:
             after_each(path)
     for directory in directories:
-        if directory in ("", layout.RANKS_DIR, layout.DATA_DIR) and not checkpoint.list(directory):
+        if directory in DIRECTORIES and not checkpoint.list(directory) and not _is_file(checkpoint, directory):
             checkpoint.delete(directory)
     return deleted
+
+
+def _is_file(storage: Storage, path: str) -> bool:
+    """True when `path` is an object rather than a directory (a user's file named `data` is not ours to delete)."""
+    base = local_path(storage)
+    if base is not None:
+        full = os.path.join(base, *path.split("/")) if path else base
+        return os.path.islink(full) or (os.path.lexists(full) and not os.path.isdir(full))
+    fs = getattr(storage, "fs", None)
+    if fs is not None:
+        try:
+            return bool(fs.isfile(storage.describe(path).rstrip("/")))
+        except Exception as exc:  # fsspec raises what its backend raises
+            raise StorageError(f"cannot stat {storage.describe(path)}: {exc}") from exc
+    return path != "" and storage.exists(path)  # object stores: a key is an object, directories are not keys

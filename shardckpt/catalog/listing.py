@@ -133,6 +133,8 @@ def _links(base: str | None, name: str, names: Collection[str] | None) -> tuple[
     path = os.path.join(base, name)
     if os.path.islink(path):
         target = os.path.realpath(path)
+        if target == os.path.join(real_root, name) or not os.path.exists(target):
+            return None, f"a link that does not resolve (dangling, or a loop): {target}"
         if names is not None and os.path.dirname(target) == real_root and os.path.basename(target) in names:
             alias = os.path.basename(target)
             return alias, f"a link to {alias} (an alias of it): never deleted through"

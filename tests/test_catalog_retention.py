@@ -6,7 +6,9 @@ name the layout does not give, and agree with latest() on which checkpoint is th
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -169,6 +171,19 @@ def test_retention_never_follows_a_link_out_of_root_nor_deletes_foreign_names(
     assert _loads(root / _step_dir(4), 4) and _loads(outside / _step_dir(1), 1) and _loads(outside / _step_dir(2), 2)
 
 
+def test_gc_command_line_never_follows_links_out_of_root(escaping_root: tuple[Path, Path]) -> None:
+    root, outside = escaping_root
+    before = _tree(outside)
+    command = [sys.executable, "-m", "shardckpt.cli", "gc", str(root), "--keep-last", "1", "--grace", "0", "--json"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    skipped = {s["checkpoint"]: s["reason"] for s in summary["skipped"]}
+    assert "outside ROOT" in skipped[_step_dir(1)] and "data/ is a link" in skipped[_step_dir(2)]
+    assert [a["checkpoint"] for a in summary["actions"]] == [_step_dir(3)] and summary["kept"] == [_step_dir(4)]
+    assert _tree(outside) == before and (root / _step_dir(3) / "ranks" / "README").exists()
+
+
 # ---------------------------------------------------------- finding 0: a new run saving into a root of an older run
 
 
@@ -256,3 +271,44 @@ def test_gc_retention_and_latest_agree_on_the_newest(population, links, keep_las
         assert _tree(Path(newest)) == newest_files
         assert shardckpt.latest(str(root)) == newest
         assert all((root / link).is_symlink() for link in made)  # links are never deleted
+
+
+# ------------------------------------------------------------------- crash at any point of retention, then again
+
+
+class _Crash(BaseException):
+    """Stands for SIGKILL: nothing after it runs, no except clause of the library catches it."""
+
+
+def test_a_crash_at_any_deletion_of_retention_loses_nothing_kept(tmp_path: Path, monkeypatch) -> None:
+    template = tmp_path / "template"
+    for step in (1, 2, 3):
+        save_sharded(sample_state(step), str(template / _step_dir(step)), 2, step=step)
+    (template / _step_dir(1) / "ranks" / "README").write_text("mine")
+    os.symlink(_step_dir(3), template / "latest")
+    total = sum(1 for p in (template / _step_dir(1)).rglob("*") if p.is_file()) - 1  # README is not deleted
+    assert total >= 5
+    real_delete = LocalStorage.delete
+    for crash_at in range(1, total + 1):
+        root = tmp_path / f"crash{crash_at}"
+        shutil.copytree(template, root, symlinks=True)
+        calls = iter(range(1, 10_000))
+
+        def delete(self, path: str, at: int = crash_at, seen=calls) -> None:
+            if next(seen) == at:
+                raise _Crash
+            real_delete(self, path)
+
+        monkeypatch.setattr(LocalStorage, "delete", delete)
+        with pytest.raises(_Crash):
+            prune(open_storage(str(root)), keep_last=2)
+        monkeypatch.undo()
+        assert _loads(root / _step_dir(2), 2) and _loads(root / _step_dir(3), 3)
+        assert shardckpt.latest(str(root)) == str(root / _step_dir(3))
+        status = "committed" if (root / _step_dir(1) / layout.COMMITTED).exists() else "gone for readers"
+        assert status == "committed" or crash_at > 1  # COMMITTED is the first deletion, nothing before it
+        prune(open_storage(str(root)), keep_last=2)  # a half-deleted checkpoint is gc's: retention leaves it
+        assert gc(str(root), keep_last=2, grace=0).ok
+        assert sorted(os.listdir(root)) == ["latest", _step_dir(1), _step_dir(2), _step_dir(3)]
+        assert _tree(root / _step_dir(1)) == {"ranks/README": b"mine"}
+        assert _loads(root / _step_dir(2), 2) and _loads(root / _step_dir(3), 3)

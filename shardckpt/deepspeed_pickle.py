@@ -12,8 +12,9 @@ The admitted table, found by listing the GLOBAL/STACK_GLOBAL opcodes of real Dee
 - `deepspeed.runtime.fp16.loss_scaler.LossScaler` / `DynamicLossScaler` (loss_scaler), and `argparse.Namespace`
   (the `args` client state Megatron-DeepSpeed saves): a RecordedObject keeping the attribute dict it is given.
 Anything else, including a class DeepSpeed never writes, is refused by dcp_pickle's find_class before it runs;
-and dcp_pickle.unpickle scans the opcodes first (check_memo_indices), so a tiny pickle cannot make the C
-unpickler allocate GBs.
+dcp_pickle.unpickle scans the opcodes first (pickle_scan), so a tiny pickle cannot make the C unpickler allocate
+GBs; every admitted object is sealed (a BUILD on it is refused); and the result is checked as a tree
+(unpickled.check_tree), so the importer's walks over it are bounded.
 """
 
 from __future__ import annotations
@@ -21,86 +22,96 @@ from __future__ import annotations
 from typing import Any
 
 from shardckpt.dcp_pickle import (
+    REBUILD_V2,
+    REBUILD_V3,
+    SIZE,
     TENSOR_RECORD_ADMITTED,
     StoredTensor,
-    ints,
-    rebuild_v2,
-    rebuild_v3,
     storage_ref,
+    tree_budget,
     unpickle,
 )
 from shardckpt.errors import FormatError
+from shardckpt.unpickled import Sealed, StandIn, brief, check_tree
 
 LABEL = "a DeepSpeed checkpoint"  # completes "refuses the pickled global X (not a name ... uses)"
 MAX_PICKLE_BYTES = 256 << 20  # data.pkl of one rank file: metadata only, the tensor bytes are separate entries
 _ATTRIBUTE_TYPES = (bool, int, float, str, type(None))  # what the live adapter keeps of a loss scaler
 
 
-class RecordedObject:
+class RecordedObject(metaclass=Sealed):
     """Stand-in for an instance pickled as NEWOBJ + BUILD: keeps the attributes it is given, has no behaviour."""
 
+    __slots__ = ("values",)
     kind = "object"
     values: dict[str, Any]
 
     def __new__(cls, *args: object) -> RecordedObject:
         if args:  # DeepSpeed's classes pickle with no constructor arguments
-            raise FormatError(f"a pickled {cls.kind} is constructed with arguments {args!r:.80}")
+            raise FormatError(f"a pickled {cls.kind} is constructed with arguments {brief(args)}")
         instance = super().__new__(cls)
-        instance.values = {}
+        object.__setattr__(instance, "values", {})
         return instance
 
     def __setstate__(self, state: object) -> None:
         if not isinstance(state, dict) or not all(isinstance(key, str) for key in state):
             raise FormatError(f"a pickled {self.kind} has state {type(state).__name__}, not an attribute dict")
-        self.values = dict(state)
+        object.__setattr__(self, "values", dict(state))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise FormatError(f"a pickle may not set the attribute {name[:40]!r} of a pickled {self.kind}")
+
+    def __delattr__(self, name: str) -> None:
+        raise FormatError(f"a pickle may not delete the attribute {name[:40]!r} of a pickled {self.kind}")
 
 
 class LossScalerState(RecordedObject):
+    __slots__ = ()
     kind = "deepspeed.runtime.fp16.loss_scaler.LossScaler"
 
 
 class DynamicLossScalerState(RecordedObject):
+    __slots__ = ()
     kind = "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"
 
 
 class NamespaceState(RecordedObject):
+    __slots__ = ()
     kind = "argparse.Namespace"
 
 
-class OrderedDictState(dict[Any, Any]):
+class OrderedDictState(dict[Any, Any], metaclass=Sealed):
     """Stand-in for collections.OrderedDict: a dict. A module state dict's `_metadata` attribute is dropped."""
+
+    __slots__ = ()
 
     def __setstate__(self, state: object) -> None:
         if not isinstance(state, dict):
             raise FormatError(f"a pickled OrderedDict has state {type(state).__name__}, not an attribute dict")
 
 
-class _TensorClass:
-    """Stand-in for the class `torch.Tensor` as _rebuild_from_type_v2 names it: a marker, not callable."""
+def _tensor_class() -> None:
+    """Stand-in for the class `torch.Tensor` as _rebuild_from_type_v2 names it: a marker, never called."""
+    raise FormatError("torch.Tensor is named as a type to rebuild, not called")
 
 
-TENSOR_CLASS = _TensorClass()
+TENSOR_CLASS = StandIn(_tensor_class, "torch.Tensor")
 
 
 def _rebuild_from_type(func: object, new_type: object, args: object, state: object) -> StoredTensor:
     """Stand-in for torch._tensor._rebuild_from_type_v2: a plain tensor whose attributes (ds_id) are dropped."""
-    if func not in (rebuild_v2, rebuild_v3) or new_type is not TENSOR_CLASS or not isinstance(args, tuple):
-        raise FormatError(f"a tensor rebuild names {func!r:.80} for {new_type!r:.80}: only plain tensors are read")
+    if func not in (REBUILD_V2, REBUILD_V3) or new_type is not TENSOR_CLASS or not isinstance(args, tuple):
+        raise FormatError(f"a tensor rebuild names {brief(func)} for {brief(new_type)}: only plain tensors are read")
     if state is not None and not isinstance(state, dict):
         raise FormatError(f"a tensor carries state of type {type(state).__name__}, not an attribute dict")
     rebuilt: StoredTensor = func(*args)
     return rebuilt
 
 
-def _size(dims: object) -> tuple[int, ...]:
-    """Stand-in for torch.Size: the dimensions as a tuple."""
-    return ints(dims, "torch.Size")
-
-
 def _zero_stage(value: object) -> int:
     """Stand-in for ZeroStageEnum(value): the stage number."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 3:
-        raise FormatError(f"ZeroStageEnum({value!r:.40}) is not a ZeRO stage")
+        raise FormatError(f"ZeroStageEnum({brief(value, 40)}) is not a ZeRO stage")
     return value
 
 
@@ -108,10 +119,10 @@ _LOSS_SCALER = "deepspeed.runtime.fp16.loss_scaler"
 ADMITTED: dict[tuple[str, str], Any] = {
     **TENSOR_RECORD_ADMITTED,
     ("collections", "OrderedDict"): OrderedDictState,
-    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
+    ("torch._tensor", "_rebuild_from_type_v2"): StandIn(_rebuild_from_type, "torch._tensor._rebuild_from_type_v2"),
     ("torch", "Tensor"): TENSOR_CLASS,
-    ("torch", "Size"): _size,
-    ("deepspeed.runtime.zero.config", "ZeroStageEnum"): _zero_stage,
+    ("torch", "Size"): SIZE,
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"): StandIn(_zero_stage, "ZeroStageEnum"),
     (_LOSS_SCALER, "LossScaler"): LossScalerState,
     (_LOSS_SCALER, "DynamicLossScaler"): DynamicLossScalerState,
     ("argparse", "Namespace"): NamespaceState,
@@ -123,11 +134,18 @@ def read_checkpoint_pickle(data: bytes, where: str) -> Any:
     if len(data) > MAX_PICKLE_BYTES:
         raise FormatError(f"{where}: data.pkl of {len(data)} bytes exceeds {MAX_PICKLE_BYTES}")
     try:
-        return unpickle(data, where, ADMITTED, storage_ref, LABEL)
+        content = unpickle(data, where, ADMITTED, storage_ref, LABEL)
     except FormatError as exc:
         if str(exc).startswith(where):
             raise
         raise FormatError(f"{where}: {exc}") from None  # a stand-in's own complaint: say which file
+    # As a tree, so the importer's walks, comparisons and messages over it do bounded work.
+    check_tree(content, where, tree_budget(len(data)), _recorded_values)
+    return content
+
+
+def _recorded_values(node: object) -> list[object] | None:
+    return list(node.values.values()) if isinstance(node, RecordedObject) else None
 
 
 def plain_attributes(value: object) -> dict[str, Any]:

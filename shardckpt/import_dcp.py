@@ -146,31 +146,32 @@ def _chunks_of(
             continue  # the same chunk recorded twice (replicated state): one copy is the value
         seen.add((chunk.offsets, chunk.sizes))
         if rank_of[chunk.record.path] == rank:
-            values = _record_tensor(source, chunk.record, mapped, f"tensor {tensor.name!r}")
-            if tuple(values.shape) != chunk.sizes or values.dtype != tensor.dtype:
-                raise FormatError(
-                    f"{source.describe(chunk.record.path)}: tensor {tensor.name!r}: the record holds {values.dtype} "
-                    f"{list(values.shape)}, the metadata promises {tensor.dtype} {list(chunk.sizes)}"
-                )
-            yield values, chunk.offsets
+            what = f"tensor {tensor.name!r}"
+            yield _record_tensor(source, chunk.record, mapped, what, chunk.sizes, tensor.dtype), chunk.offsets
 
 
 # ----------------------------------------------------------------------------------------- records
 
 
-def _record_tensor(source: SourceDir, record: DcpRecord, mapped: ExitStack, what: str) -> torch.Tensor:
-    """The tensor a tensor record holds, as a view of the record's storage bytes when they are contiguous."""
+def _record_tensor(
+    source: SourceDir, record: DcpRecord, mapped: ExitStack, what: str, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    """The tensor a tensor record holds, checked against the metadata's `shape` and `dtype` before it is built."""
     where = f"{source.describe(record.path)} bytes {record.offset}:{record.offset + record.length} ({what})"
     entries = zip_entries(source.record(record, mapped), where)
     stored = read_tensor_pickle(bytes(entries.view(f"{entries.prefix}data.pkl")), where)
-    return tensor_view(entries, stored, where)
+    return tensor_view(entries, stored, where, shape=shape, dtype=dtype)
 
 
 # ------------------------------------------------------------------------------------------- values
 
 
 def _objects(source: SourceDir, metadata: DcpMetadata, report: ImportReport, mapped: ExitStack) -> dict[str, Any]:
-    """Plain values grouped as shardckpt.save names them: the largest key path that holds no tensor."""
+    """Plain values grouped as shardckpt.save names them: the largest key path that holds no tensor.
+
+    Two values whose paths collide (the same path, or one inside the other) cannot both be kept: the later one
+    is skipped and reported, never written over the first. Paths are at most MAX_KEY_PATH keys (dcp_pickle).
+    """
     tensor_prefixes = {path[:k] for path in metadata.tensor_paths.values() for k in range(1, len(path) + 1)}
     grouped: dict[tuple[str | int, ...], Any] = {}
     for value in metadata.values:
@@ -183,18 +184,39 @@ def _objects(source: SourceDir, metadata: DcpMetadata, report: ImportReport, map
         if depth is None:
             report.skipped.append((value.name, "its key path is also a tensor's"))
             continue
-        root, rest = value.path[:depth], value.path[depth:]
-        if not rest:
-            grouped[root] = loaded
-            continue
-        node = grouped.setdefault(root, {})
-        if not isinstance(node, dict):
-            report.skipped.append((value.name, f"{'.'.join(map(str, root))} is both a value and a container"))
-            continue
-        for key in rest[:-1]:
-            node = node.setdefault(key, {})
-        node[rest[-1]] = loaded
-    return {".".join(map(str, root)): _as_lists(value) for root, value in grouped.items()}
+        try:
+            check_plain(loaded, f"value {value.name!r} at depth {len(value.path) - depth}", len(value.path) - depth)
+            _place(grouped, value.path[:depth], value.path[depth:], loaded)
+        except FormatError as exc:
+            report.skipped.append((value.name, str(exc)))
+    return {_dotted(root): _as_lists(value) for root, value in grouped.items()}
+
+
+def _place(
+    grouped: dict[tuple[str | int, ...], Any], root: tuple[str | int, ...], rest: tuple[Any, ...], value: Any
+) -> None:
+    """Put `value` at root + rest, nesting dicts as needed; refuses a path another value has taken."""
+    if not rest:
+        if root in grouped:
+            raise FormatError(f"its key path {_dotted(root)} is taken by another value")
+        grouped[root] = value
+        return
+    node = grouped.setdefault(root, _Nested())
+    for index, key in enumerate(rest):
+        if not isinstance(node, _Nested) or (index == len(rest) - 1 and key in node):
+            raise FormatError(f"its key path {_dotted((*root, *rest[: index + 1]))} is taken by another value")
+        if index == len(rest) - 1:
+            node[key] = value
+        else:
+            node = node.setdefault(key, _Nested())
+
+
+def _dotted(path: tuple[str | int, ...]) -> str:
+    return ".".join(map(str, path))
+
+
+class _Nested(dict[Any, Any]):
+    """A dict the importer made to nest values along their key paths (a loaded value is never one)."""
 
 
 def _read_value(source: SourceDir, value: DcpValue, mapped: ExitStack) -> Any:

@@ -39,6 +39,7 @@ from shardckpt.restorer import read_commit_marker
 from shardckpt.storage import Storage, open_storage
 from shardckpt.torch_bytes import format_dtype
 from shardckpt.torch_zip import ZipEntries, tensor_view, zip_entries
+from shardckpt.unpickled import brief
 from shardckpt.writer import ShardWriter
 
 LATEST = "latest"
@@ -105,7 +106,7 @@ class _Pickled:
         """content[key], which must be a `kind` (dict, list or int; never a bool)."""
         value = self.content.get(key)
         if not isinstance(value, kind) or isinstance(value, bool):
-            raise FormatError(f"{self.where}: {what or key} is {value!r:.80}, not a {kind.__name__}")
+            raise FormatError(f"{self.where}: {what or key} is {brief(value)}, not a {kind.__name__}")
         return value
 
 
@@ -132,7 +133,9 @@ def _read_rank(source: SourceDir, rank: int, mapped: ExitStack) -> _Rank:
     zero = _Pickled(optim.where, optim.entries, optim.get("optimizer_state_dict", dict))
     stage = zero.content.get("zero_stage")
     if stage != 3:
-        raise FormatError(f"{optim.where}: ZeRO stage {stage!r:.20}; only stage 3 (partitioned parameters) is imported")
+        raise FormatError(
+            f"{optim.where}: ZeRO stage {brief(stage, 20)}; only stage 3 (partitioned parameters) is imported"
+        )
     if "ds_zero_partition_groups" in zero.content:
         raise FormatError(f"{optim.where}: expert (AutoEP) partition groups are not supported")
     if model.content.get("optimizer") is not None:
@@ -183,7 +186,7 @@ def _shapes(value: object, where: str, what: str) -> list[tuple[str, tuple[int, 
     for name, shape in value.items():
         check_name(name, f"{where}: {what} name")
         if not isinstance(shape, tuple):
-            raise FormatError(f"{where}: {what}[{name!r}] is {shape!r:.80}, not a torch.Size")
+            raise FormatError(f"{where}: {what}[{name!r}] is {brief(shape)}, not a torch.Size")
         result.append((name, check_shape(shape, f"{where}: {what}[{name!r}]")))
     return result
 
@@ -203,7 +206,7 @@ def _plan(rank0: _Rank, world: int) -> _Plan:
     frozen = [_Param(n, s, 0, -(-math.prod(s) // world)) for n, s in _shapes(frozen_shapes, model.where, "frozen")]
     shared = model.content.get("shared_params") or {}
     if not isinstance(shared, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in shared.items()):
-        raise FormatError(f"{model.where}: shared_params is {shared!r:.80}, not a name -> name dict")
+        raise FormatError(f"{model.where}: shared_params is {brief(shared)}, not a name -> name dict")
     aliases: dict[str, list[str]] = {}
     for alias, source in shared.items():
         aliases.setdefault(source, []).append(check_name(alias, f"{model.where}: shared_params"))
@@ -262,7 +265,7 @@ def _step(rank: _Rank, index: int) -> float | None:
     if isinstance(step, (int, float)) and not isinstance(step, bool):
         return float(step)
     if step is not None:
-        raise FormatError(f"{rank.optim.where}: the step of sub-group {index} is {step!r:.80}")
+        raise FormatError(f"{rank.optim.where}: the step of sub-group {index} is {brief(step)}")
     return None
 
 
@@ -278,7 +281,7 @@ def _check_rank(rank: _Rank, plan: _Plan) -> None:
     for key, value in counts.items():
         if value != plan.world:
             raise FormatError(
-                f"{where if key == 'partition_count' else model.where}: {key} is {value!r:.40}, but rank 0 "
+                f"{where if key == 'partition_count' else model.where}: {key} is {brief(value, 40)}, but rank 0 "
                 f"says {plan.world} ranks (hpZ, MiCS and expert partitions are not supported)"
             )
     dimensions = model.content.get("checkpoint_parallel_dimensions") or {}
@@ -446,7 +449,7 @@ def _objects(rank0: _Rank, plan: _Plan, report: ImportReport) -> dict[str, Any]:
         if key in _ENGINE_KEYS:
             continue
         if not isinstance(key, str) or not key or "\x00" in key or key.split(".")[0] in _RESERVED:
-            report.skipped.append((str(key), "client_state key clashes with the imported entries or is not a name"))
+            report.skipped.append((brief(key), "client_state key clashes with the imported entries or is not a name"))
             continue
         why = _plain(value)
         if why is None:

@@ -77,8 +77,25 @@ def zip_entries(buffer: memoryview, where: str) -> ZipEntries:
     return ZipEntries(buffer, archive, where)
 
 
-def tensor_view(entries: ZipEntries, stored: StoredTensor, where: str) -> torch.Tensor:
-    """The tensor `stored` describes, as a view of its storage bytes in the zip when they are contiguous."""
+def tensor_view(
+    entries: ZipEntries,
+    stored: StoredTensor,
+    where: str,
+    *,
+    shape: tuple[int, ...] | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The tensor `stored` describes, as a view of its storage bytes in the zip when they are contiguous.
+
+    `shape`/`dtype`: what the metadata promises, compared before anything is built. Whatever the metadata says,
+    the tensor may not hold more bytes than its storage: a stride-0 or overlapping view (an expanded tensor,
+    which neither DCP nor DeepSpeed writes) could otherwise make a few bytes claim 2^62 elements.
+    """
+    if (shape is not None and stored.size != shape) or (dtype is not None and stored.dtype != dtype):
+        raise FormatError(
+            f"{where}: the record holds {stored.dtype} {list(stored.size)}, the metadata promises "
+            f"{dtype or stored.dtype} {list(shape if shape is not None else stored.size)}"
+        )
     data = entries.view(f"{entries.prefix}data/{stored.key}") if stored.storage_bytes else memoryview(b"")
     if len(data) != stored.storage_bytes:
         raise FormatError(f"{where}: storage {stored.key} has {len(data)} bytes, data.pkl says {stored.storage_bytes}")
@@ -87,6 +104,11 @@ def tensor_view(entries: ZipEntries, stored: StoredTensor, where: str) -> torch.
     contiguous = row_major(stored.size)
     if numel == 0:
         return torch.empty(stored.size, dtype=stored.dtype)
+    if numel * itemsize > len(data):
+        raise FormatError(
+            f"{where}: tensor {list(stored.size)} with strides {list(stored.stride)} repeats the elements of its "
+            f"{len(data)}-byte storage (an expanded view); only tensors that own their elements are read"
+        )
     last = stored.offset + sum((n - 1) * s for n, s in zip(stored.size, stored.stride))
     if (last + 1) * itemsize > len(data) or stored.storage_bytes % itemsize:
         raise FormatError(f"{where}: tensor {list(stored.size)} at element {stored.offset} exceeds its storage")

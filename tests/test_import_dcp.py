@@ -10,7 +10,6 @@ import datetime
 import io
 import os
 import pickle
-import time
 import uuid
 import zipfile
 
@@ -166,10 +165,8 @@ def test_a_far_memo_index_is_refused_before_the_unpickler_allocates_for_it(tmp_p
     directory = tmp_path / "dcp"
     directory.mkdir()
     (directory / ".metadata").write_bytes(b"\x80\x02N" + b"r\xff\xff\xff\xff" + b".")  # PROTO 2, NONE, LONG_BINPUT
-    began = time.perf_counter()
-    with pytest.raises(FormatError, match="memo index"):
+    with pytest.raises(FormatError, match="memo index 4294967295 out of order"):  # from the opcodes: nothing ran
         import_dcp(str(directory), str(tmp_path / "ck"))
-    assert time.perf_counter() - began < 30  # refused from the opcodes, not after an allocation
 
 
 def test_a_malicious_record_pickle_is_refused_without_running_it(tmp_path) -> None:

@@ -125,7 +125,8 @@ def scenario_load(args: dict, rank: int, world: int) -> dict:
 
 def loop_trainer(args: dict, rank: int, world: int):
     """The bundled FSDP2 training loop's Trainer at the benchmark's model size, after one step (AdamW state)."""
-    from shardckpt.train.loop import Trainer, parse_args
+    from shardckpt.train.common import parse_args
+    from shardckpt.train.fsdp2 import Trainer
 
     options = ["--ckpt", os.path.join(args["result_dir"], "unused"), "--global-batch", str(args["batch"])]
     for key in ("vocab", "seq_len", "d_model", "layers", "heads"):

@@ -16,7 +16,8 @@ import time
 import torch.distributed as dist
 
 import shardckpt
-from shardckpt.train.loop import Trainer, init_distributed, parse_args
+from shardckpt.train.common import init_distributed, parse_args
+from shardckpt.train.fsdp2 import Trainer
 
 
 def check_full(engine, url: str, result: str) -> None:

@@ -16,7 +16,8 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from shardckpt.integrations.deepspeed import OPTIONAL_ON_LOAD, DeepSpeedZero3
 from shardckpt.integrations.leaves import PerRank
-from shardckpt.train.loop import ADAMW_BETAS, ADAMW_WEIGHT_DECAY, Trainer, _free_port, rng_state, warmup_cosine
+from shardckpt.train.common import ADAMW_BETAS, ADAMW_WEIGHT_DECAY, free_port, rng_state, warmup_cosine
+from shardckpt.train.fsdp2 import Trainer
 from shardckpt.train.model import GPT, next_token_loss
 
 
@@ -25,7 +26,7 @@ def init_deepspeed(use_cuda: bool) -> tuple[int, int, torch.device]:
 
     if "RANK" not in os.environ:  # a plain `python -m shardckpt.train --engine deepspeed`: one rank
         os.environ.update(
-            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
         )
     if use_cuda:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -1,0 +1,111 @@
+"""What both training loops share: options, process-group start-up, AdamW settings, the schedule, RNG state.
+
+The FSDP2 loop (fsdp2.py) and the DeepSpeed loop (deepspeed_loop.py) take these from here, so their checkpoints
+interchange; loop.py chooses between them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="shardckpt train",
+        description="Train a small GPT with FSDP2 (ZeRO-3) on every rank, checkpointing with shardckpt. "
+        "Launch with torchrun --nproc-per-node N -m shardckpt.train ...; resumes on any number of ranks.",
+    )
+    parser.add_argument("--ckpt", required=True, help="root URL under which checkpoints step-XXXXXXXX are written")
+    parser.add_argument("--steps", type=int, default=60, help="train until this step")
+    parser.add_argument("--ckpt-every", type=int, default=10, help="checkpoint every N steps (and at the end)")
+    parser.add_argument("--keep-last", type=int, default=3, help="committed checkpoints to keep")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest committed checkpoint")
+    parser.add_argument(
+        "--ignore-existing",
+        action="store_true",
+        help="start at step 0 even though --ckpt already holds committed checkpoints (without it, and without "
+        "--resume, such a root is refused: its higher steps would stay the newest, and a later --resume would "
+        "continue the old run)",
+    )
+    parser.add_argument("--async-save", action="store_true", help="stage to host memory, write in the background")
+    parser.add_argument("--global-batch", type=int, default=12, help="samples per step over all ranks")
+    parser.add_argument("--lr", type=float, default=1e-2, help="peak learning rate")
+    parser.add_argument("--warmup", type=int, default=5, help="linear warmup steps")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab", type=int, default=128)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--loss-log", help="append one JSON line per step (rank 0) to this file")
+    parser.add_argument("--pid-dir", help="write each rank's process id to PID_DIR/rank-<r>.pid")
+    parser.add_argument("--cpu", action="store_true", help="use gloo on the CPU even when CUDA is available")
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="DeepSpeed engine only: bf16 weights and activations over fp32 master weights (which are checkpointed)",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=("fsdp2", "deepspeed"),
+        default="fsdp2",
+        help="ZeRO-3 engine: torch FSDP2 (default) or DeepSpeed (pip install shardckpt[deepspeed]); checkpoints "
+        "of one resume in the other",
+    )
+    parser.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
+    return parser.parse_args(argv)
+
+
+# AdamW's settings, shared with the DeepSpeed variant of the loop so that their checkpoints interchange.
+ADAMW_BETAS = (0.9, 0.95)
+ADAMW_WEIGHT_DECAY = 0.01
+
+
+def warmup_cosine(warmup: int, total: int, floor: float = 0.1) -> Any:
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def init_distributed(use_cuda: bool) -> tuple[int, int, torch.device]:
+    if "RANK" not in os.environ:  # a plain `python -m shardckpt.train`: one rank
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    if use_cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl")
+        return dist.get_rank(), dist.get_world_size(), torch.device("cuda", local_rank)
+    dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), torch.device("cpu")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    state = {"torch": bytes(torch.get_rng_state().numpy().tobytes()), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = bytes(torch.cuda.get_rng_state(device).numpy().tobytes())
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
+    random.setstate(state["python"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(torch.frombuffer(bytearray(state["cuda"]), dtype=torch.uint8), device)

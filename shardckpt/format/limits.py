@@ -20,3 +20,4 @@ MIN_BLOCK_SIZE = 4 << 10
 MAX_BLOCK_SIZE = 64 << 20
 DEFAULT_BLOCK_SIZE = 64 << 10
 MAX_ATTEMPT_CHARS = 32
+MAX_COVER_CORNERS = 1 << 26  # signed corner points an irregular (non-grid) box tiling's cover check may need

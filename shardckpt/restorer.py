@@ -28,6 +28,7 @@ from shardckpt.errors import (
     IntegrityError,
     NotCommittedError,
     NotFoundError,
+    ShardckptError,
     ShardckptUsageError,
     StorageError,
     TruncatedError,
@@ -165,6 +166,7 @@ class Checkpoint:
         self.max_in_flight, self.max_gap, self.max_request = max_in_flight, max_gap, max_request
         self._checked: set[str] = set()
         self._indexes: dict[int, FileIndex] = {}
+        self._index_failures: dict[int, ShardckptError] = {}
         self._sized: set[int] = set()
         self._lock = threading.Lock()
         self._positions: dict[tuple[int, str, int], int] = {}
@@ -447,10 +449,18 @@ class Checkpoint:
     # ------------------------------------------------------------------------------------- integrity
 
     def file_index(self, file: int) -> FileIndex:
+        """File `file`'s checked local manifest, read once: a failure is remembered and raised again, not re-read."""
         with self._lock:
-            index = self._indexes.get(file)
+            index, failure = self._indexes.get(file), self._index_failures.get(file)
+        if failure is not None:
+            raise type(failure)(*failure.args)
         if index is None:
-            index = self._load_index(file)
+            try:
+                index = self._load_index(file)
+            except ShardckptError as exc:
+                with self._lock:
+                    self._index_failures[file] = exc
+                raise
             with self._lock:
                 self._indexes[file] = index
         return index

@@ -132,7 +132,13 @@ def created_field(fields: Fields) -> float:
     value = fields.get("created", (int, float), optional=True)
     if isinstance(value, bool):
         raise FormatError(f"{fields.where}: field 'created' must be a number of seconds, got a bool")
-    return float(value or 0.0)
+    seconds = float(value or 0.0)
+    # Finite and within what a calendar date can show: tools print, sort and emit it as JSON.
+    if not 0.0 <= seconds <= limits.MAX_CREATED_SECONDS:  # NaN fails every comparison, so it lands here too
+        raise FormatError(
+            f"{fields.where}: field 'created' = {value!r} is not a time in 0..{limits.MAX_CREATED_SECONDS:.0f} seconds"
+        )
+    return seconds
 
 
 def attempt_field(fields: Fields) -> str:

@@ -66,3 +66,67 @@ def test_ls_survives_a_marker_with_an_infinite_time(committed: Path, capsys, jso
     assert "Infinity" not in out and "broken" in out
     if json_output:
         json.loads(out, parse_constant=lambda name: pytest.fail(f"{name} in ls --json output"))
+
+
+# -------------------------------------------------------------------------------- strings a writer encodes
+
+SURROGATES = ["\ud800", "w\udfff", "a\udc80b"]
+
+
+def _writer(root: Path) -> shardckpt.ShardWriter:
+    return shardckpt.ShardWriter(str(root), rank=0, world_size=1, attempt=ATTEMPT, block_size=4096)
+
+
+@pytest.mark.parametrize("name", SURROGATES)
+def test_a_tensor_name_with_a_lone_surrogate_is_refused_before_writing(tmp_path: Path, name: str) -> None:
+    root = tmp_path / "ck"
+    writer = _writer(root)
+    with pytest.raises(FormatError, match="UTF-8"):
+        writer.add(name, torch.ones(2))
+    assert not (root / "data").exists() or not list((root / "data").iterdir())  # nothing written yet
+    writer.close()  # the writer is still usable: it writes a valid rank without the refused tensor
+    shardckpt.commit(str(root), world_size=1, attempt=ATTEMPT)
+    assert shardckpt.open(str(root)).tensors == {}
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("\ud800", 1),
+        ("ok", "\ud800"),
+        ("ok", {"\udc00": 1}),
+        ("ok", ["fine", ("nested", {"k": "\udfff"})]),
+    ],
+)
+def test_an_object_with_a_lone_surrogate_is_refused_when_added(tmp_path: Path, name: str, value: object) -> None:
+    writer = _writer(tmp_path / "ck")
+    with pytest.raises(FormatError, match="UTF-8"):
+        writer.add_object(name, value)
+    assert not (tmp_path / "ck" / "data").exists() or not list((tmp_path / "ck" / "data").iterdir())
+
+
+def test_metadata_with_a_lone_surrogate_is_a_typed_error(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    writer = _writer(root)
+    writer.add("w", torch.ones(2))
+    writer.close()
+    with pytest.raises(FormatError, match="UTF-8"):
+        shardckpt.commit(str(root), world_size=1, attempt=ATTEMPT, metadata={"note": "\ud800"})
+    assert not (root / layout.COMMITTED).exists()
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(st.characters(), min_size=1, max_size=20))
+def test_names_are_accepted_exactly_when_they_encode_as_utf8_without_nul(text: str) -> None:
+    from shardckpt.format.strict import check_name
+
+    try:
+        text.encode("utf-8")
+        valid = "\x00" not in text
+    except UnicodeEncodeError:
+        valid = False
+    if valid:
+        assert check_name(text, "t") == text
+    else:
+        with pytest.raises(FormatError):
+            check_name(text, "t")

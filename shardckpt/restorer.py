@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import threading
 import time
@@ -28,11 +29,13 @@ from shardckpt.errors import (
     IntegrityError,
     NotCommittedError,
     NotFoundError,
+    ShardckptError,
     ShardckptUsageError,
     StorageError,
     TruncatedError,
 )
 from shardckpt.format import layout, limits
+from shardckpt.format.dtypes import itemsize
 from shardckpt.format.local_manifest import LocalManifest, decode_local_manifest
 from shardckpt.format.manifest import (
     CommitMarker,
@@ -43,7 +46,7 @@ from shardckpt.format.manifest import (
     decode_global_manifest,
 )
 from shardckpt.planner import Box, ReadPlan, ReadRequest, Target, VerifySpan, check_cover, plan_reads
-from shardckpt.planner.box import box_as_flat_range
+from shardckpt.planner.box import box_as_flat_range, linear_index
 from shardckpt.planner.execute import apply_copy
 from shardckpt.planner.plan import DEFAULT_MAX_GAP, DEFAULT_MAX_REQUEST, RESIDENT_MAX_REQUEST
 from shardckpt.storage import RangeReader, Storage, open_storage
@@ -165,6 +168,7 @@ class Checkpoint:
         self.max_in_flight, self.max_gap, self.max_request = max_in_flight, max_gap, max_request
         self._checked: set[str] = set()
         self._indexes: dict[int, FileIndex] = {}
+        self._index_failures: dict[int, ShardckptError] = {}
         self._sized: set[int] = set()
         self._lock = threading.Lock()
         self._positions: dict[tuple[int, str, int], int] = {}
@@ -260,11 +264,32 @@ class Checkpoint:
 
     def read(self, name: str, offsets: Sequence[int] | None = None, shape: Sequence[int] | None = None) -> torch.Tensor:
         """Box (`offsets`, `shape`) of tensor `name` (default: all of it) as a new tensor, bit-exact."""
+        began = time.perf_counter()
         entry = self.entry(name)
-        box_offsets = tuple(offsets) if offsets is not None else (0,) * len(entry.shape)
-        box_shape = tuple(shape) if shape is not None else tuple(d - o for d, o in zip(entry.shape, box_offsets))
-        out = torch.empty(box_shape, dtype=torch_dtype(entry.dtype))
-        self.read_into([(name, Box(box_offsets, box_shape), out)])
+        box_offsets = tuple(int(o) for o in offsets) if offsets is not None else (0,) * len(entry.shape)
+        box_shape = (
+            tuple(int(s) for s in shape)
+            if shape is not None
+            else tuple(d - o for d, o in zip(entry.shape, box_offsets))
+        )
+        if len(box_offsets) != len(entry.shape) or len(box_shape) != len(entry.shape):
+            raise ShardckptUsageError(
+                f"tensor {name!r} has {len(entry.shape)} dimensions; offsets {list(box_offsets)} and shape "
+                f"{list(box_shape)} must have as many"
+            )
+        if any(o < 0 for o in box_offsets) or any(s < 0 for s in box_shape):
+            raise ShardckptUsageError(
+                f"tensor {name!r}: offsets {list(box_offsets)} and shape {list(box_shape)} must be non-negative"
+            )
+        box = Box(box_offsets, box_shape)
+        # Plan and check the chain (local manifests, data sizes, piece identity) before allocating what the
+        # manifest declares: a hostile size then fails as the lie it is, not as an allocation.
+        self._check_pieces(entry, box)
+        plan = self._plan([Target(name, box)])
+        self.preflight(plan)
+        out = _allocate(name, box_shape, entry.dtype)
+        view = writable_bytes(out)
+        PendingRead(self, plan, [view if view is not None else np.zeros(0, np.uint8)], [], began).apply()
         return out
 
     def read_into(self, items: Sequence[tuple[str, Box, torch.Tensor]], *, verify_first: bool = False) -> ReadStats:
@@ -447,10 +472,18 @@ class Checkpoint:
     # ------------------------------------------------------------------------------------- integrity
 
     def file_index(self, file: int) -> FileIndex:
+        """File `file`'s checked local manifest, read once: a failure is remembered and raised again, not re-read."""
         with self._lock:
-            index = self._indexes.get(file)
+            index, failure = self._indexes.get(file), self._index_failures.get(file)
+        if failure is not None:
+            raise type(failure)(*failure.args)
         if index is None:
-            index = self._load_index(file)
+            try:
+                index = self._load_index(file)
+            except ShardckptError as exc:
+                with self._lock:
+                    self._index_failures[file] = exc
+                raise
             with self._lock:
                 self._indexes[file] = index
         return index
@@ -493,16 +526,40 @@ class Checkpoint:
 
     def _position(self, file: int, span: VerifySpan) -> int:
         """Where the span's piece sits in its file's local manifest (checked once, then remembered)."""
-        key = (file, span.tensor, span.piece)
+        return self._piece_position(file, span.tensor, span.piece)
+
+    def _piece_position(self, file: int, tensor: str, piece: int) -> int:
+        key = (file, tensor, piece)
         position = self._positions.get(key)
         if position is not None:
             return position
-        found = self.file_index(file).find(self.entry(span.tensor), span.piece)
+        found = self.file_index(file).find(self.entry(tensor), piece)
         if isinstance(found, str):
             path = self.storage.describe(self.manifest.files[file].data)
-            raise IntegrityError(f"{path}: tensor {span.tensor!r}: {found}")
+            raise IntegrityError(f"{path}: tensor {tensor!r}: {found}")
         self._positions[key] = found
         return found
+
+    def _check_pieces(self, entry: TensorEntry, box: Box) -> None:
+        """Check the chain for every piece that overlaps `box` (local manifest, data file size, piece identity),
+        in time proportional to those pieces: before planning or allocating anything sized by the manifest."""
+        if box.volume == 0:
+            return
+        file, _, start, length = entry.pieces.arrays()
+        if entry.layout == "flat":
+            lo, hi = (
+                linear_index(entry.shape, box.offsets),
+                linear_index(entry.shape, tuple(e - 1 for e in box.end)) + 1,
+            )
+            hit = np.nonzero((start[:, 0] < hi) & (start[:, 0] + length[:, 0] > lo))[0]
+        else:
+            wanted_lo, wanted_hi = np.array(box.offsets, dtype=np.int64), np.array(box.end, dtype=np.int64)
+            hit = np.nonzero(((start < wanted_hi) & (start + length > wanted_lo)).all(axis=1))[0]
+        for number in np.unique(file[hit]).tolist():
+            self.file_index(int(number))
+            self._check_data_size(int(number))
+        for piece in hit.tolist():
+            self._piece_position(int(file[piece]), entry.name, piece)
 
     def _verify(self, file: int, span: VerifySpan, fetched: ByteArray, fetched_start: int) -> None:
         index = self.file_index(file)
@@ -525,6 +582,17 @@ class Checkpoint:
                     f"{path}: tensor {span.tensor!r}: block {number} of the piece at byte {span.piece_offset} "
                     f"(file bytes {lo}:{hi}) fails its checksum (stored {expected:#010x}, read {actual:#010x})"
                 )
+
+
+def _allocate(name: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+    """A host tensor for a read; an allocation failure is a typed error naming the tensor and the size."""
+    nbytes = math.prod(shape) * itemsize(dtype)
+    try:
+        return torch.empty(shape, dtype=torch_dtype(dtype))
+    except (RuntimeError, MemoryError) as exc:
+        raise ShardckptUsageError(
+            f"tensor {name!r}: cannot allocate {list(shape)} {dtype} ({nbytes} bytes): {exc}"
+        ) from None
 
 
 class PendingRead:

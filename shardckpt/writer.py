@@ -88,6 +88,7 @@ class ShardWriter:
         self._pieces: list[_Piece] = []
         self._tensors: dict[str, _TensorInfo] = {}
         self._keys: set[str] = set()
+        self._piece_counts: dict[str, int] = {}
         self._objects: dict[str, ObjectEntry] = {}
         self._closed = False
         self.stats: WriteStats | None = None
@@ -150,11 +151,12 @@ class ShardWriter:
             raise ShardckptUsageError(f"tensor {name!r}: added as {known} and again as {info}")
         if tensor.numel() == 0:
             return  # an empty piece stores nothing; the entry above still records dtype and shape
-        count = sum(1 for piece in self._pieces if piece.name == name)
+        count = self._piece_counts.get(name, 0)  # a dict, not a scan: adding n pieces stays O(n)
         key = name if count == 0 else f"{name}#{count}"
         if key in self._keys:
             raise ShardckptUsageError(f"tensor {name!r}: safetensors key {key!r} collides with another tensor")
         self._keys.add(key)
+        self._piece_counts[name] = count + 1
         nbytes = tensor.numel() * tensor.element_size()
         self._pieces.append(_Piece(name, key, tensor, start, length, nbytes))
 

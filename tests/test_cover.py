@@ -1,19 +1,22 @@
 """check_cover: every valid sharding passes; every gap or overlap raises CoverageError naming the tensor.
 
-The verdict is also compared with a brute-force numpy counter on random (mostly invalid) piece sets, both
-through the normal paths and with the counting grid disabled, which forces the slab sweep (_sweep).
+The verdict is also compared with a brute-force numpy counter on random (mostly invalid) piece sets, through
+the normal paths, with the grid's cell counter disabled, and through the signed-corner check (_check_corners)
+alone, whose reported point must really be uncovered (gap) or covered twice (overlap).
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from shardckpt.errors import CoverageError
+from shardckpt.errors import CoverageError, FormatError
+from shardckpt.format import limits
 from shardckpt.planner import cover
 from shardckpt.planner.cover import check_cover
 from tests.strategies import Sharding, shapes, shardings
@@ -57,7 +60,7 @@ def test_every_valid_sharding_is_accepted(sharding: Sharding) -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(sharding=shardings(kinds=("kdtree", "grid")))
-def test_valid_shardings_pass_the_slab_sweep_too(sharding: Sharding) -> None:
+def test_valid_shardings_pass_without_the_cell_counter(sharding: Sharding) -> None:
     original = cover._MAX_COUNTED_CELLS
     cover._MAX_COUNTED_CELLS = 0
     try:
@@ -197,7 +200,7 @@ def test_flat_ranges_of_a_matrix() -> None:
 
 @pytest.fixture(params=["counted", "sweep"])
 def general_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a hand-written case through cell counting and, with the counter disabled, through the slab sweep."""
+    """Run a hand-written case with and without the grid's cell counter (the general case takes the corners)."""
     if request.param == "sweep":
         monkeypatch.setattr(cover, "_MAX_COUNTED_CELLS", 0)
     return str(request.param)
@@ -316,9 +319,9 @@ def test_verdict_matches_a_brute_force_counter(sharding: Sharding) -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(sharding=piece_sets())
-def test_slab_sweep_verdict_matches_a_brute_force_counter(sharding: Sharding) -> None:
+def test_verdict_without_the_cell_counter_matches_a_brute_force_counter(sharding: Sharding) -> None:
     original = cover._MAX_COUNTED_CELLS
-    cover._MAX_COUNTED_CELLS = 0  # force _check_general onto the slab sweep (and _check_grid off its counter)
+    cover._MAX_COUNTED_CELLS = 0  # _check_grid without its counter
     try:
         verdict = _verdict(sharding)
     finally:
@@ -349,3 +352,53 @@ def test_row_slabs_take_the_fast_path_and_agree_with_brute_force(rows: int, cols
         expected = "gap" if covered.max() <= 1 else "overlap" if covered.min() >= 1 else "gap|overlap"
         with pytest.raises(CoverageError, match=expected):
             check_cover("t", (rows, cols), "box", start, length)
+
+
+def brute_force_counts(shape: tuple[int, ...], start: np.ndarray, length: np.ndarray) -> np.ndarray:
+    counts = np.zeros(shape, dtype=np.int64)
+    for s, n in zip(start.tolist(), length.tolist()):
+        counts[tuple(slice(a, a + b) for a, b in zip(s, n))] += 1
+    return counts
+
+
+@settings(max_examples=400, deadline=None)
+@given(sharding=piece_sets())
+def test_corner_check_alone_agrees_with_brute_force_and_names_a_true_defect(sharding: Sharding) -> None:
+    """_check_corners on any box set (grids and row slabs too, bypassing the fast paths): same verdict as counting
+    cells, and the element or pieces it names really are uncovered or covered twice."""
+    assume(sharding.layout == "box" and sharding.k >= 1 and math.prod(sharding.shape) > 0)
+    counts = brute_force_counts(sharding.shape, sharding.start, sharding.length)
+    try:
+        cover._check_corners(NAME, sharding.shape, sharding.start, sharding.length)
+    except CoverageError as error:
+        message = str(error)
+        assert repr(NAME) in message
+        assert not (counts == 1).all()
+        found = re.search(r"elements \[([0-9:, ]+)\] are covered by no piece \(gap\)", message)
+        if found:
+            point = tuple(int(part.split(":")[0]) for part in found.group(1).split(","))
+            assert counts[point] == 0
+        else:
+            pair = re.search(r"pieces (\d+) and (\d+) both cover \[([0-9:, ]+)\] \(overlap\)", message)
+            assert pair, message
+            region = tuple(slice(*map(int, part.split(":"))) for part in pair.group(3).split(","))
+            assert (counts[region] >= 2).all()
+        return
+    assert (counts == 1).all()
+
+
+def test_corner_check_names_the_first_gap_and_overlap() -> None:
+    holed = _box((3, 4), [b for b in BRICKS if b != ((1, 1), (1, 2))])
+    with pytest.raises(CoverageError, match=re.escape("'t': elements [1:2, 1:2] are covered by no piece (gap)")):
+        cover._check_corners("t", (3, 4), holed.start, holed.length)
+    wide = _box((3, 4), [*BRICKS, ((2, 1), (1, 2))])
+    with pytest.raises(CoverageError, match=re.escape("'t': pieces 5 and 7 both cover [2:3, 1:2] (overlap)")):
+        cover._check_corners("t", (3, 4), wide.start, wide.length)
+
+
+def test_an_irregular_tiling_beyond_the_corner_limit_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The corner work is bounded before any corner is made: beyond the limit a typed error names the tensor."""
+    monkeypatch.setattr(limits, "MAX_COVER_CORNERS", 8)
+    bricks = _box((3, 4), BRICKS)
+    with pytest.raises(FormatError, match=r"tensor 't': 7 irregular pieces need \d+ corner points"):
+        check_cover("t", (3, 4), "box", bricks.start, bricks.length)

@@ -10,9 +10,10 @@ from typing import Any
 
 from shardckpt.errors import FormatError
 from shardckpt.format.dtypes import itemsize
+from shardckpt.format.limits import MAX_HEADER_JSON_BYTES
 from shardckpt.format.local_manifest import LocalManifest
 
-MAX_HEADER_JSON_BYTES = 100_000_000  # the largest header stock safetensors readers accept
+__all__ = ["MAX_HEADER_JSON_BYTES", "header_problems", "parse_header"]
 
 
 def parse_header(raw: bytes, where: str) -> dict[str, Any]:

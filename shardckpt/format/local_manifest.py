@@ -179,7 +179,8 @@ def decode_local_manifest(data: bytes, where: str = "local manifest") -> LocalMa
     if (path_rank, path_attempt) != (rank, attempt):
         raise FormatError(f"{where}: data path {path!r} does not belong to rank {rank} of attempt {attempt}")
     data_size = fields.integer("data_size", 8, limits.MAX_EXTENT)
-    header_size = fields.integer("header_size", 8, data_size)
+    # The header's own limit (SPEC 4) bounds what a verifier reads of it, whatever data_size claims.
+    header_size = fields.integer("header_size", 8, min(data_size, 8 + limits.MAX_HEADER_JSON_BYTES))
     block_size = block_size_field(fields)
     table = Fields(fields.get("tensors", dict), f"{where} tensors")
     try:

@@ -12,7 +12,7 @@ from typing import Any
 from shardckpt.errors import FormatError
 from shardckpt.format import limits
 from shardckpt.format.layout import validate_attempt
-from shardckpt.format.values import unpack_value
+from shardckpt.format.values import check_utf8, unpack_value
 
 FORMAT_NAME = "shardckpt"
 FORMAT_VERSION = (1, 0)
@@ -92,6 +92,7 @@ def check_version(version: list[Any], where: str) -> tuple[int, int]:
 def check_name(name: object, where: str) -> str:
     if not isinstance(name, str) or not 1 <= len(name) <= limits.MAX_NAME_CHARS or "\x00" in name:
         raise FormatError(f"{where}: a name must be 1..{limits.MAX_NAME_CHARS} characters without NUL, got {name!r}")
+    check_utf8(name, where)
     return name
 
 
@@ -132,7 +133,13 @@ def created_field(fields: Fields) -> float:
     value = fields.get("created", (int, float), optional=True)
     if isinstance(value, bool):
         raise FormatError(f"{fields.where}: field 'created' must be a number of seconds, got a bool")
-    return float(value or 0.0)
+    seconds = float(value or 0.0)
+    # Finite and within what a calendar date can show: tools print, sort and emit it as JSON.
+    if not 0.0 <= seconds <= limits.MAX_CREATED_SECONDS:  # NaN fails every comparison, so it lands here too
+        raise FormatError(
+            f"{fields.where}: field 'created' = {value!r} is not a time in 0..{limits.MAX_CREATED_SECONDS:.0f} seconds"
+        )
+    return seconds
 
 
 def attempt_field(fields: Fields) -> str:

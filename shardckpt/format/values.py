@@ -39,11 +39,22 @@ def _default(value: object) -> Any:
     raise FormatError(f"cannot store a value of type {type(value).__name__} (plain values only)")
 
 
+def check_utf8(text: str, where: str) -> None:
+    """A str is stored as UTF-8: refuse one that has no UTF-8 form (a lone surrogate) before anything is written."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise FormatError(f"{where}: {text!r} is not valid UTF-8 text (lone surrogate at index {exc.start})") from None
+
+
 def check_plain(value: object, where: str, depth: int = 0) -> None:
     """Reject what msgpack cannot hold faithfully, before anything is written."""
     if depth > MAX_DEPTH:
         raise FormatError(f"{where}: value nested deeper than {MAX_DEPTH}")
-    if value is None or isinstance(value, (bool, float, str, bytes, bytearray, memoryview)):
+    if isinstance(value, str):
+        check_utf8(value, where)
+        return
+    if value is None or isinstance(value, (bool, float, bytes, bytearray, memoryview)):
         return
     if isinstance(value, int):
         if not _INT_MIN <= value <= _INT_MAX:
@@ -59,13 +70,18 @@ def check_plain(value: object, where: str, depth: int = 0) -> None:
                 raise FormatError(f"{where}: map keys must be str or int, got {type(key).__name__}")
             if isinstance(key, int) and not _INT_MIN <= key <= _INT_MAX:
                 raise FormatError(f"{where}: map key {key} does not fit in 64 bits")
+            if isinstance(key, str):
+                check_utf8(key, f"{where}: map key")
             check_plain(item, f"{where}[{key!r}]", depth + 1)
         return
     raise FormatError(f"{where}: cannot store a value of type {type(value).__name__} (plain values only)")
 
 
 def pack_value(value: object) -> bytes:
-    packed: bytes = msgpack.packb(value, default=_default, strict_types=True, use_bin_type=True)
+    try:
+        packed: bytes = msgpack.packb(value, default=_default, strict_types=True, use_bin_type=True)
+    except UnicodeEncodeError as exc:  # a str nobody checked (e.g. user metadata): still a typed error
+        raise FormatError(f"cannot store {exc.object[exc.start : exc.end]!r}: text must be valid UTF-8") from None
     return packed
 
 

@@ -263,10 +263,13 @@ def _coalesce(file: int, units: list[_Unit], block: int, max_gap: int, max_reque
 
 
 def _request(file: int, start: int, end: int, group: list[tuple[int, int, _Unit]]) -> ReadRequest:
-    spans: dict[int, tuple[int, int, _Unit]] = {}
+    # One span per piece, not per offset: a hostile manifest may point two pieces at one offset, and each piece's
+    # identity must be checked against the file's local manifest (SPEC 8 step 4).
+    spans: dict[tuple[str, int], tuple[int, int, _Unit]] = {}
     for lo, hi, unit in group:
-        seen = spans.get(unit.piece_offset)
-        spans[unit.piece_offset] = (lo, hi, unit) if seen is None else (min(seen[0], lo), max(seen[1], hi), unit)
+        key = (unit.tensor, unit.piece)
+        seen = spans.get(key)
+        spans[key] = (lo, hi, unit) if seen is None else (min(seen[0], lo), max(seen[1], hi), unit)
     verify = tuple(
         VerifySpan(unit.tensor, unit.piece, unit.piece_offset, unit.piece_size, lo, hi)
         for lo, hi, unit in spans.values()

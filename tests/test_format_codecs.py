@@ -959,3 +959,19 @@ def test_piece_range_checks_for_few_pieces_match_the_array_path(data) -> None:
     finally:
         manifest_module._FEW_PIECES = saved
     assert few == many
+
+
+def test_a_value_of_shared_lists_is_refused_without_walking_every_path() -> None:
+    """x = [y, y] nested 60 deep is 2^60 items as a tree: refused after the item budget, not walked."""
+    from shardckpt.format.limits import MAX_VALUE_ITEMS
+    from shardckpt.format.values import check_plain
+
+    shared: list[object] = [0]
+    for _ in range(60):
+        shared = [shared, shared]
+    with pytest.raises(FormatError, match=f"more than {MAX_VALUE_ITEMS} items"):
+        check_plain(shared, "trainer")
+    small: list[object] = [0]
+    for _ in range(10):
+        small = [small, small]
+    check_plain(small, "trainer")  # 2^11 items: fine

@@ -9,6 +9,7 @@ MAX_GLOBAL_MANIFEST_BYTES = 1 << 30
 MAX_LOCAL_MANIFEST_BYTES = 256 << 20
 MAX_COMMIT_MARKER_BYTES = 64 << 10
 MAX_DEPTH = 64
+MAX_VALUE_ITEMS = 1 << 24  # items of one plain value counted as a tree: a writer refuses more before writing
 MAX_NAME_CHARS = 1024
 MAX_PATH_CHARS = 512
 MAX_NDIM = 64

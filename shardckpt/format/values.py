@@ -11,7 +11,7 @@ from typing import Any
 import msgpack
 
 from shardckpt.errors import FormatError
-from shardckpt.format.limits import MAX_DEPTH
+from shardckpt.format.limits import MAX_DEPTH, MAX_VALUE_ITEMS
 
 TUPLE_EXT = 1
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
@@ -48,7 +48,21 @@ def check_utf8(text: str, where: str) -> None:
 
 
 def check_plain(value: object, where: str, depth: int = 0) -> None:
-    """Reject what msgpack cannot hold faithfully, before anything is written."""
+    """Reject what msgpack cannot hold faithfully, before anything is written.
+
+    Work is bounded by MAX_VALUE_ITEMS: a value that shares one list in many places (x = [y, y], nested) is stored
+    once per use, so its size is that of the expanded tree, which can be 2^depth items for a few hundred bytes.
+    """
+    _check_plain(value, where, depth, [MAX_VALUE_ITEMS])
+
+
+def _check_plain(value: object, where: str, depth: int, budget: list[int]) -> None:
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise FormatError(
+            f"{where}: value holds more than {MAX_VALUE_ITEMS} items once shared parts are counted per use "
+            "(plain values are stored as trees)"
+        )
     if depth > MAX_DEPTH:
         raise FormatError(f"{where}: value nested deeper than {MAX_DEPTH}")
     if isinstance(value, str):
@@ -62,7 +76,7 @@ def check_plain(value: object, where: str, depth: int = 0) -> None:
         return
     if isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
-            check_plain(item, f"{where}[{index}]", depth + 1)
+            _check_plain(item, f"{where}[{index}]", depth + 1, budget)
         return
     if isinstance(value, Mapping):
         for key, item in value.items():
@@ -72,7 +86,7 @@ def check_plain(value: object, where: str, depth: int = 0) -> None:
                 raise FormatError(f"{where}: map key {key} does not fit in 64 bits")
             if isinstance(key, str):
                 check_utf8(key, f"{where}: map key")
-            check_plain(item, f"{where}[{key!r}]", depth + 1)
+            _check_plain(item, f"{where}[{key!r}]", depth + 1, budget)
         return
     raise FormatError(f"{where}: cannot store a value of type {type(value).__name__} (plain values only)")
 

@@ -24,7 +24,7 @@ from shardckpt.format.manifest import (
     decode_global_manifest,
     encode_global_manifest,
 )
-from shardckpt.integrations.leaves import PerRank, load_items, save_items
+from shardckpt.integrations.leaves import PerRank, destination_shapes, load_items, save_items
 from shardckpt.planner.plan import DEFAULT_MAX_GAP
 from shardckpt.restorer import (
     Checkpoint,
@@ -271,12 +271,19 @@ def _prepare_fill(
             f"{checkpoint.url} lacks {len(missing)} entries of the state dict: {missing[:10]}"
             + (" ..." if len(missing) > 10 else "")
         )
+    for name, shape, kind in destination_shapes(leaves):
+        if name in stored and shape != tuple(stored[name].shape):
+            raise ShardckptUsageError(
+                f"tensor {name!r}: the state dict's {kind} has global shape {list(shape)}, the checkpoint holds "
+                f"shape {list(stored[name].shape)}; a load fills whole tensors (read a part with "
+                f"shardckpt.open({checkpoint.url!r}).read({name!r}, offsets=..., shape=...))"
+            )
     present = [item for item in items if item[0] in stored]
     for name, box, _ in present:
-        if not box.within(stored[name].shape):
+        if not box.within(stored[name].shape):  # a destination's own boxes lie outside its global shape
             raise ShardckptUsageError(
-                f"tensor {name!r}: the state dict wants {box} of a tensor of shape {list(stored[name].shape)}, "
-                f"the checkpoint holds shape {list(stored[name].shape)}"
+                f"tensor {name!r}: the state dict wants box {box}, outside the tensor's shape "
+                f"{list(stored[name].shape)} in the checkpoint"
             )
     pending = checkpoint.prepare(present)
 

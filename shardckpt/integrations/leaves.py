@@ -76,6 +76,21 @@ def save_items(leaves: list[Leaf], rank: int, world_size: int) -> SaveItems:
     return items
 
 
+def destination_shapes(leaves: list[Leaf]) -> list[tuple[str, tuple[int, ...], str]]:
+    """(tensor name, global shape, kind) of every tensor destination: a load fills whole tensors only, so each
+    global shape must be the stored one (a sub-box is Checkpoint.read's job)."""
+    shapes: list[tuple[str, tuple[int, ...], str]] = []
+    for leaf in leaves:
+        value = leaf.value
+        if is_dtensor(value):
+            shapes.append((leaf.name, tuple(int(d) for d in value.shape), "DTensor"))
+        elif isinstance(value, torch.Tensor):
+            shapes.append((leaf.name, tuple(value.shape), "tensor"))
+        elif isinstance(value, FlatPartition):
+            shapes.extend((name, tuple(shape), "flat partition") for name, shape in value.params)
+    return shapes
+
+
 def load_items(leaves: list[Leaf]) -> list[tuple[str, Box, torch.Tensor]]:
     """(tensor name, box, destination) for every tensor this rank holds: its shards, whole tensors, flat slices."""
     items: list[tuple[str, Box, torch.Tensor]] = []

@@ -106,6 +106,40 @@ def test_load_refuses_a_smaller_destination_and_read_gives_the_sub_box(tmp_path)
     assert torch.equal(shardckpt.open(url).read("w", offsets=(1, 1), shape=(2, 2)), source[1:3, 1:3])
 
 
+def test_per_rank_values_hold_tensors(tmp_path) -> None:
+    """PerRank is the fix the replica check suggests for torch.get_rng_state(): tensors inside it round-trip."""
+    url = str(tmp_path / "ck")
+    rng = {
+        "cpu": torch.get_rng_state(),
+        "extra": [torch.arange(6, dtype=torch.int16).reshape(2, 3), 5],
+        "e": torch.ones(0),
+    }
+    shardckpt.save({"rng": shardckpt.PerRank(rng), "w": torch.ones(2)}, url)
+    fresh = shardckpt.PerRank(None)
+    shardckpt.load({"rng": fresh, "w": torch.zeros(2)}, url)
+    assert torch.equal(fresh.value["cpu"], rng["cpu"]) and fresh.value["cpu"].dtype == torch.uint8
+    assert torch.equal(fresh.value["extra"][0], rng["extra"][0]) and fresh.value["extra"][1] == 5
+    assert fresh.value["e"].shape == (0,)
+
+
+@pytest.mark.parametrize(
+    "stored",
+    [
+        {"__shardckpt_tensor__": ["F32", [2], b"\0" * 7]},  # 7 bytes for 2 floats
+        {"__shardckpt_tensor__": ["NOPE", [1], b"\0"]},
+        {"__shardckpt_tensor__": ["U8", [-1], b""]},
+        {"__shardckpt_tensor__": "U8"},
+    ],
+)
+def test_a_malformed_per_rank_tensor_is_a_format_error(tmp_path, stored) -> None:
+    url = str(tmp_path / "ck")
+    shardckpt.save({"rng": shardckpt.PerRank(stored)}, url)
+    fresh = shardckpt.PerRank("untouched")
+    with pytest.raises(shardckpt.FormatError, match="'rng'"):
+        shardckpt.load({"rng": fresh}, url)
+    assert fresh.value == "untouched"
+
+
 def test_save_never_overwrites_a_committed_checkpoint(root_url: str) -> None:
     shardckpt.save({"a": torch.ones(2)}, f"{root_url}/once")
     with pytest.raises(shardckpt.AlreadyExistsError):

@@ -16,6 +16,7 @@ import shardckpt
 import shardckpt.writer
 from shardckpt.errors import AlreadyExistsError, NotFoundError, TruncatedError
 from shardckpt.storage import FsspecStorage, LocalStorage, Storage, local, open_storage
+from shardckpt.storage.base import SingleCoordinatorCommitWarning
 from shardckpt.storage.s3 import S3Storage
 
 
@@ -163,6 +164,24 @@ class TestMemoryBackend(BackendContract):
     def raw_read(self, storage: Storage, path: str) -> bytes:
         assert isinstance(storage, FsspecStorage)
         return bytes(storage.fs.cat_file(storage.full(path)))
+
+    def test_commit_marker_is_create_once(self, tmp_path) -> None:
+        with pytest.warns(SingleCoordinatorCommitWarning):
+            super().test_commit_marker_is_create_once(tmp_path)
+
+    def test_a_store_without_atomic_create_says_so_and_warns_at_commit(self, tmp_path) -> None:
+        """memory:// checks for the name, then creates it: two committers can both pass the check. It is marked
+        non-atomic, each commit warns (as S3 without conditional writes does), and a save still commits."""
+        url = f"memory://contract-{uuid.uuid4().hex}"
+        storage = open_storage(url)
+        assert not storage.atomic_create and not storage.child("ck").atomic_create
+        with pytest.warns(SingleCoordinatorCommitWarning, match="single-coordinator"):
+            shardckpt.save({"w": torch.ones(3)}, f"{url}/ck")
+        assert torch.equal(shardckpt.open(f"{url}/ck").read("w"), torch.ones(3))
+        with pytest.warns(SingleCoordinatorCommitWarning), pytest.raises(AlreadyExistsError):
+            storage.commit_marker("ck/COMMITTED", b"second")
+        declared = FsspecStorage(fsspec.filesystem("memory"), f"/declared-{uuid.uuid4().hex}", atomic_create=True)
+        assert declared.atomic_create and declared.child("x").atomic_create
 
 
 class TestS3Backend(BackendContract):

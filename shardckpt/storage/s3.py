@@ -22,7 +22,7 @@ import fsspec
 import fsspec.asyn
 
 from shardckpt.errors import AlreadyExistsError, FormatError, NotFoundError, StorageError, TruncatedError
-from shardckpt.storage.base import NewFile, Storage, check_length, modified_time
+from shardckpt.storage.base import NewFile, SingleCoordinatorCommitWarning, Storage, check_length, modified_time
 from shardckpt.storage.retry import RetryPolicy, retrying
 from shardckpt.storage.s3_upload import MAX_PART_SIZE, S3NewFile, as_body
 
@@ -59,10 +59,6 @@ _TRANSIENT_TYPES: tuple[type[BaseException], ...] = (
     ConnectionError,
     TimeoutError,  # also asyncio.TimeoutError
 )
-
-
-class SingleCoordinatorCommitWarning(UserWarning):
-    """The store ignores conditional writes, so a commit is only safe with a single coordinator."""
 
 
 def error_status(exc: BaseException) -> tuple[int | None, str]:

@@ -110,6 +110,25 @@ class TestLocalBackend(BackendContract):
             storage.commit_marker("COMMITTED", b"y")
         assert os.listdir(storage.url) == ["COMMITTED"]
 
+    def test_every_new_directory_entry_is_fsynced_before_committed(self, tmp_path, monkeypatch) -> None:
+        """A save into run/a/b/ck, none of which exists: the directory holding each new entry (tmp_path for run,
+        run for a, a for b, b for ck, ck for data/ and ranks/) is fsynced before COMMITTED is linked."""
+        events: list[tuple[str, str]] = []
+        real_fsync_dir, real_link = local._fsync_dir, os.link
+        monkeypatch.setattr(local, "_fsync_dir", lambda path: (events.append(("fsync", path)), real_fsync_dir(path)))
+
+        def link(source: str, target: str) -> None:
+            events.append(("link", target))
+            real_link(source, target)
+
+        monkeypatch.setattr(local.os, "link", link)
+        url = tmp_path / "run" / "a" / "b" / "ck"
+        shardckpt.save({"w": torch.ones(3)}, str(url))
+        committed = events.index(("link", str(url / "COMMITTED")))
+        synced = {path for kind, path in events[:committed] if kind == "fsync"}
+        for created in (tmp_path / "run", url.parent.parent, url.parent, url, url / "data", url / "ranks"):
+            assert str(created.parent) in synced, f"the entry of {created} was never fsynced"
+
     def test_a_reader_keeps_one_descriptor_per_file_and_closes_them(self, tmp_path) -> None:
         storage = self.make(tmp_path)
         storage.write_new("a.bin", b"0123456789")

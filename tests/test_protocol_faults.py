@@ -11,7 +11,11 @@ import json
 import os
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from launch import run_ranks
+
+from shardckpt.integrations.replicas import replica_disagreements
 
 CASES = {  # case -> (failed ranks, words every cause must contain)
     "exists_fault": ({"0"}, ["StorageError", "injected: stat"]),
@@ -64,3 +68,31 @@ def test_per_rank_tensors_and_values_round_trip_and_equal_replicas_save(outcomes
     _, found = outcomes
     for rank, verdict in enumerate(found["replicated_ok"]):
         assert verdict == {"raised": None, "rng": [rank, 7], "seed": 1000 + rank, "shared": [5, 7]}, verdict
+
+
+_ENTRY = st.tuples(
+    st.sampled_from(["a", "b", "rng"]),
+    st.sampled_from(["tensor", "value"]),
+    st.sampled_from(["F32", "U8"]),
+    st.sampled_from([[], [2], [2, 3]]),
+    st.integers(0, 3),
+).map(list)
+_DIGEST = st.lists(_ENTRY, max_size=4, unique_by=lambda entry: entry[0])
+
+
+@settings(max_examples=300, deadline=None)
+@given(digests=st.lists(_DIGEST, min_size=1, max_size=5), data=st.data())
+def test_replica_disagreements_name_exactly_the_ranks_that_differ(digests, data) -> None:
+    """A rank is reported iff its values saved once differ from the reference rank's (any field, or the set of
+    names); each report names one of the differing values and tells the user about PerRank."""
+    reference = data.draw(st.integers(0, len(digests) - 1))
+    failures = replica_disagreements(digests, reference)
+    expected = {entry[0]: entry for entry in digests[reference]}
+    for rank, digest in enumerate(digests):
+        held = {entry[0]: entry for entry in digest}
+        if held == expected:
+            assert rank not in failures
+            continue
+        assert "PerRank" in failures[rank]
+        differing = {name for name in held.keys() | expected.keys() if held.get(name) != expected.get(name)}
+        assert any(f"{name!r}" in failures[rank] for name in differing), failures[rank]

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColu
 from rich.table import Table
 
 from shardckpt import commands
-from shardckpt.commands.common import HelpFormatter, human_bytes, storage_options
+from shardckpt.commands.common import HelpFormatter, human_bytes, parse_storage_option, storage_options
 from shardckpt.errors import ShardckptError, ShardckptUsageError
 from shardckpt.format import layout
 from shardckpt.gc import DEFAULT_GRACE, Action, GcPlan, collect, plan_gc
@@ -367,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
             "--storage-option",
             action="append",
             default=[],
+            type=parse_storage_option,
             metavar="KEY=VALUE",
             help="fsspec storage option, e.g. endpoint_url=http://127.0.0.1:8333 (repeatable)",
         )

@@ -51,11 +51,12 @@ def commit(
     """Validate the local manifests of one attempt and commit the checkpoint at `url` atomically.
 
     `local_manifests`: the encoded local manifests, rank-ordered, when the caller gathered them (distributed
-    saves); otherwise they are read from storage. Re-committing the attempt that already committed is a no-op
-    that returns its manifest; any other attempt gets CommitConflictError.
+    saves); otherwise they are read from storage. Re-committing the attempt that already committed (or whose
+    global manifest a failed commit already wrote) reuses what it recorded: a `step` or `metadata` given here
+    must equal the recorded one (None keeps it), else CommitConflictError, as for any other attempt.
     """
     storage = open_storage(url, storage_options)
-    committed = _existing_commit(storage, attempt)
+    committed = _existing_commit(storage, attempt, step, metadata)
     if committed is not None:
         return committed
     if local_manifests is None:
@@ -81,7 +82,7 @@ def commit(
         metadata=dict(metadata or {}),
     )
     crash_point("before_global_manifest")
-    encoded = _write_manifest(storage, manifest)
+    manifest, encoded = _write_manifest(storage, manifest, step, metadata)
     crash_point("before_commit")
     marker = CommitMarker(
         attempt=attempt,
@@ -98,7 +99,7 @@ def commit(
         storage.commit_marker(layout.COMMITTED, marker_bytes)
     except AlreadyExistsError:
         # A concurrent committer won the race: success only if it committed this very manifest.
-        winner = _existing_commit(storage, attempt)
+        winner = _existing_commit(storage, attempt, step, metadata)
         if winner is None:
             raise
         return winner
@@ -107,13 +108,17 @@ def commit(
     return decode_global_manifest(encoded, storage.describe(marker.manifest))
 
 
-def _existing_commit(storage: Storage, attempt: str | None) -> GlobalManifest | None:
+def _existing_commit(
+    storage: Storage, attempt: str | None, step: int | None, metadata: dict[str, Any] | None
+) -> GlobalManifest | None:
     marker = read_commit_marker(storage)
     if marker is None:
         return None
     if attempt is None or marker.attempt == attempt:
         # Committing what is already committed is a no-op (a retried commit after a lost reply).
-        return read_global_manifest(storage, marker)
+        committed = read_global_manifest(storage, marker)
+        _refuse_changes(storage.describe(layout.COMMITTED), committed, step, metadata)
+        return committed
     raise CommitConflictError(
         f"{storage.url} is already committed by attempt {marker.attempt} (step {marker.step}); "
         "a committed checkpoint never changes: save to a new URL"
@@ -216,7 +221,28 @@ def _agree(manifests: list[LocalManifest], field: str) -> Any:
     return values.pop()
 
 
-def _write_manifest(storage: Storage, manifest: GlobalManifest) -> bytes:
+def _refuse_changes(where: str, recorded: GlobalManifest, step: int | None, metadata: dict[str, Any] | None) -> None:
+    """CommitConflictError when a retried commit names another step or metadata than its attempt recorded.
+
+    Neither can change once written (nothing is overwritten), and COMMITTED must agree with the manifest.
+    """
+    if step is not None and step != recorded.step:
+        raise CommitConflictError(
+            f"{where}: attempt {recorded.attempt} already recorded step {recorded.step}; this commit asks for step "
+            f"{step}, which a committed or half-committed attempt cannot change: save again to a new URL"
+        )
+    if metadata is not None and dict(metadata) != recorded.metadata:
+        raise CommitConflictError(
+            f"{where}: attempt {recorded.attempt} already recorded metadata {recorded.metadata!r}; this commit asks "
+            f"for {dict(metadata)!r}, which a committed or half-committed attempt cannot change: save again to a "
+            "new URL"
+        )
+
+
+def _write_manifest(
+    storage: Storage, manifest: GlobalManifest, step: int | None, metadata: dict[str, Any] | None
+) -> tuple[GlobalManifest, bytes]:
+    """The global manifest written now, or the one an earlier commit of this attempt left (and its bytes)."""
     path = layout.global_manifest_path(manifest.attempt)
     encoded = encode_global_manifest(manifest)
     try:
@@ -229,8 +255,9 @@ def _write_manifest(storage: Storage, manifest: GlobalManifest) -> bytes:
         previous, existing = _existing_manifest(storage, path)
         if previous.files != manifest.files:
             raise CommitConflictError(f"{storage.describe(path)} exists and describes other files") from None
-        return existing
-    return encoded
+        _refuse_changes(storage.describe(path), previous, step, metadata)
+        return previous, existing
+    return manifest, encoded
 
 
 # A manifest that does not decode may be one a concurrent committer of the same attempt is still writing: look

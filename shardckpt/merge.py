@@ -143,6 +143,7 @@ def merge_objects(manifests: Sequence[LocalManifest]) -> tuple[ObjectEntry, ...]
                 shared[entry.name] = (manifest.rank, entry, packed)
             elif seen[2] != packed:
                 raise CoverageError(
-                    f"shared object {entry.name!r} differs between rank {seen[0]} and rank {manifest.rank}"
+                    f"shared object {entry.name!r} differs between rank {seen[0]} and rank {manifest.rank}: a shared "
+                    "value is saved once for all ranks; wrap one that differs between ranks in shardckpt.PerRank"
                 )
     return tuple(entry for _, entry, _ in shared.values()) + tuple(per_rank)

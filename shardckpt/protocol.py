@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from shardckpt.collectives import Group, all_gather_bytes, any_rank, broadcast_bytes, gather_bytes
 from shardckpt.coordinator import commit
-from shardckpt.errors import AlreadyExistsError, DistributedError, ShardckptError, ShardckptUsageError
+from shardckpt.errors import AlreadyExistsError, DistributedError, ShardckptUsageError
 from shardckpt.format import layout
 from shardckpt.format.manifest import (
     GlobalManifest,
@@ -24,7 +24,8 @@ from shardckpt.format.manifest import (
     decode_global_manifest,
     encode_global_manifest,
 )
-from shardckpt.integrations.leaves import PerRank, load_items, save_items
+from shardckpt.integrations.leaves import PerRank, destination_shapes, load_items, per_rank_value, save_items
+from shardckpt.integrations.replicas import Digest, replica_digest, replica_disagreements
 from shardckpt.planner.plan import DEFAULT_MAX_GAP
 from shardckpt.restorer import (
     Checkpoint,
@@ -35,7 +36,7 @@ from shardckpt.restorer import (
     read_opening,
     verify_global_manifest,
 )
-from shardckpt.state import flatten
+from shardckpt.state import Leaf, flatten
 from shardckpt.storage import Storage, open_storage
 from shardckpt.writer import ShardWriter
 
@@ -119,22 +120,47 @@ def save(
     group = resolve_group(process_group)
     if not 0 <= coordinator < group.size:
         raise ShardckptUsageError(f"coordinator {coordinator} is not a rank of the group of {group.size}")
-    storage = open_storage(url, storage_options)
-    leaves = flatten(state_dict)  # before any collective: a malformed state dict fails on its own rank only
+    solo = isinstance(group, _Solo)
+    # Whatever fails on one rank (its storage, its state dict, the coordinator's existence check) is carried
+    # through the protocol's own collectives, so every rank raises the same DistributedError, never waits.
+    local_error: BaseException | None = None
+    storage: Storage | None = None
+    leaves: list[Leaf] = []
+    digest: Digest = []
+    try:
+        storage = open_storage(url, storage_options)
+        leaves = flatten(state_dict)
+        digest = [] if solo else replica_digest(leaves)
+    except Exception as exc:
+        if solo:
+            raise
+        local_error = exc
     opening = None
     if group.rank == coordinator:
-        refused = storage.exists(layout.COMMITTED)
-        opening = _pack(
-            {"refused": f"{storage.url} already holds a committed checkpoint; save to a new URL"}
-            if refused
-            else {"attempt": layout.new_attempt()}
-        )
+        try:
+            if local_error is not None:
+                raise local_error
+            assert storage is not None
+            refused = storage.exists(layout.COMMITTED)
+            opening = _pack(
+                {"refused": f"{storage.url} already holds a committed checkpoint; save to a new URL"}
+                if refused
+                else {"attempt": layout.new_attempt()}
+            )
+        except Exception as exc:
+            if solo:
+                raise
+            opening = _pack({"failures": {coordinator: _describe(exc)}})
     message = _unpack(_broadcast(group, opening, coordinator))
+    if "failures" in message:
+        raise DistributedError("save", {int(r): cause for r, cause in message["failures"].items()}) from local_error
     if "refused" in message:
         raise AlreadyExistsError(message["refused"])
     attempt = message["attempt"]
-    local_error: BaseException | None = None
     try:
+        if local_error is not None:
+            raise local_error
+        assert storage is not None
         writer = ShardWriter(
             storage, rank=group.rank, world_size=group.size, attempt=attempt, block_size=block_size, step=step
         )
@@ -145,39 +171,56 @@ def save(
             writer.add_object(name, value, per_rank=per_rank)
         writer.close()
         assert writer.encoded_manifest is not None
-        payload = _pack({"manifest": writer.encoded_manifest})
+        payload = _pack({"manifest": writer.encoded_manifest, "replicas": digest})
     except Exception as exc:
-        if group.size == 1:
+        if solo:
             raise
         local_error = exc
         payload = _pack({"error": _describe(exc)})
     gathered = _gather(group, payload, coordinator)
     outcome = None
     if group.rank == coordinator:
-        assert gathered is not None
-        replies = [_unpack(reply) for reply in gathered]
-        failures = {rank: reply["error"] for rank, reply in enumerate(replies) if "error" in reply}
-        if failures:
-            outcome = _pack({"failures": failures})
-        else:
-            try:
-                manifest = commit(
-                    storage,
-                    world_size=group.size,
-                    attempt=attempt,
-                    step=step,
-                    metadata=metadata,
-                    local_manifests=[reply["manifest"] for reply in replies],
-                )
-                outcome = _pack({"manifest": encode_global_manifest(manifest)})
-            except Exception as exc:
-                if group.size == 1:
-                    raise
-                outcome = _pack({"failures": {coordinator: _describe(exc)}})
+        assert gathered is not None and storage is not None
+        try:
+            outcome = _pack(_commit_gathered(storage, gathered, coordinator, attempt, step, metadata))
+        except Exception as exc:
+            if solo:
+                raise
+            outcome = _pack({"failures": {coordinator: _describe(exc)}})
     result = _unpack(_broadcast(group, outcome, coordinator))
     if "failures" in result:
         raise DistributedError("save", {int(r): cause for r, cause in result["failures"].items()}) from local_error
-    return decode_global_manifest(result["manifest"], storage.describe(layout.global_manifest_path(attempt)))
+    where = storage.describe(layout.global_manifest_path(attempt)) if storage is not None else str(url)
+    return decode_global_manifest(result["manifest"], where)
+
+
+def _commit_gathered(
+    storage: Storage,
+    gathered: list[bytes],
+    coordinator: int,
+    attempt: str,
+    step: int | None,
+    metadata: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """(coordinator) The outcome of a save from every rank's reply: the ranks' failures, or the committed manifest.
+
+    Nothing is committed unless every rank wrote its part and all hold the same values saved once for all ranks.
+    """
+    replies = [_unpack(reply) for reply in gathered]
+    failures = {rank: reply["error"] for rank, reply in enumerate(replies) if "error" in reply}
+    if not failures:
+        failures = replica_disagreements([reply["replicas"] for reply in replies], coordinator)
+    if failures:
+        return {"failures": failures}
+    manifest = commit(
+        storage,
+        world_size=len(replies),
+        attempt=attempt,
+        step=step,
+        metadata=metadata,
+        local_manifests=[reply["manifest"] for reply in replies],
+    )
+    return {"manifest": encode_global_manifest(manifest)}
 
 
 def load(
@@ -194,36 +237,48 @@ def load(
     max_gap: int = DEFAULT_MAX_GAP,
 ) -> ReadStats:
     group = resolve_group(process_group)
-    storage = open_storage(url, storage_options)
     if isinstance(group, _Solo):
-        checkpoint = open_checkpoint(storage, max_in_flight=max_in_flight, max_gap=max_gap)
+        checkpoint = open_checkpoint(open_storage(url, storage_options), max_in_flight=max_in_flight, max_gap=max_gap)
         pending, assign = _prepare_fill(checkpoint, state_dict, group.rank, strict, optional)
         if verify_first:
             pending.fetch()
         stats = pending.apply()
         assign()
         return stats
+    if not 0 <= coordinator < group.size:
+        raise ShardckptUsageError(f"coordinator {coordinator} is not a rank of the group of {group.size}")
+    local_error: BaseException | None = None
+    storage: Storage | None = None
+    try:
+        storage = open_storage(url, storage_options)
+    except Exception as exc:
+        local_error = exc
     opening = None
     own: Opening | None = None
     if group.rank == coordinator:
-        try:
+        try:  # any failure here, typed or not, must reach the ranks waiting on the broadcast
+            if local_error is not None:
+                raise local_error
+            assert storage is not None
             own = read_opening(storage)
             opening = _pack({"marker": own.marker_raw, "manifest": own.manifest_raw})
-        except ShardckptError as exc:
+        except Exception as exc:
             opening = _pack({"error": _describe(exc)})
     message = _unpack(_broadcast(group, opening, coordinator))
     if "error" in message:
-        raise DistributedError("load", {coordinator: message["error"]})
-    if own is not None:  # the coordinator checked and decoded these very bytes already
-        marker, manifest = own.marker, own.manifest
-    else:  # read once by the coordinator; every rank checks the bytes against the marker before trusting them
-        marker = decode_commit_marker(message["marker"], storage.describe(layout.COMMITTED))
-        manifest = verify_global_manifest(message["manifest"], marker, storage.describe(marker.manifest))
-    checkpoint = Checkpoint(storage, marker, manifest, max_in_flight=max_in_flight, max_gap=max_gap)
-    local_error: BaseException | None = None
+        raise DistributedError("load", {coordinator: message["error"]}) from local_error
     stats = ReadStats(0, 0, 0, 0.0)
     prepared: tuple[PendingRead, Callable[[], None]] | None = None
     try:
+        if local_error is not None:
+            raise local_error
+        assert storage is not None
+        if own is not None:  # the coordinator checked and decoded these very bytes already
+            marker, manifest = own.marker, own.manifest
+        else:  # read once by the coordinator; every rank checks the bytes against the marker before trusting them
+            marker = decode_commit_marker(message["marker"], storage.describe(layout.COMMITTED))
+            manifest = verify_global_manifest(message["manifest"], marker, storage.describe(marker.manifest))
+        checkpoint = Checkpoint(storage, marker, manifest, max_in_flight=max_in_flight, max_gap=max_gap)
         prepared = pending, assign = _prepare_fill(checkpoint, state_dict, group.rank, strict, optional)
         if verify_first:
             pending.fetch()  # every rank verifies all its bytes; the destinations are written after the vote
@@ -271,19 +326,32 @@ def _prepare_fill(
             f"{checkpoint.url} lacks {len(missing)} entries of the state dict: {missing[:10]}"
             + (" ..." if len(missing) > 10 else "")
         )
+    for name, shape, kind in destination_shapes(leaves):
+        if name in stored and shape != tuple(stored[name].shape):
+            raise ShardckptUsageError(
+                f"tensor {name!r}: the state dict's {kind} has global shape {list(shape)}, the checkpoint holds "
+                f"shape {list(stored[name].shape)}; a load fills whole tensors (read a part with "
+                f"shardckpt.open({checkpoint.url!r}).read({name!r}, offsets=..., shape=...))"
+            )
     present = [item for item in items if item[0] in stored]
     for name, box, _ in present:
-        if not box.within(stored[name].shape):
+        if not box.within(stored[name].shape):  # a destination's own boxes lie outside its global shape
             raise ShardckptUsageError(
-                f"tensor {name!r}: the state dict wants {box} of a tensor of shape {list(stored[name].shape)}, "
-                f"the checkpoint holds shape {list(stored[name].shape)}"
+                f"tensor {name!r}: the state dict wants box {box}, outside the tensor's shape "
+                f"{list(stored[name].shape)} in the checkpoint"
             )
     pending = checkpoint.prepare(present)
+    where = checkpoint.url
+    mine = {
+        leaf.name: per_rank_value(own[leaf.name], f"{where}: per-rank object {leaf.name!r} of rank {rank}")
+        for leaf in leaves
+        if isinstance(leaf.value, PerRank) and leaf.name in own
+    }
 
     def assign() -> None:
         for leaf in leaves:
-            if isinstance(leaf.value, PerRank) and leaf.name in own:
-                leaf.value.value = own[leaf.name]
+            if isinstance(leaf.value, PerRank) and leaf.name in mine:
+                leaf.value.value = mine[leaf.name]
             elif leaf.is_plain and leaf.name in shared:
                 leaf.assign(shared[leaf.name])
 

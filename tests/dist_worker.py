@@ -221,6 +221,95 @@ def scenario_dcp_save(args: dict, rank: int, world: int) -> dict:
     return {"tensors": len(reference)}
 
 
+def _protocol_case(case: str, url: str, rank: int, world: int) -> dict:
+    """One case of scenario_protocol_faults; the injected fault (if any) is armed on one rank only."""
+    from unittest import mock
+
+    from shardckpt import protocol
+    from shardckpt.storage.local import LocalStorage
+
+    def fail(error: BaseException):
+        def raising(*args, **kwargs):
+            raise error
+
+        return raising
+
+    mesh = init_device_mesh("cpu", (world,))
+    state: dict = {"w": distribute_tensor(torch.arange(12.0).reshape(4, 3), mesh, [Shard(0)]), "epoch": 3}
+    patches: list = []
+    operation = "save"
+    if case == "exists_fault" and rank == 0:
+        patches.append(mock.patch.object(LocalStorage, "exists", fail(shardckpt.StorageError("injected: stat"))))
+    elif case == "open_fault" and rank == 1:
+        patches.append(mock.patch.object(protocol, "open_storage", fail(shardckpt.StorageError("injected: open"))))
+    elif case == "flatten_fault" and rank == 1:
+        state[("not", "a", "str")] = torch.ones(1)
+    elif case == "replicated_tensor":
+        state["rng"] = torch.tensor([rank, 7])
+    elif case == "partial_tensor" and rank == 1:
+        state["extra"] = torch.ones(2)
+    elif case == "replicated_value":
+        state["seed"] = 1000 + rank
+    elif case == "partial_value" and rank == 1:
+        state["note"] = "only here"
+    elif case == "replicated_ok":
+        state["rng"] = shardckpt.PerRank(torch.tensor([rank, 7]))
+        state["seed"] = shardckpt.PerRank(1000 + rank)
+        state["shared"] = torch.tensor([5, 7])
+    elif case.startswith("load_") or case == "dtensor_shape":
+        shardckpt.save(state, url)
+        operation = "load"
+        if case == "dtensor_shape":
+            state = {"w": distribute_tensor(torch.zeros(2, 2), mesh, [Shard(0)]), "epoch": 0}
+        else:
+            state = {"w": distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)]), "epoch": 0}
+        if case == "load_opening_fault" and rank == 0:
+            patches.append(mock.patch.object(protocol, "read_opening", fail(PermissionError(13, "injected: denied"))))
+        if case == "load_open_fault" and rank == 1:
+            patches.append(mock.patch.object(protocol, "open_storage", fail(shardckpt.StorageError("injected: open"))))
+    for patch in patches:
+        patch.start()
+    try:
+        if operation == "save":
+            shardckpt.save(state, url)
+        else:
+            shardckpt.load(state, url)
+    except shardckpt.DistributedError as exc:
+        return {"raised": "DistributedError", "failures": {str(k): v for k, v in exc.failures.items()}}
+    except Exception as exc:
+        return {"raised": type(exc).__name__, "message": str(exc)[:2000]}
+    finally:
+        for patch in patches:
+            patch.stop()
+    if case == "replicated_ok":
+        fresh = {
+            "w": distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)]),
+            "epoch": 0,
+            "rng": shardckpt.PerRank(None),
+            "seed": shardckpt.PerRank(None),
+            "shared": torch.zeros(2, dtype=torch.int64),
+        }
+        shardckpt.load(fresh, url)
+        return {
+            "raised": None,
+            "rng": fresh["rng"].value.tolist(),
+            "seed": fresh["seed"].value,
+            "shared": fresh["shared"].tolist(),
+        }
+    return {"raised": None}
+
+
+def scenario_protocol_faults(args: dict, rank: int, world: int) -> dict:
+    """Each case of args["cases"] in turn on one group; each rank's outcome is written as soon as it is known, so a
+    case that hangs (until the group timeout) still leaves the verdicts of the cases before it."""
+    outcomes = {}
+    for case in args["cases"]:
+        outcomes[case] = _protocol_case(case, os.path.join(args["root"], case), rank, world)
+        with open(os.path.join(args["root"], f"{case}.rank-{rank}.json"), "w") as handle:
+            json.dump(outcomes[case], handle)
+    return outcomes
+
+
 def main() -> None:
     scenario, args = sys.argv[1], json.loads(sys.argv[2])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

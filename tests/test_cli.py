@@ -115,3 +115,31 @@ def test_inspect_verify_ls_on_s3_with_storage_options(s3_server, s3_url, monkeyp
     assert cli_main(["ls", *flags, f"s3://no-such-bucket-{S3_BUCKET}/x"]) == 1
     missing = capsys.readouterr()
     assert "no-such-bucket" in missing.err and "Traceback" not in missing.err
+
+
+def _exit_code(argv: list[str]) -> object:
+    try:
+        return cli_main(argv)
+    except SystemExit as exc:  # argparse's usage errors
+        return exc.code
+
+
+STORAGE_OPTION_COMMANDS = [
+    ["inspect", "URL"],
+    ["verify", "URL"],
+    ["ls", "URL"],
+    ["gc", "URL"],
+    ["du", "URL"],
+    ["diff", "URL", "URL"],
+    ["export", "URL", "OUT"],
+    ["import-dcp", "URL", "URL"],
+    ["import-deepspeed", "URL", "URL"],
+]
+
+
+@pytest.mark.parametrize("bad", ["bad", "=value", "config_kwargs={not json"])
+@pytest.mark.parametrize("command", STORAGE_OPTION_COMMANDS, ids=lambda command: command[0])
+def test_a_malformed_storage_option_is_a_usage_error(tmp_path, capsys, command: list[str], bad: str) -> None:
+    argv = [str(tmp_path / "missing") if word in ("URL", "OUT") else word for word in command]
+    assert _exit_code([*argv, "--storage-option", bad]) == 2
+    assert "--storage-option" in capsys.readouterr().err

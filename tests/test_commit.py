@@ -8,9 +8,12 @@ import threading
 import pytest
 import torch
 from conftest import sample_state, save_sharded
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import shardckpt
 from shardckpt.format.layout import new_attempt
+from shardckpt.storage.local import LocalStorage
 
 
 def _files(path) -> dict[str, float]:
@@ -190,3 +193,47 @@ def test_writer_refuses_bad_pieces(tmp_path) -> None:
         writer.add("w", torch.ones(1, 2, dtype=torch.float16), global_shape=(3, 2), offsets=(1, 0))
     with pytest.raises(shardckpt.FormatError):
         writer.add_object("bad", object())
+
+
+_STEPS = st.sampled_from([None, 1, 2])
+_METADATA = st.sampled_from([None, {}, {"run": "a"}, {"run": "b"}])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(first_step=_STEPS, first_meta=_METADATA, completed=st.booleans(), step=_STEPS, meta=_METADATA)
+def test_a_retried_commit_commits_what_it_reports_or_raises(
+    tmp_path_factory, monkeypatch, first_step, first_meta, completed: bool, step, meta
+) -> None:
+    """A commit of one attempt, retried (after a failure just before COMMITTED, or after it succeeded): a step or
+    metadata the retry names must be the one the attempt recorded (else CommitConflictError, checkpoint as it
+    was); None keeps the recorded one. Whatever commit returns is what then opens."""
+    url = str(tmp_path_factory.mktemp("retry") / "ck")
+    attempt = new_attempt()
+    for rank in range(2):
+        writer = shardckpt.ShardWriter(url, rank=rank, world_size=2, attempt=attempt, step=1)
+        writer.add("w", torch.ones(1), global_shape=(2,), offsets=(rank,))
+        writer.close()
+    if completed:
+        shardckpt.commit(url, world_size=2, attempt=attempt, step=first_step, metadata=first_meta)
+    else:
+        with monkeypatch.context() as patch:  # the first commit dies after the global manifest, before COMMITTED
+
+            def fail(self, path, data):
+                raise shardckpt.StorageError("injected: the coordinator lost its connection")
+
+            patch.setattr(LocalStorage, "commit_marker", fail)
+            with pytest.raises(shardckpt.StorageError, match="injected"):
+                shardckpt.commit(url, world_size=2, attempt=attempt, step=first_step, metadata=first_meta)
+    marker = os.path.join(url, "COMMITTED")
+    before = open(marker, "rb").read() if completed else None
+    recorded = (1 if first_step is None else first_step, first_meta or {})
+    wanted = (recorded[0] if step is None else step, recorded[1] if meta is None else meta)
+    if wanted != recorded:
+        with pytest.raises(shardckpt.CommitConflictError, match="step" if wanted[0] != recorded[0] else "metadata"):
+            shardckpt.commit(url, world_size=2, attempt=attempt, step=step, metadata=meta)
+        assert (open(marker, "rb").read() if os.path.exists(marker) else None) == before
+        return
+    manifest = shardckpt.commit(url, world_size=2, attempt=attempt, step=step, metadata=meta)
+    assert (manifest.step, manifest.metadata) == wanted
+    opened = shardckpt.open(url).manifest
+    assert (opened.attempt, opened.step, opened.metadata, opened.created) == (attempt, *wanted, manifest.created)

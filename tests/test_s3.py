@@ -18,7 +18,14 @@ import torch
 from conftest import S3_BUCKET
 
 import shardckpt
-from shardckpt.errors import AlreadyExistsError, FormatError, NotFoundError, StorageError, TruncatedError
+from shardckpt.errors import (
+    AlreadyExistsError,
+    FormatError,
+    NotFoundError,
+    ShardckptUsageError,
+    StorageError,
+    TruncatedError,
+)
 from shardckpt.storage import FaultyRequests, RequestFault, RetryPolicy, open_storage
 from shardckpt.storage.s3 import PROBE_PREFIX, S3Storage, SingleCoordinatorCommitWarning, open_s3
 
@@ -81,7 +88,7 @@ def test_botocore_retries_are_ours_unless_the_caller_sets_them(s3_server) -> Non
     chosen = open_storage(f"s3://{S3_BUCKET}/p", {**options, "config_kwargs": {"retries": {"max_attempts": 3}}})
     assert chosen.fs.config_kwargs["retries"]["max_attempts"] == 3
     assert "total_max_attempts" not in chosen.fs.config_kwargs["retries"]
-    with pytest.raises(StorageError, match="part_size"):
+    with pytest.raises(ShardckptUsageError, match="part_size"):  # a usage error, not a storage failure
         open_storage(f"s3://{S3_BUCKET}/p", options, part_size=MIB)
 
 

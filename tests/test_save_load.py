@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import sample_state
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import shardckpt
+from shardckpt.integrations.flat import FlatPartition
 from shardckpt.torch_bytes import TORCH_TO_FORMAT
 
 
@@ -65,6 +70,74 @@ def test_load_refuses_wrong_shape_or_dtype(root_url: str) -> None:
         shardckpt.load({"a": torch.zeros(3, 2)}, f"{root_url}/shape")
     with pytest.raises(shardckpt.ShardckptUsageError, match="float64"):
         shardckpt.load({"a": torch.zeros(2, 3, dtype=torch.float64)}, f"{root_url}/shape")
+
+
+_SMALL_SHAPES = st.lists(st.integers(0, 4), min_size=0, max_size=3).map(tuple)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(stored=_SMALL_SHAPES, wanted=_SMALL_SHAPES, flat=st.booleans())
+def test_load_destination_must_have_the_stored_shape(tmp_path_factory, stored, wanted, flat: bool) -> None:
+    """A plain tensor or FlatPartition destination loads only when its global shape is the stored one (a 2x2 from a
+    4x3 is refused, not filled with a corner); the usage error names both shapes. Sub-boxes go through read()."""
+    url = str(tmp_path_factory.mktemp("shape") / "ck")
+    source = torch.arange(math.prod(stored), dtype=torch.float32).reshape(stored)
+    shardckpt.save({"t": source}, url)
+    numel = math.prod(wanted)
+    destination = torch.full((numel,), -1.0)
+    state = {"t": FlatPartition(destination, [("t", wanted)], 0) if flat else destination.view(wanted)}
+    if tuple(wanted) == tuple(stored):
+        shardckpt.load(state, url)
+        assert torch.equal(destination, source.reshape(-1))
+        return
+    with pytest.raises(shardckpt.ShardckptUsageError) as caught:
+        shardckpt.load(state, url)
+    assert f"{list(wanted)}" in str(caught.value) and f"{list(stored)}" in str(caught.value), str(caught.value)
+    assert torch.equal(destination, torch.full((numel,), -1.0))  # refused before a byte was written
+    assert torch.equal(shardckpt.open(url).read("t"), source)
+
+
+def test_load_refuses_a_smaller_destination_and_read_gives_the_sub_box(tmp_path) -> None:
+    url = str(tmp_path / "ck")
+    source = torch.arange(12.0).reshape(4, 3)
+    shardckpt.save({"w": source}, url)
+    with pytest.raises(shardckpt.ShardckptUsageError, match=r"'w'.*\[2, 2\].*\[4, 3\]"):
+        shardckpt.load({"w": torch.zeros(2, 2)}, url)
+    assert torch.equal(shardckpt.open(url).read("w", offsets=(1, 1), shape=(2, 2)), source[1:3, 1:3])
+
+
+def test_per_rank_values_hold_tensors(tmp_path) -> None:
+    """PerRank is the fix the replica check suggests for torch.get_rng_state(): tensors inside it round-trip."""
+    url = str(tmp_path / "ck")
+    rng = {
+        "cpu": torch.get_rng_state(),
+        "extra": [torch.arange(6, dtype=torch.int16).reshape(2, 3), 5],
+        "e": torch.ones(0),
+    }
+    shardckpt.save({"rng": shardckpt.PerRank(rng), "w": torch.ones(2)}, url)
+    fresh = shardckpt.PerRank(None)
+    shardckpt.load({"rng": fresh, "w": torch.zeros(2)}, url)
+    assert torch.equal(fresh.value["cpu"], rng["cpu"]) and fresh.value["cpu"].dtype == torch.uint8
+    assert torch.equal(fresh.value["extra"][0], rng["extra"][0]) and fresh.value["extra"][1] == 5
+    assert fresh.value["e"].shape == (0,)
+
+
+@pytest.mark.parametrize(
+    "stored",
+    [
+        {"__shardckpt_tensor__": ["F32", [2], b"\0" * 7]},  # 7 bytes for 2 floats
+        {"__shardckpt_tensor__": ["NOPE", [1], b"\0"]},
+        {"__shardckpt_tensor__": ["U8", [-1], b""]},
+        {"__shardckpt_tensor__": "U8"},
+    ],
+)
+def test_a_malformed_per_rank_tensor_is_a_format_error(tmp_path, stored) -> None:
+    url = str(tmp_path / "ck")
+    shardckpt.save({"rng": shardckpt.PerRank(stored)}, url)
+    fresh = shardckpt.PerRank("untouched")
+    with pytest.raises(shardckpt.FormatError, match="'rng'"):
+        shardckpt.load({"rng": fresh}, url)
+    assert fresh.value == "untouched"
 
 
 def test_save_never_overwrites_a_committed_checkpoint(root_url: str) -> None:

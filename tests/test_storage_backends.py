@@ -16,6 +16,7 @@ import shardckpt
 import shardckpt.writer
 from shardckpt.errors import AlreadyExistsError, NotFoundError, TruncatedError
 from shardckpt.storage import FsspecStorage, LocalStorage, Storage, local, open_storage
+from shardckpt.storage.base import SingleCoordinatorCommitWarning
 from shardckpt.storage.s3 import S3Storage
 
 
@@ -109,6 +110,25 @@ class TestLocalBackend(BackendContract):
             storage.commit_marker("COMMITTED", b"y")
         assert os.listdir(storage.url) == ["COMMITTED"]
 
+    def test_every_new_directory_entry_is_fsynced_before_committed(self, tmp_path, monkeypatch) -> None:
+        """A save into run/a/b/ck, none of which exists: the directory holding each new entry (tmp_path for run,
+        run for a, a for b, b for ck, ck for data/ and ranks/) is fsynced before COMMITTED is linked."""
+        events: list[tuple[str, str]] = []
+        real_fsync_dir, real_link = local._fsync_dir, os.link
+        monkeypatch.setattr(local, "_fsync_dir", lambda path: (events.append(("fsync", path)), real_fsync_dir(path)))
+
+        def link(source: str, target: str) -> None:
+            events.append(("link", target))
+            real_link(source, target)
+
+        monkeypatch.setattr(local.os, "link", link)
+        url = tmp_path / "run" / "a" / "b" / "ck"
+        shardckpt.save({"w": torch.ones(3)}, str(url))
+        committed = events.index(("link", str(url / "COMMITTED")))
+        synced = {path for kind, path in events[:committed] if kind == "fsync"}
+        for created in (tmp_path / "run", url.parent.parent, url.parent, url, url / "data", url / "ranks"):
+            assert str(created.parent) in synced, f"the entry of {created} was never fsynced"
+
     def test_a_reader_keeps_one_descriptor_per_file_and_closes_them(self, tmp_path) -> None:
         storage = self.make(tmp_path)
         storage.write_new("a.bin", b"0123456789")
@@ -163,6 +183,24 @@ class TestMemoryBackend(BackendContract):
     def raw_read(self, storage: Storage, path: str) -> bytes:
         assert isinstance(storage, FsspecStorage)
         return bytes(storage.fs.cat_file(storage.full(path)))
+
+    def test_commit_marker_is_create_once(self, tmp_path) -> None:
+        with pytest.warns(SingleCoordinatorCommitWarning):
+            super().test_commit_marker_is_create_once(tmp_path)
+
+    def test_a_store_without_atomic_create_says_so_and_warns_at_commit(self, tmp_path) -> None:
+        """memory:// checks for the name, then creates it: two committers can both pass the check. It is marked
+        non-atomic, each commit warns (as S3 without conditional writes does), and a save still commits."""
+        url = f"memory://contract-{uuid.uuid4().hex}"
+        storage = open_storage(url)
+        assert not storage.atomic_create and not storage.child("ck").atomic_create
+        with pytest.warns(SingleCoordinatorCommitWarning, match="single-coordinator"):
+            shardckpt.save({"w": torch.ones(3)}, f"{url}/ck")
+        assert torch.equal(shardckpt.open(f"{url}/ck").read("w"), torch.ones(3))
+        with pytest.warns(SingleCoordinatorCommitWarning), pytest.raises(AlreadyExistsError):
+            storage.commit_marker("ck/COMMITTED", b"second")
+        declared = FsspecStorage(fsspec.filesystem("memory"), f"/declared-{uuid.uuid4().hex}", atomic_create=True)
+        assert declared.atomic_create and declared.child("x").atomic_create
 
 
 class TestS3Backend(BackendContract):

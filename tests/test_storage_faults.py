@@ -9,6 +9,9 @@ faults returns the exact bytes or raises.
 
 from __future__ import annotations
 
+import errno
+import os
+import pathlib
 import threading
 import uuid
 from typing import Any
@@ -182,3 +185,87 @@ def test_a_torn_write_is_never_reported_as_a_successful_save(tmp_path, path: str
         shardckpt.save({"w": torch.arange(5000.0)}, storage)
     with pytest.raises(shardckpt.ShardckptError):
         shardckpt.open(str(tmp_path / "ck"))
+
+
+class _FailingOs:
+    """The os module as local.py sees it, with one function raising OSError(errno) (the rest are the real ones)."""
+
+    def __init__(self, name: str, code: int) -> None:
+        self._name, self._code = name, code
+
+    def __getattr__(self, attribute: str) -> Any:
+        if attribute == self._name:
+
+            def fail(*args: Any, **kwargs: Any) -> Any:
+                raise OSError(self._code, f"injected {os.strerror(self._code)}")
+
+            return fail
+        return getattr(os, attribute)
+
+
+def _local_operations() -> dict[str, Any]:
+    def write_at(storage: Storage) -> None:
+        with storage.open_new("data/new.bin") as handle:
+            handle.write_at(b"abc", 0)
+
+    def read_with_reader(storage: Storage) -> None:
+        with storage.reader() as reader:
+            reader.prefetch("data/a.bin", 0, 3)
+            reader.read_into("data/a.bin", 0, memoryview(bytearray(3)))
+
+    return {
+        "write_new": lambda s: s.write_new("data/new.bin", b"abc"),
+        "write_new_deep": lambda s: s.write_new("new/deeper/b.bin", b"abc"),
+        "write_at": write_at,
+        "commit_marker": lambda s: s.commit_marker("COMMITTED", b"marker"),
+        "read_range": lambda s: s.read_range("data/a.bin", 0, 3),
+        "read_range_into": lambda s: s.read_range_into("data/a.bin", 0, memoryview(bytearray(3))),
+        "read_ranges_into": lambda s: s.read_ranges_into(
+            [("data/a.bin", 0), ("data/a.bin", 1)], [memoryview(bytearray(1)), memoryview(bytearray(1))]
+        ),
+        "reader": read_with_reader,
+        "resident": lambda s: s.resident([("data/a.bin", 0)]),
+        "size": lambda s: s.size("data/a.bin"),
+        "modified": lambda s: s.modified("data/a.bin"),
+        "exists": lambda s: s.exists("data/a.bin"),
+        "list": lambda s: s.list("data"),
+        "delete": lambda s: s.delete("data/a.bin"),
+        "delete_dir": lambda s: s.delete("data"),
+    }
+
+
+OS_FUNCTIONS = ["open", "write", "pwrite", "fsync", "close", "link", "unlink", "makedirs", "listdir", "stat"]
+OS_FUNCTIONS += ["pread", "preadv", "rmdir", "posix_fadvise"]
+
+
+@pytest.mark.parametrize("code", [errno.EIO, errno.EACCES])
+@pytest.mark.parametrize("function", OS_FUNCTIONS)
+def test_every_os_error_of_local_disk_is_a_storage_error(tmp_path, monkeypatch, function: str, code: int) -> None:
+    """Whichever os call fails, every LocalStorage operation succeeds or raises a StorageError naming its file
+    (never a raw OSError), and a failed commit leaves no COMMITTED.tmp-* behind."""
+    from shardckpt.storage import local
+
+    for name, operation in _local_operations().items():
+        storage = LocalStorage(str(tmp_path / function / str(code) / name / "ck"))
+        storage.write_new("data/a.bin", b"0123456789")
+        with monkeypatch.context() as patch:
+            patch.setattr(local, "os", _FailingOs(function, code))
+            try:
+                operation(storage)
+            except shardckpt.StorageError as exc:
+                assert storage.url in str(exc), (name, str(exc))
+            except OSError as exc:
+                pytest.fail(f"{name}: raw {type(exc).__name__} escaped when os.{function} failed: {exc}")
+        if function != "unlink":  # the one call that removes a temp name cannot also be asked to remove it
+            leftovers = [p for p in pathlib.Path(storage.url).rglob("*") if ".tmp-" in p.name]
+            assert leftovers == [], (name, leftovers)
+
+
+def test_a_local_root_that_is_a_file_is_a_storage_error_not_already_exists(tmp_path) -> None:
+    """A file where the checkpoint directory should be: nothing 'already exists' there, the path is unusable."""
+    (tmp_path / "ck").write_bytes(b"not a directory")
+    storage = LocalStorage(str(tmp_path / "ck"))
+    for create in (lambda: storage.commit_marker("COMMITTED", b"m"), lambda: storage.write_new("data/a", b"x")):
+        with pytest.raises(shardckpt.StorageError, match="ck") as caught:
+            create()
+        assert not isinstance(caught.value, shardckpt.AlreadyExistsError)

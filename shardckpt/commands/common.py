@@ -15,6 +15,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
+from shardckpt.errors import ShardckptUsageError
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -60,14 +62,37 @@ def parse_regex(text: str) -> str:
     return text
 
 
+def _option_pair(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ValueError(f"--storage-option expects KEY=VALUE, got {text!r}")
+    if value[:1] in "{[" or value in ("true", "false"):
+        try:
+            return key, json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--storage-option {key}: {value!r} is not valid JSON ({exc})") from None
+    return key, value
+
+
+def parse_storage_option(text: str) -> str:
+    """A KEY=VALUE storage option (JSON values for objects, lists and booleans), checked while parsing the command
+    line (argparse `type=`, so a malformed one exits 2 with the usage); the text is kept as written."""
+    try:
+        _option_pair(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def storage_options(pairs: Sequence[str]) -> dict[str, Any]:
     """--storage-option KEY=VALUE pairs as fsspec storage options (JSON values for objects and booleans)."""
     options: dict[str, Any] = {}
     for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"shardckpt: error: --storage-option expects KEY=VALUE, got {pair!r}")
-        options[key] = json.loads(value) if value[:1] in "{[" or value in ("true", "false") else value
+        try:
+            key, value = _option_pair(pair)
+        except ValueError as exc:
+            raise ShardckptUsageError(str(exc)) from None
+        options[key] = value
     return options
 
 
@@ -104,6 +129,7 @@ def new_command(subparsers: Any, name: str, help_text: str, description: str, ep
         "--storage-option",
         action="append",
         default=[],
+        type=parse_storage_option,
         metavar="KEY=VALUE",
         help="fsspec storage option, e.g. endpoint_url=http://127.0.0.1:8333 (repeatable)",
     )

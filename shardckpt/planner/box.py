@@ -9,6 +9,8 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from shardckpt.errors import ShardckptUsageError
+
 
 @dataclass(frozen=True)
 class Box:
@@ -19,9 +21,9 @@ class Box:
 
     def __post_init__(self) -> None:
         if len(self.offsets) != len(self.shape):
-            raise ValueError(f"box offsets {self.offsets} and shape {self.shape} differ in rank")
+            raise ShardckptUsageError(f"box offsets {self.offsets} and shape {self.shape} differ in rank")
         if any(o < 0 for o in self.offsets) or any(s < 0 for s in self.shape):
-            raise ValueError(f"box offsets {self.offsets} and shape {self.shape} must be non-negative")
+            raise ShardckptUsageError(f"box offsets {self.offsets} and shape {self.shape} must be non-negative")
 
     @property
     def ndim(self) -> int:

@@ -3,7 +3,7 @@
 `open_storage(url)` picks the backend: local disk (os calls, fsync), S3 (storage.s3), or any fsspec filesystem.
 """
 
-from shardckpt.storage.base import NewFile, RangeReader, Storage
+from shardckpt.storage.base import NewFile, RangeReader, SingleCoordinatorCommitWarning, Storage
 from shardckpt.storage.faults import Fault, FaultyRequests, FaultyStorage, RequestFault
 from shardckpt.storage.fsspec_backend import FsspecStorage
 from shardckpt.storage.local import LocalStorage
@@ -20,6 +20,7 @@ __all__ = [
     "RangeReader",
     "RequestFault",
     "RetryPolicy",
+    "SingleCoordinatorCommitWarning",
     "Storage",
     "open_storage",
 ]

@@ -14,6 +14,10 @@ from typing import Any
 from shardckpt.errors import FormatError, NotFoundError, StorageError, TruncatedError
 
 
+class SingleCoordinatorCommitWarning(UserWarning):
+    """The store has no atomic create-if-absent, so a commit is only safe with a single coordinator."""
+
+
 class NewFile(abc.ABC):
     """A file being created; visible under its name only as a whole after `close()` (or partially on crash)."""
 

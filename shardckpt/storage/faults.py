@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from shardckpt.errors import StorageError
+from shardckpt.errors import ShardckptUsageError, StorageError
 from shardckpt.storage.base import NewFile, Storage
 
 OPERATIONS = (
@@ -52,7 +52,7 @@ class Fault:
 
     def __post_init__(self) -> None:
         if self.op not in OPERATIONS or self.kind not in KINDS:
-            raise ValueError(f"unknown fault {self.op!r}/{self.kind!r}; ops {OPERATIONS}, kinds {KINDS}")
+            raise ShardckptUsageError(f"unknown fault {self.op!r}/{self.kind!r}; ops {OPERATIONS}, kinds {KINDS}")
 
 
 class InjectedFault(StorageError):
@@ -233,7 +233,7 @@ class RequestFault:
 
     def __post_init__(self) -> None:
         if self.kind not in REQUEST_KINDS:
-            raise ValueError(f"unknown request fault {self.kind!r}; kinds {REQUEST_KINDS}")
+            raise ShardckptUsageError(f"unknown request fault {self.kind!r}; kinds {REQUEST_KINDS}")
 
     def matches(self, operation: str, key: str) -> bool:
         if not (fnmatch.fnmatch(operation, self.operation) and fnmatch.fnmatch(key, self.key)):

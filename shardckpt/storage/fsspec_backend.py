@@ -1,15 +1,17 @@
-"""Backend over any fsspec filesystem (memory, s3, gcs, ...), using its create-only open mode 'xb'.
+"""Backend over any fsspec filesystem (memory, gcs, ...), using its create-only open mode 'xb'.
 
-Object stores implement 'xb' as a conditional create (If-None-Match: *), which is their atomic commit.
+Most filesystems implement 'xb' as check-then-create (not atomic), so COMMITTED goes through the single-
+coordinator protocol with a warning, unless the caller declares the filesystem's create-if-absent atomic.
 """
 
 from __future__ import annotations
 
 import posixpath
+import warnings
 from typing import Any
 
-from shardckpt.errors import AlreadyExistsError, NotFoundError, StorageError
-from shardckpt.storage.base import NewFile, Storage, check_length, modified_time
+from shardckpt.errors import AlreadyExistsError, NotFoundError, StorageError, TruncatedError
+from shardckpt.storage.base import NewFile, SingleCoordinatorCommitWarning, Storage, check_length, modified_time
 
 
 class _FsspecNewFile(NewFile):
@@ -48,23 +50,53 @@ class _FsspecNewFile(NewFile):
 
 
 class FsspecStorage(Storage):
-    def __init__(self, fs: Any, root: str, url: str | None = None) -> None:
+    """Objects of an fsspec filesystem under `root`.
+
+    atomic_create: True only when the filesystem's 'xb' is an atomic create-if-absent (memory's is not: it
+    checks, then creates); otherwise each commit warns and is safe only with a single coordinator.
+    """
+
+    def __init__(self, fs: Any, root: str, url: str | None = None, *, atomic_create: bool = False) -> None:
         self.fs = fs
         self.root = root.rstrip("/")
         protocol = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else fs.protocol
         self.url = url or f"{protocol}://{self.root.lstrip('/')}"
+        self.atomic_create = atomic_create
 
     def full(self, path: str) -> str:
         return posixpath.join(self.root, path) if path else self.root
 
     def child(self, name: str) -> FsspecStorage:
-        return FsspecStorage(self.fs, self.full(name), f"{self.url.rstrip('/')}/{name}")
+        return FsspecStorage(
+            self.fs, self.full(name), f"{self.url.rstrip('/')}/{name}", atomic_create=self.atomic_create
+        )
 
     def open_new(self, path: str) -> NewFile:
         return _FsspecNewFile(self, path)
 
     def commit_marker(self, path: str, data: bytes) -> None:
+        if self.atomic_create:
+            self.write_new(path, data)
+            return
+        warnings.warn(
+            f"{self.url}: this filesystem has no atomic create-if-absent, so {path} is created by the "
+            "single-coordinator protocol (check absent, create, read back): safe only if no other process commits "
+            "this checkpoint at the same time",
+            SingleCoordinatorCommitWarning,
+            stacklevel=2,
+        )
+        if self.exists(path):
+            raise AlreadyExistsError(f"{self.describe(path)} already exists; nothing is ever overwritten")
         self.write_new(path, data)
+        try:
+            held = self.read_range(path, 0, len(data)) == data and self.size(path) == len(data)
+        except TruncatedError:  # shorter than ours: another coordinator's marker replaced it
+            held = False
+        if not held:
+            raise AlreadyExistsError(
+                f"{self.describe(path)} was written by another coordinator at the same time (this filesystem has "
+                "no atomic create; only one coordinator may commit a checkpoint)"
+            )
 
     def read_range(self, path: str, start: int, end: int) -> bytes:
         try:

@@ -12,10 +12,10 @@ import errno
 import os
 import secrets
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from shardckpt.errors import AlreadyExistsError, NotFoundError, StorageError, TruncatedError
+from shardckpt.errors import AlreadyExistsError, NotFoundError, ShardckptError, StorageError, TruncatedError
 from shardckpt.storage.base import NewFile, RangeReader, Storage, check_length
 
 WRITE_BEHIND_MIN = 1 << 20  # smaller writes are left to the kernel's own writeback
@@ -47,6 +47,22 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
         _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
+@contextlib.contextmanager
+def _os_errors(verb: str, where: str) -> Iterator[None]:
+    """The one place an OS error on local disk becomes shardckpt's: a missing file (or a file where a directory
+    should be) NotFoundError, an existing one AlreadyExistsError, anything else StorageError; each names `where`."""
+    try:
+        yield
+    except ShardckptError:
+        raise
+    except (FileNotFoundError, NotADirectoryError):
+        raise NotFoundError(f"{where} does not exist") from None
+    except FileExistsError:
+        raise AlreadyExistsError(f"{where} already exists; nothing is ever overwritten") from None
+    except OSError as exc:
+        raise StorageError(f"cannot {verb} {where}: {exc}") from exc
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
@@ -55,31 +71,52 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _make_dirs(path: str, where: str) -> None:
+    """os.makedirs, then fsync the parent of every directory it created, so their entries survive a crash.
+
+    (A file fsync makes its own directory's entry durable, not the entries of the directories above it.)
+    A file in the way is a StorageError: nothing of ours "already exists" there.
+    """
+    missing: list[str] = []
+    head = path
+    while not os.path.isdir(head) and os.path.dirname(head) != head:
+        missing.append(head)
+        head = os.path.dirname(head)
+    if not missing:
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+        for created in reversed(missing):
+            _fsync_dir(os.path.dirname(created))
+    except OSError as exc:
+        raise StorageError(f"cannot create the directory of {where}: {exc}") from exc
+
+
+def _close_read(fd: int) -> None:
+    # Closing a descriptor that was only read from cannot lose data: its error is no reason to fail the read.
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
 class _LocalNewFile(NewFile):
     def __init__(self, storage: LocalStorage, path: str) -> None:
         self._storage, self._path = storage, path
+        self._where = storage.describe(path)
         full = storage.full(path)
-        parent = os.path.dirname(full)
-        try:
-            os.makedirs(parent, exist_ok=True)
+        self._parent = os.path.dirname(full)
+        _make_dirs(self._parent, self._where)
+        with _os_errors("create", self._where):
             self._fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-        except FileExistsError:
-            raise AlreadyExistsError(f"{storage.describe(path)} already exists; nothing is ever overwritten") from None
-        except OSError as exc:
-            raise StorageError(f"cannot create {storage.describe(path)}: {exc}") from exc
-        self._parent = parent
         self._position = 0
 
     def write(self, data: bytes | memoryview) -> None:
         view = memoryview(data).cast("B")
         began = self._position
-        try:
+        with _os_errors("write", self._where):
             while view:
                 written = os.write(self._fd, view)
                 view = view[written:]
                 self._position += written
-        except OSError as exc:
-            raise StorageError(f"cannot write {self._storage.describe(self._path)}: {exc}") from exc
         _start_writeback(self._fd, began, self._position - began)
 
     supports_write_at = True
@@ -88,25 +125,23 @@ class _LocalNewFile(NewFile):
         """Write at a byte offset (pwrite): several threads can fill one new file at once."""
         view = memoryview(data).cast("B")
         began = offset
-        try:
+        with _os_errors("write", self._where):
             while view:
                 written = os.pwrite(self._fd, view, offset)
                 view, offset = view[written:], offset + written
-        except OSError as exc:
-            raise StorageError(f"cannot write {self._storage.describe(self._path)}: {exc}") from exc
         _start_writeback(self._fd, began, offset - began)
 
     def close(self) -> None:
-        try:
-            os.fsync(self._fd)
-        except OSError as exc:
-            raise StorageError(f"cannot fsync {self._storage.describe(self._path)}: {exc}") from exc
-        finally:
-            os.close(self._fd)
-        _fsync_dir(self._parent)
+        with _os_errors("fsync", self._where):
+            try:
+                os.fsync(self._fd)
+            finally:
+                os.close(self._fd)
+            _fsync_dir(self._parent)
 
     def abort(self) -> None:
-        os.close(self._fd)
+        with contextlib.suppress(OSError):  # the write failed already; that error is the one to report
+            os.close(self._fd)
 
 
 class _LocalReader(RangeReader):
@@ -141,7 +176,7 @@ class _LocalReader(RangeReader):
         with self._lock:
             fds, self._fds = list(self._fds.values()), {}
         for fd in fds:
-            os.close(fd)
+            _close_read(fd)
 
 
 class LocalStorage(Storage):
@@ -162,32 +197,34 @@ class LocalStorage(Storage):
         return _LocalNewFile(self, path)
 
     def commit_marker(self, path: str, data: bytes) -> None:
+        where = self.describe(path)
         final = self.full(path)
+        directory = os.path.dirname(final)
         temp = f"{final}.tmp-{secrets.token_hex(6)}"
-        os.makedirs(os.path.dirname(final), exist_ok=True)
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        try:
-            os.link(temp, final)
-        except FileExistsError:
-            raise AlreadyExistsError(f"{self.describe(path)} already exists") from None
-        except OSError as exc:
-            raise StorageError(f"cannot commit {self.describe(path)}: {exc}") from exc
-        finally:
-            os.unlink(temp)
-        _fsync_dir(os.path.dirname(final))
+        _make_dirs(directory, where)
+        with _os_errors("commit", where):
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+            try:
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                # The checkpoint's own entry in the directory above it, durable before the checkpoint exists.
+                _fsync_dir(os.path.dirname(directory))
+                os.link(temp, final)  # EEXIST when COMMITTED exists: AlreadyExistsError
+            finally:
+                # A temp name that cannot be removed is garbage outside the layout, never a reason to fail a commit
+                # that link() already made (or to hide why link() failed).
+                with contextlib.suppress(OSError):
+                    os.unlink(temp)
+            _fsync_dir(directory)
 
     def _open_read(self, path: str) -> int:
-        try:
+        with _os_errors("open", self.describe(path)):  # a file where a directory should be: nothing there
             return os.open(self.full(path), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except (FileNotFoundError, NotADirectoryError):  # a file where a directory should be: nothing there
-            raise NotFoundError(f"{self.describe(path)} does not exist") from None
-        except OSError as exc:
-            raise StorageError(f"cannot open {self.describe(path)}: {exc}") from exc
 
     def read_range_into(self, path: str, start: int, out: memoryview) -> None:
         """preadv straight into `out` (no bytes object, no second copy), looping on short reads until EOF."""
@@ -195,20 +232,18 @@ class LocalStorage(Storage):
         try:
             self.pread_into(fd, path, start, out)
         finally:
-            os.close(fd)
+            _close_read(fd)
 
     def pread_into(self, fd: int, path: str, start: int, out: memoryview) -> None:
         """Exactly len(out) bytes of open file `fd` (which is `path`) from `start` into `out`."""
         view = memoryview(out).cast("B")
         done = 0
-        try:
+        with _os_errors("read", self.describe(path)):
             while done < view.nbytes:
                 count = os.preadv(fd, [view[done:]], start + done)
                 if count == 0:
                     break
                 done += count
-        except OSError as exc:
-            raise StorageError(f"cannot read {self.describe(path)}: {exc}") from exc
         if done != view.nbytes:
             raise TruncatedError(
                 f"short read of {self.describe(path)}: asked for bytes {start}:{start + view.nbytes}, got {done} "
@@ -240,7 +275,7 @@ class LocalStorage(Storage):
             return None
         finally:
             for fd in fds.values():
-                os.close(fd)
+                _close_read(fd)
         return True
 
     def read_ranges_into(self, requests: Sequence[tuple[str, int]], outs: Sequence[memoryview]) -> None:
@@ -257,55 +292,52 @@ class LocalStorage(Storage):
         fd = self._open_read(path)
         try:
             chunks, position = [], start
-            while position < end:
-                chunk = os.pread(fd, end - position, position)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                position += len(chunk)
-        except OSError as exc:
-            raise StorageError(f"cannot read {self.describe(path)}: {exc}") from exc
+            with _os_errors("read", self.describe(path)):
+                while position < end:
+                    chunk = os.pread(fd, end - position, position)
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    position += len(chunk)
         finally:
-            os.close(fd)
+            _close_read(fd)
         return check_length(self, path, start, end, chunks[0] if len(chunks) == 1 else b"".join(chunks))
 
     def size(self, path: str) -> int:
-        try:
+        with _os_errors("stat", self.describe(path)):
             return os.stat(self.full(path)).st_size
-        except (FileNotFoundError, NotADirectoryError):
-            raise NotFoundError(f"{self.describe(path)} does not exist") from None
-        except OSError as exc:
-            raise StorageError(f"cannot stat {self.describe(path)}: {exc}") from exc
 
     def exists(self, path: str) -> bool:
-        return os.path.exists(self.full(path))
+        try:
+            with _os_errors("stat", self.describe(path)):  # os.path.exists would say False for any error
+                os.stat(self.full(path))
+        except NotFoundError:
+            return False
+        return True
 
     def modified(self, path: str) -> float | None:
-        try:
+        with _os_errors("stat", self.describe(path)):
             return os.stat(self.full(path)).st_mtime
-        except (FileNotFoundError, NotADirectoryError):
-            raise NotFoundError(f"{self.describe(path)} does not exist") from None
-        except OSError as exc:
-            raise StorageError(f"cannot stat {self.describe(path)}: {exc}") from exc
 
     def list(self, prefix: str = "") -> list[str]:
         try:
-            return sorted(os.listdir(self.full(prefix)))
-        except FileNotFoundError:
-            return []
-        except NotADirectoryError:
+            with _os_errors("list", self.describe(prefix)):
+                return sorted(os.listdir(self.full(prefix)))
+        except NotFoundError:
             return []
 
     def delete(self, path: str) -> None:
         full = self.full(path)
         try:
-            if os.path.isdir(full):
-                os.rmdir(full)
-            else:
-                os.unlink(full)
-        except FileNotFoundError:
+            with _os_errors("delete", self.describe(path)):
+                try:
+                    if os.path.isdir(full):
+                        os.rmdir(full)
+                    else:
+                        os.unlink(full)
+                except OSError as exc:
+                    if exc.errno == errno.ENOTEMPTY:
+                        raise StorageError(f"cannot delete {self.describe(path)}: directory not empty") from exc
+                    raise
+        except NotFoundError:
             return
-        except OSError as exc:
-            if exc.errno == errno.ENOTEMPTY:
-                raise StorageError(f"cannot delete {self.describe(path)}: directory not empty") from exc
-            raise StorageError(f"cannot delete {self.describe(path)}: {exc}") from exc

@@ -11,7 +11,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from shardckpt.errors import StorageError
+from shardckpt.errors import ShardckptError, StorageError
 from shardckpt.storage.base import Storage
 from shardckpt.storage.local import LocalStorage
 from shardckpt.storage.retry import RetryPolicy
@@ -43,6 +43,8 @@ def open_storage(
         tuning = {"max_in_flight": max_in_flight, "part_size": part_size, "retry": retry}
         try:
             return open_s3(url, storage_options, **{k: v for k, v in tuning.items() if v is not None})
+        except ShardckptError:
+            raise  # a usage error (part size, limits) stays one
         except ValueError as exc:
             raise StorageError(f"cannot open {url}: {exc}") from exc
     try:

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from shardckpt.errors import StorageError
+from shardckpt.errors import ShardckptUsageError, StorageError
 
 T = TypeVar("T")
 
@@ -32,7 +32,7 @@ class RetryPolicy:
 
     def __post_init__(self) -> None:
         if self.attempts < 1 or self.base_delay < 0 or self.max_delay < 0 or self.deadline <= 0:
-            raise ValueError(f"invalid retry policy {self}")
+            raise ShardckptUsageError(f"invalid retry policy {self}: attempts >= 1, delays >= 0, deadline > 0")
 
     def delay(self, tries: int) -> float:
         """Seconds to wait after `tries` failed tries."""

@@ -21,8 +21,15 @@ import botocore.exceptions
 import fsspec
 import fsspec.asyn
 
-from shardckpt.errors import AlreadyExistsError, FormatError, NotFoundError, StorageError, TruncatedError
-from shardckpt.storage.base import NewFile, Storage, check_length, modified_time
+from shardckpt.errors import (
+    AlreadyExistsError,
+    FormatError,
+    NotFoundError,
+    ShardckptUsageError,
+    StorageError,
+    TruncatedError,
+)
+from shardckpt.storage.base import NewFile, SingleCoordinatorCommitWarning, Storage, check_length, modified_time
 from shardckpt.storage.retry import RetryPolicy, retrying
 from shardckpt.storage.s3_upload import MAX_PART_SIZE, S3NewFile, as_body
 
@@ -59,10 +66,6 @@ _TRANSIENT_TYPES: tuple[type[BaseException], ...] = (
     ConnectionError,
     TimeoutError,  # also asyncio.TimeoutError
 )
-
-
-class SingleCoordinatorCommitWarning(UserWarning):
-    """The store ignores conditional writes, so a commit is only safe with a single coordinator."""
 
 
 def error_status(exc: BaseException) -> tuple[int | None, str]:
@@ -140,9 +143,11 @@ class S3Storage(Storage):
         requests: S3Requests | None = None,
     ) -> None:
         if not MIN_PART_SIZE <= part_size <= MAX_PART_SIZE:
-            raise ValueError(f"part_size must be between {MIN_PART_SIZE} and {MAX_PART_SIZE} bytes, got {part_size}")
+            raise ShardckptUsageError(
+                f"part_size must be between {MIN_PART_SIZE} and {MAX_PART_SIZE} bytes, got {part_size}"
+            )
         if max_in_flight < 1 or max_requests < 1 or read_part_size < 1:
-            raise ValueError("max_in_flight, max_requests and read_part_size must be positive")
+            raise ShardckptUsageError("max_in_flight, max_requests and read_part_size must be positive")
         self.fs = fs
         self.root = root.strip("/")
         self.bucket, _, self.prefix = self.root.partition("/")

@@ -6,6 +6,7 @@ maybe_save(step, state) saves every `every_steps` (and once more when a preempti
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -21,7 +22,7 @@ from shardckpt import protocol
 from shardckpt.api import latest
 from shardckpt.catalog import read_commit_marker
 from shardckpt.collectives import Group, broadcast_bytes
-from shardckpt.errors import ShardckptUsageError
+from shardckpt.errors import DistributedError, ShardckptError, ShardckptUsageError
 from shardckpt.format.limits import DEFAULT_BLOCK_SIZE
 from shardckpt.format.manifest import GlobalManifest
 from shardckpt.restorer import DEFAULT_MAX_IN_FLIGHT
@@ -122,9 +123,22 @@ class Checkpointer:
 
     def latest_url(self) -> str | None:
         """URL of the newest committed checkpoint under root (shardckpt.latest on the coordinator, shared)."""
-        url = latest(self.root, storage_options=self.storage_options) if self.group.rank == 0 else None
-        if isinstance(self.group, Group):
-            url = broadcast_bytes(self.group, (url or "").encode(), 0).decode() or None
+        if not isinstance(self.group, Group):
+            return latest(self.root, storage_options=self.storage_options)
+        # Rank 0 looks; its answer, or its failure, reaches every rank (a failure must not leave them waiting).
+        message: dict[str, str | None] = {"url": None}
+        if self.group.rank == 0:
+            try:
+                message = {"url": latest(self.root, storage_options=self.storage_options)}
+            except Exception as exc:
+                message = {"error": f"{type(exc).__name__}: {exc}"}
+        try:
+            reply = json.loads(broadcast_bytes(self.group, json.dumps(message).encode(), 0))
+        except RuntimeError as exc:  # a peer died, or the group's timeout passed
+            raise DistributedError("finding the newest checkpoint", {self.group.rank: str(exc)}) from exc
+        if "error" in reply:
+            raise DistributedError(f"finding the newest checkpoint under {self.root}", {0: reply["error"]})
+        url: str | None = reply["url"]
         return url
 
     # ------------------------------------------------------------------------------------------------- save
@@ -148,17 +162,23 @@ class Checkpointer:
         began = time.perf_counter()
         self.wait()  # one save at a time: a second one queues behind the first
         url = f"{self.root}/step-{step:08d}"
-        materialized = state() if callable(state) else state
         if not self.async_save:
-            manifest, warning = self._save(materialized, url, step)
+            # protocol.save builds a callable state itself: a rank whose state fails tells every other rank.
+            manifest, warning = self._save(state, url, step)
             elapsed = time.perf_counter() - began
             self._record(SaveRecord(step, url, elapsed, elapsed, manifest.total_bytes, warning))
             return
-        staged = stage(materialized, self._buffers)
+        failed: BaseException | None = None
+        try:
+            staged: State = stage(state() if callable(state) else state, self._buffers)
+        except Exception as exc:
+            # The other ranks' background saves wait for this one: take part, failing, so that all learn it.
+            failed = exc
+            staged = _failing(exc)
         stall = time.perf_counter() - began
         self._pending = threading.Thread(target=self._background, args=(staged, url, step, stall), daemon=True)
         self._pending.start()
-        if wait:
+        if wait or failed is not None:
             self.wait()
 
     def wait(self) -> None:
@@ -175,7 +195,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------------------- internals
 
-    def _save(self, state: Mapping[str, Any], url: str, step: int) -> tuple[GlobalManifest, str | None]:
+    def _save(self, state: State, url: str, step: int) -> tuple[GlobalManifest, str | None]:
         """Save, then (coordinator) retention; the manifest and the warning about a newer checkpoint, if any."""
         manifest = protocol.save(
             state,
@@ -188,7 +208,14 @@ class Checkpointer:
         warning = None
         if self.group.rank == 0:
             # The checkpoint just saved stays whatever its place in the order: it is what this run has.
-            retained = retain(open_storage(self.root, self.storage_options), self.keep_last, keep=(_name_of(url),))
+            try:
+                retained = retain(open_storage(self.root, self.storage_options), self.keep_last, keep=(_name_of(url),))
+            except ShardckptError as exc:
+                # The save is committed and durable: a retention failure costs space, not data, so it warns.
+                warning = f"{url} is committed, but retention under {self.root} failed: {exc}"
+                warnings.warn(warning, UserWarning, stacklevel=2)
+                self.last_saved_step = step
+                return manifest, warning
             newest = retained.newest
             newest_step = None if newest is None or newest.marker is None else newest.marker.step
             if newest is not None and newest_step is not None and newest_step > step:
@@ -202,7 +229,7 @@ class Checkpointer:
         self.last_saved_step = step
         return manifest, warning
 
-    def _background(self, staged: dict[str, Any], url: str, step: int, stall: float) -> None:
+    def _background(self, staged: State, url: str, step: int, stall: float) -> None:
         began = time.perf_counter()
         try:
             manifest, warning = self._save(staged, url, step)
@@ -225,7 +252,10 @@ class Checkpointer:
         if not isinstance(self.group, Group):
             return self._signal_seen
         flag = torch.tensor([1 if self._signal_seen else 0], dtype=torch.int32, device=self.group.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group.handle)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group.handle)
+        except RuntimeError as exc:  # a peer died, or the group's timeout passed
+            raise DistributedError("the preemption check", {self.group.rank: str(exc)}) from exc
         return bool(flag.item())
 
     def _step_of(self, url: str) -> int | None:
@@ -236,3 +266,12 @@ class Checkpointer:
 def _name_of(url: str) -> str:
     """The last path segment of a checkpoint URL: its name under the root."""
     return url.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _failing(error: BaseException) -> Callable[[], Mapping[str, Any]]:
+    """A state that raises `error` when the save builds it: this rank's part in a save it cannot make."""
+
+    def build() -> Mapping[str, Any]:
+        raise error
+
+    return build

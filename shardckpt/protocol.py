@@ -24,6 +24,7 @@ from shardckpt.format.manifest import (
     decode_global_manifest,
     encode_global_manifest,
 )
+from shardckpt.format.values import check_plain
 from shardckpt.integrations.leaves import PerRank, destination_shapes, load_items, per_rank_value, save_items
 from shardckpt.integrations.replicas import Digest, replica_digest, replica_disagreements
 from shardckpt.planner.plan import DEFAULT_MAX_GAP
@@ -107,7 +108,7 @@ def _unpack(data: bytes) -> Any:
 
 
 def save(
-    state_dict: Mapping[str, Any],
+    state_dict: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
     url: str | Storage,
     *,
     process_group: Any = None,
@@ -129,7 +130,10 @@ def save(
     digest: Digest = []
     try:
         storage = open_storage(url, storage_options)
-        leaves = flatten(state_dict)
+        if metadata is not None:
+            check_plain(metadata, "metadata")  # before any rank writes a byte, not at commit
+        # A callable state is built here, so that its failure on one rank reaches every rank like any other.
+        leaves = flatten(state_dict() if callable(state_dict) else state_dict)
         digest = [] if solo else replica_digest(leaves)
     except Exception as exc:
         if solo:

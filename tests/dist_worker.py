@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -267,6 +268,8 @@ def _protocol_case(case: str, url: str, rank: int, world: int) -> dict:
             patches.append(mock.patch.object(protocol, "read_opening", fail(PermissionError(13, "injected: denied"))))
         if case == "load_open_fault" and rank == 1:
             patches.append(mock.patch.object(protocol, "open_storage", fail(shardckpt.StorageError("injected: open"))))
+    if case.startswith("ckpt_"):
+        return _checkpointer_case(case, url, rank, state, fail)
     for patch in patches:
         patch.start()
     try:
@@ -296,6 +299,47 @@ def _protocol_case(case: str, url: str, rank: int, world: int) -> dict:
             "seed": fresh["seed"].value,
             "shared": fresh["shared"].tolist(),
         }
+    return {"raised": None}
+
+
+def _checkpointer_case(case: str, url: str, rank: int, state: dict, fail) -> dict:
+    """The Checkpointer's own collectives: a failure on one rank (its state, its staging, the coordinator's
+    listing or retention) reaches every rank, or (retention, after the commit) only warns."""
+    from unittest import mock
+
+    from shardckpt import checkpointer as checkpointer_module
+
+    def broken_state() -> dict:
+        if rank == 1:
+            raise RuntimeError("injected: state")
+        return state
+
+    patches: list = []
+    if case == "ckpt_latest_fault" and rank == 0:
+        patches.append(mock.patch.object(checkpointer_module, "latest", fail(shardckpt.StorageError("injected: list"))))
+    if case == "ckpt_retention_fault" and rank == 0:
+        patches.append(mock.patch.object(checkpointer_module, "retain", fail(shardckpt.StorageError("injected: rm"))))
+    for patch in patches:
+        patch.start()
+    try:
+        manager = shardckpt.Checkpointer(url, every_steps=1, async_save=case == "ckpt_stage_fault")
+        if case == "ckpt_latest_fault":
+            manager.restore_latest(state)
+        elif case == "ckpt_retention_fault":
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                manager.save(1, state)
+            return {"raised": None, "warned": any("retention" in str(w.message) for w in caught)}
+        else:
+            manager.save(1, broken_state)
+            manager.wait()
+    except shardckpt.DistributedError as exc:
+        return {"raised": "DistributedError", "failures": {str(k): v for k, v in exc.failures.items()}}
+    except Exception as exc:
+        return {"raised": type(exc).__name__, "message": str(exc)[:2000]}
+    finally:
+        for patch in patches:
+            patch.stop()
     return {"raised": None}
 
 

@@ -28,6 +28,9 @@ CASES = {  # case -> (failed ranks, words every cause must contain)
     "load_opening_fault": ({"0"}, ["PermissionError", "injected: denied"]),
     "load_open_fault": ({"1"}, ["StorageError", "injected: open"]),
     "dtensor_shape": ({"0", "1"}, ["'w'", "[2, 2]", "[4, 3]"]),
+    "ckpt_state_fault": ({"1"}, ["RuntimeError", "injected: state"]),
+    "ckpt_stage_fault": ({"1"}, ["RuntimeError", "injected: state"]),
+    "ckpt_latest_fault": ({"0"}, ["StorageError", "injected: list"]),
 }
 WORLD = 2
 
@@ -38,9 +41,10 @@ def outcomes(tmp_path_factory) -> tuple[str, dict[str, list[dict | None]]]:
     root = str(tmp_path_factory.mktemp("faults"))
     # A generous group timeout, a short launch timeout: a rank left waiting on a collective is killed by the
     # launcher long before the group would give up, so a regression fails in a minute instead of hanging.
-    run_ranks("protocol_faults", WORLD, {"root": root, "cases": [*CASES, "replicated_ok"], "timeout": 600}, timeout=90)
+    cases = [*CASES, "replicated_ok", "ckpt_retention_fault"]
+    run_ranks("protocol_faults", WORLD, {"root": root, "cases": cases, "timeout": 600}, timeout=90)
     found: dict[str, list[dict | None]] = {}
-    for case in [*CASES, "replicated_ok"]:
+    for case in cases:
         found[case] = []
         for rank in range(WORLD):
             path = os.path.join(root, f"{case}.rank-{rank}.json")
@@ -60,8 +64,15 @@ def test_a_failure_on_one_rank_fails_every_rank_with_the_same_error(outcomes, ca
     for cause in verdicts[0]["failures"].values():
         for word in words:
             assert word in cause, (word, cause)
-    if not case.startswith("load_") and case != "dtensor_shape":
-        assert not os.path.exists(os.path.join(root, case, "COMMITTED"))
+    if not case.startswith(("load_", "ckpt_latest")) and case != "dtensor_shape":
+        checkpoint = os.path.join(root, case, "step-00000001") if case.startswith("ckpt_") else os.path.join(root, case)
+        assert not os.path.exists(os.path.join(checkpoint, "COMMITTED"))
+
+
+def test_a_retention_failure_after_the_commit_only_warns(outcomes) -> None:
+    root, found = outcomes
+    assert found["ckpt_retention_fault"] == [{"raised": None, "warned": True}, {"raised": None, "warned": False}]
+    assert os.path.exists(os.path.join(root, "ckpt_retention_fault", "step-00000001", "COMMITTED"))
 
 
 def test_per_rank_tensors_and_values_round_trip_and_equal_replicas_save(outcomes) -> None:

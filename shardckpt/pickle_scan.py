@@ -18,6 +18,7 @@ import pickletools
 import re
 
 from shardckpt.errors import FormatError
+from shardckpt.pickle_stack import StackModel
 
 _STOP, _PUT, _BINPUT, _LONG_BINPUT, _MEMOIZE = b".pqr\x94"
 _ONE_BYTE_LENGTH = pickletools.TAKEN_FROM_ARGUMENT1  # SHORT_BINUNICODE, SHORT_BINBYTES, LONG1, ...
@@ -50,8 +51,8 @@ def _opcode_table() -> tuple[dict[int, int], dict[int, int], set[int], dict[int,
 _FIXED, _LINES, _SHORT, _PREFIXED = _opcode_table()
 
 
-def _run(excluded: set[int]) -> re.Pattern[bytes]:
-    """A possessive run of whole opcodes, none of them in `excluded` (those are left to the Python loop)."""
+def _one_opcode(excluded: set[int]) -> bytes:
+    """A pattern matching one whole opcode with its argument, none of them in `excluded`, nor length-prefixed."""
 
     def one_of(codes: list[int]) -> bytes:
         return b"[" + b"".join(re.escape(bytes([code])) for code in sorted(codes)) + b"]"
@@ -68,17 +69,43 @@ def _run(excluded: set[int]) -> re.Pattern[bytes]:
         branches.append(
             one_of([c for c, k in _LINES.items() if k == count and c not in excluded]) + b"[^\n]*+\n" * count
         )
-    return re.compile(b"(?:" + b"|".join(branches) + b")*+", re.DOTALL)
+    return b"(?:" + b"|".join(branches) + b")"
+
+
+def _run(excluded: set[int], most: str = "") -> re.Pattern[bytes]:
+    """A possessive run of whole opcodes, none of them in `excluded` (those are left to the Python loop)."""
+    return re.compile(_one_opcode(excluded) + (b"{0,%s}+" % most.encode() if most else b"*+"), re.DOTALL)
 
 
 _ONE_PASS = _run({_STOP, _PUT, _LONG_BINPUT})
 _COUNTING = _run({_STOP, _PUT, _LONG_BINPUT, _BINPUT, _MEMOIZE})
+_TOKENS = _run({_STOP}, most="8192")  # the stack model takes the opcodes a few thousand at a time
+# One token per opcode: its byte, or the memo opcodes (BINGET/BINPUT, LONG_*, GET/PUT) with their argument.
+_TOKEN = re.compile(b"(?=([hq].|[jr]....|[gp][^\n]*+\n|.))" + _one_opcode({_STOP}), re.DOTALL)
 
 
 def check_pickle(data: bytes | memoryview, where: str) -> None:
-    """Refuse a pickle whose opcodes do not parse, run past its end, or name a memo index out of order."""
+    """Refuse a pickle whose opcodes do not parse, run past its end, name a memo index out of order, nest deeper
+    than MAX_TREE_DEPTH or make the unpickler hash more than pickle_stack's budget."""
     if not _scan(data, where, counting=False):
         _scan(data, where, counting=True)
+    _model(bytes(data), where)
+
+
+def _model(data: bytes, where: str) -> None:
+    """Run pickle_stack's model over the opcodes (which _scan found whole, up to a STOP)."""
+    model, position = StackModel(where, len(data)), 0
+    while not model.broken:
+        end = _TOKENS.match(data, position).end()  # type: ignore[union-attr]  # {0,n} always matches
+        if end > position:
+            model.feed(_TOKEN.findall(data, position, end))
+            position = end
+        elif data[position] == _STOP:
+            return
+        else:  # a string or bytes with a 4- or 8-byte length (_scan checked that it fits): one leaf
+            size, signed = _PREFIXED[data[position]]
+            position += 1 + size + int.from_bytes(data[position + 1 : position + 1 + size], "little", signed=signed)
+            model.feed((b"X",))
 
 
 def _scan(data: bytes | memoryview, where: str, *, counting: bool) -> bool:

@@ -31,7 +31,7 @@ unit: $(STAMP)
 test: lint typecheck unit
 
 demo: $(STAMP)
-	$(BIN)/python -m shardckpt.demo
+	$(BIN)/python -m examples.demo
 
 # Every benchmark row, about 6 minutes on 2 cores: single process and 4 gloo ranks vs DCP on the issue's
 # reference state (2 GiB: 64 fp32 tensors of 32 MiB) and on the training loop's own state, metadata scale, S3, a DeepSpeed ZeRO-3 engine vs

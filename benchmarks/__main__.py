@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 import shardckpt
-import shardckpt.writer
+import shardckpt.write.writer
 from benchmarks.memory import peak_above
 from benchmarks.pagecache import drop_caches
 from shardckpt.format.layout import new_attempt
@@ -176,12 +176,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def sc_save_unchecked(path: str) -> None:
         """The same save with every CRC32C replaced by 0: what the checksums cost is the difference."""
-        real = shardckpt.writer.crc32c
-        shardckpt.writer.crc32c = types.SimpleNamespace(crc32c=lambda data, value=0: 0)  # type: ignore[assignment]
+        real = shardckpt.write.writer.crc32c
+        shardckpt.write.writer.crc32c = types.SimpleNamespace(crc32c=lambda data, value=0: 0)  # type: ignore[assignment]
         try:
             shardckpt.save(state, path)
         finally:
-            shardckpt.writer.crc32c = real
+            shardckpt.write.writer.crc32c = real
 
     saves: dict[str, Callable[[str], None]] = {
         "raw write + fsync (1 stream)": raw_write,

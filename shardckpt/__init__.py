@@ -6,7 +6,7 @@ save_deepspeed / load_deepspeed for DeepSpeed ZeRO-3 engines.
 
 from shardckpt.api import latest, load, save
 from shardckpt.checkpointer import Checkpointer, SaveRecord
-from shardckpt.coordinator import commit
+from shardckpt.write.commit import commit
 from shardckpt.errors import (
     AlreadyExistsError,
     CommitConflictError,
@@ -21,11 +21,11 @@ from shardckpt.errors import (
     StorageError,
     TruncatedError,
 )
-from shardckpt.integrations import FlatPartition, PerRank
+from shardckpt.statedict import FlatPartition, PerRank
 from shardckpt.planner import Box, ReadPlan
-from shardckpt.restorer import Checkpoint
-from shardckpt.restorer import open_checkpoint as open
-from shardckpt.writer import ShardWriter
+from shardckpt.read.checkpoint import Checkpoint
+from shardckpt.read.checkpoint import open_checkpoint as open
+from shardckpt.write.writer import ShardWriter
 from shardckpt.zero3 import load_deepspeed, save_deepspeed
 
 __version__ = "0.1.0"

@@ -9,12 +9,12 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from shardckpt import protocol
+from shardckpt.distributed import protocol
 from shardckpt.catalog import list_root
 from shardckpt.format.limits import DEFAULT_BLOCK_SIZE
 from shardckpt.format.manifest import GlobalManifest
 from shardckpt.planner.plan import DEFAULT_MAX_GAP
-from shardckpt.restorer import DEFAULT_MAX_IN_FLIGHT, Checkpoint, ReadStats
+from shardckpt.read.checkpoint import DEFAULT_MAX_IN_FLIGHT, Checkpoint, ReadStats
 from shardckpt.storage import Storage
 
 

@@ -11,8 +11,8 @@ from typing import Any
 from shardckpt import api
 from shardckpt.errors import ShardckptUsageError
 from shardckpt.format.manifest import GlobalManifest
-from shardckpt.integrations.deepspeed import OPTIONAL_ON_LOAD, DeepSpeedZero3
-from shardckpt.restorer import ReadStats
+from shardckpt.statedict.deepspeed import OPTIONAL_ON_LOAD, DeepSpeedZero3
+from shardckpt.read.checkpoint import ReadStats
 
 
 def save_deepspeed(

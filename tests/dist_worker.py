@@ -178,7 +178,7 @@ def crash_state(rank: int, world: int, step: int) -> dict:
 
 def scenario_crash(args: dict, rank: int, world: int) -> dict:
     """Commit step-1, then save step-2 with SHARDCKPT_CRASH_AT armed (retention: prune with it armed instead)."""
-    from shardckpt.retention import prune
+    from shardckpt.catalog.retention import prune
     from shardckpt.storage import open_storage
 
     root = args["root"]

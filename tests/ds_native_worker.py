@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import shardckpt
-from shardckpt.import_deepspeed import import_deepspeed
+from shardckpt.interop.import_deepspeed import import_deepspeed
 from shardckpt.train.model import GPT, GPTConfig, next_token_loss
 
 STEPS = 3

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import shardckpt
-from shardckpt.gc import gc
-from shardckpt.restorer import read_commit_marker
+from shardckpt.ops.gc import gc
+from shardckpt.read.checkpoint import read_commit_marker
 from shardckpt.storage import open_storage
-from shardckpt.verify import verify
+from shardckpt.ops.verify import verify
 
 RESUMED = re.compile(r"resumed (?:from \S+ )?at step (\d+) on (\d+) ranks")
 MODES = ("random", "after-step")

@@ -20,15 +20,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardckpt
-from shardckpt import restorer
+from shardckpt.read import checkpoint as restorer
 from shardckpt.catalog import delete_objects, list_root, order_key, read_commit_marker
 from shardckpt.catalog.deletion import deletion_order
 from shardckpt.errors import FormatError, ShardckptError, StorageError
 from shardckpt.format import layout
 from shardckpt.format.manifest import CommitMarker, encode_commit_marker
-from shardckpt.gc import gc
-from shardckpt.retention import prune
-from shardckpt.storage import FaultyStorage, LocalStorage, open_storage
+from shardckpt.ops.gc import gc
+from shardckpt.catalog.retention import prune
+from shardckpt.storage import LocalStorage, open_storage
+from shardckpt.testing.faults import FaultyStorage
 
 PACKAGE = Path(shardckpt.__file__).resolve().parent
 
@@ -55,7 +56,7 @@ package = types.ModuleType("shardckpt")
 package.__path__ = [{str(PACKAGE)!r}]
 sys.modules["shardckpt"] = package
 import shardckpt.catalog
-assert "shardckpt.restorer" not in sys.modules, sorted(sys.modules)
+assert "shardckpt.read.checkpoint" not in sys.modules, sorted(sys.modules)
 print("ok")
 """
     result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)

@@ -1,4 +1,4 @@
-"""Retention (Checkpointer, shardckpt.retention) and gc under hostile roots: links, foreign files, older runs.
+"""Retention (Checkpointer, shardckpt.catalog.retention) and gc under hostile roots: links, foreign files, older runs.
 
 Both must keep the newest committed checkpoint, never delete through a link, never leave the root, never delete a
 name the layout does not give, and agree with latest() on which checkpoint is the newest.
@@ -24,10 +24,11 @@ from hypothesis import strategies as st
 import shardckpt
 from shardckpt.format import layout
 from shardckpt.format.manifest import CommitMarker, encode_commit_marker
-from shardckpt.gc import gc
-from shardckpt.retention import prune
-from shardckpt.storage import FaultyStorage, LocalStorage, open_storage
-from shardckpt.verify import verify
+from shardckpt.ops.gc import gc
+from shardckpt.catalog.retention import prune
+from shardckpt.storage import LocalStorage, open_storage
+from shardckpt.testing.faults import FaultyStorage
+from shardckpt.ops.verify import verify
 
 OLD = 7200.0
 

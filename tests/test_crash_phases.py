@@ -23,8 +23,8 @@ from launch import run_ranks
 import shardckpt
 from shardckpt.cli import main as cli_main
 from shardckpt.format import layout
-from shardckpt.gc import gc
-from shardckpt.verify import verify
+from shardckpt.ops.gc import gc
+from shardckpt.ops.verify import verify
 
 WORLD = 2
 PHASES = {

@@ -50,7 +50,7 @@ def test_fsdp2_state_restores_on_any_world_size(saved, readers: int) -> None:
 
 
 def test_every_checkpoint_is_complete_and_verifies(saved) -> None:
-    from shardckpt.verify import verify
+    from shardckpt.ops.verify import verify
 
     for world in WORLDS:
         checkpoint = shardckpt.open(saved[world][0])

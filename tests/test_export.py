@@ -14,7 +14,7 @@ from conftest import save_sharded
 from safetensors.torch import load_file
 
 from shardckpt.cli import main as cli_main
-from shardckpt.export import export_hf_safetensors
+from shardckpt.tools.export import export_hf_safetensors
 
 MiB = 1 << 20
 
@@ -94,7 +94,7 @@ PEAK_RSS = textwrap.dedent(
     """
     import json, sys
     import torch
-    from shardckpt.export import export_hf_safetensors
+    from shardckpt.tools.export import export_hf_safetensors
     url, out, limit, dtype = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] or None
     torch.ones(8).to(torch.bfloat16)  # first use of torch's kernels counts in the baseline too
     if url != "-":

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import shardckpt
 from benchmarks.__main__ import save_row_shards
-from shardckpt import fetching
+from shardckpt.read import fetching
 from shardckpt.planner import ReadRequest
 from shardckpt.planner.plan import DEFAULT_MAX_REQUEST, RESIDENT_MAX_REQUEST
 from shardckpt.storage import LocalStorage

@@ -9,9 +9,9 @@ from conftest import chunk_bounds
 
 import shardckpt
 from shardckpt.format.layout import new_attempt
-from shardckpt.integrations import FlatPartition
-from shardckpt.integrations.leaves import save_items
-from shardckpt.state import flatten
+from shardckpt.statedict import FlatPartition
+from shardckpt.statedict.leaves import save_items
+from shardckpt.statedict.flatten import flatten
 
 PARAMS = [("layer.weight", (5, 7)), ("layer.bias", (7,)), ("head.weight", (3, 4)), ("scale", ())]
 
@@ -101,6 +101,6 @@ def test_mixed_flat_and_box_pieces_of_one_tensor(tmp_path) -> None:
     assert checkpoint.manifest.tensor("w").layout == "flat"
     assert torch.equal(checkpoint.read("w"), full)
     assert torch.equal(checkpoint.read("w", (1, 2), (3, 2)), full[1:4, 2:4])
-    from shardckpt.verify import verify
+    from shardckpt.ops.verify import verify
 
     assert verify(url).ok

@@ -1,4 +1,4 @@
-"""`shardckpt gc ROOT` and shardckpt.gc: what it deletes, what it never deletes, and crashes in the middle of it.
+"""`shardckpt gc ROOT` and shardckpt.ops.gc: what it deletes, what it never deletes, and crashes in the middle of it.
 
 Never: the newest committed checkpoint, a file of a committed attempt, a name the layout does not give, anything
 modified within the grace period, anything of unknown age, anything outside ROOT (links included).
@@ -23,12 +23,13 @@ import torch
 from conftest import sample_state, save_sharded
 
 import shardckpt
-import shardckpt.gc as gc_module
+import shardckpt.ops.gc as gc_module
 from shardckpt.cli import main as cli_main
 from shardckpt.format import layout
-from shardckpt.gc import collect, gc, plan_gc
-from shardckpt.storage import Fault, FaultyStorage, LocalStorage, open_storage
-from shardckpt.verify import verify
+from shardckpt.ops.gc import collect, gc, plan_gc
+from shardckpt.storage import LocalStorage, open_storage
+from shardckpt.testing.faults import Fault, FaultyStorage
+from shardckpt.ops.verify import verify
 
 OLD, HOUR = 7200.0, 3600.0
 

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import (
 import shardckpt
 from shardckpt.cli import main as cli_main
 from shardckpt.errors import FormatError
-from shardckpt.import_dcp import import_dcp
+from shardckpt.interop.import_dcp import import_dcp
 
 
 def test_every_dtype_and_layout_dcp_writes_imports_bit_for_bit(tmp_path) -> None:

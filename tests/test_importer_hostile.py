@@ -31,12 +31,13 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 import shardckpt
-from shardckpt import dcp_pickle, deepspeed_pickle
-from shardckpt.dcp_pickle import StoredTensor
+from shardckpt.interop import dcp_pickle
+from shardckpt.interop import deepspeed_pickle
+from shardckpt.interop.dcp_pickle import StoredTensor
 from shardckpt.errors import FormatError
-from shardckpt.import_dcp import import_dcp
-from shardckpt.pickle_scan import check_pickle
-from shardckpt.torch_zip import tensor_view, zip_entries
+from shardckpt.interop.import_dcp import import_dcp
+from shardckpt.interop.pickle_scan import check_pickle
+from shardckpt.interop.torch_zip import tensor_view, zip_entries
 from tests.test_import_dcp import torch_save_zip
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,9 +50,10 @@ import io, sys, zipfile
 import torch
 import torch.distributed.checkpoint as dcp
 import shardckpt
-from shardckpt import dcp_pickle, deepspeed_pickle
+from shardckpt.interop import dcp_pickle
+from shardckpt.interop import deepspeed_pickle
 from shardckpt.errors import FormatError
-from shardckpt.import_dcp import import_dcp
+from shardckpt.interop.import_dcp import import_dcp
 
 ATTRIBUTES = ["__init__", "__new__", "__call__", "__defaults__", "__setstate__", "__eq__", "__hash__", "__reduce_ex__",
               "dtype", "kind", "values", "_value_", "state", "relative_path", "x"]
@@ -362,7 +364,8 @@ def hashed(item: bytes) -> dict[str, bytes]:
 # for hours, so each kind runs in a fresh interpreter; the timeout only keeps a regression from hanging the suite.
 _HASHED_ATTACKS = r"""
 import sys
-from shardckpt import dcp_pickle, deepspeed_pickle
+from shardckpt.interop import dcp_pickle
+from shardckpt.interop import deepspeed_pickle
 from shardckpt.errors import FormatError
 from tests.test_importer_hostile import deep_tuple, hashed, tuple_dag
 

@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import shardckpt
 from shardckpt.cli import main as cli_main
-from shardckpt.import_dcp import import_dcp
-from shardckpt.verify import verify
+from shardckpt.interop.import_dcp import import_dcp
+from shardckpt.ops.verify import verify
 
 WORLDS = (2, 4)  # 4 ranks: Linear(7, 5) has 5 rows, so rank 3 holds an empty shard
 

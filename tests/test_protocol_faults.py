@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from launch import run_ranks
 
-from shardckpt.integrations.replicas import replica_disagreements
+from shardckpt.statedict.replicas import replica_disagreements
 
 CASES = {  # case -> (failed ranks, words every cause must contain)
     "exists_fault": ({"0"}, ["StorageError", "injected: stat"]),

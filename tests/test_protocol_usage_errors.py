@@ -9,7 +9,8 @@ import pytest
 
 from shardckpt.errors import ShardckptUsageError
 from shardckpt.planner.box import Box
-from shardckpt.storage import Fault, RequestFault, RetryPolicy, open_storage
+from shardckpt.storage import RetryPolicy, open_storage
+from shardckpt.testing.faults import Fault, RequestFault
 
 
 @pytest.mark.parametrize(

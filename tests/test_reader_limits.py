@@ -17,7 +17,7 @@ from shardckpt.errors import FormatError
 from shardckpt.format import layout
 from shardckpt.format.local_manifest import decode_local_manifest
 from shardckpt.storage import LocalStorage
-from shardckpt.verify import verify
+from shardckpt.ops.verify import verify
 
 HUGE_HEADER = 400 << 20  # 400 MiB: over the 100,000,000-byte JSON limit of SPEC 4
 

@@ -17,7 +17,7 @@ from test_hostile_manifests import ATTEMPT, Chain, _column
 import shardckpt
 from shardckpt.format.columns import decode_int_column
 from shardckpt.storage import LocalStorage
-from shardckpt.verify import verify
+from shardckpt.ops.verify import verify
 
 PIECES = 2_000
 

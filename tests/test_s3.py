@@ -26,7 +26,8 @@ from shardckpt.errors import (
     StorageError,
     TruncatedError,
 )
-from shardckpt.storage import FaultyRequests, RequestFault, RetryPolicy, open_storage
+from shardckpt.storage import RetryPolicy, open_storage
+from shardckpt.testing.faults import FaultyRequests, RequestFault
 from shardckpt.storage.s3 import PROBE_PREFIX, S3Storage, SingleCoordinatorCommitWarning, open_s3
 
 MIB = 1 << 20

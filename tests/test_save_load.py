@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardckpt
-from shardckpt.integrations.flat import FlatPartition
+from shardckpt.statedict.flat import FlatPartition
 from shardckpt.torch_bytes import TORCH_TO_FORMAT
 
 
@@ -181,7 +181,7 @@ def test_state_dict_name_collision_is_refused(tmp_path) -> None:
 
 def test_large_rank_file_written_by_parallel_streams(tmp_path) -> None:
     """Above 64 MiB a local data file is filled by several pwrite streams; bytes and checksums stay exact."""
-    from shardckpt.verify import verify
+    from shardckpt.ops.verify import verify
 
     generator = torch.Generator().manual_seed(9)
     state = {f"t{i}": torch.randn(1024, 1024 * 3 + i, generator=generator) for i in range(6)}  # ~72 MiB

@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 import shardckpt
 import shardckpt.errors
-from shardckpt.verify import verify
+from shardckpt.ops.verify import verify
 
 VECTORS = Path(__file__).resolve().parent.parent / "spec" / "vectors"
 

@@ -13,7 +13,7 @@ import torch
 from conftest import S3_BUCKET
 
 import shardckpt
-import shardckpt.writer
+import shardckpt.write.writer
 from shardckpt.errors import AlreadyExistsError, NotFoundError, TruncatedError
 from shardckpt.storage import FsspecStorage, LocalStorage, Storage, local, open_storage
 from shardckpt.storage.base import SingleCoordinatorCommitWarning
@@ -153,7 +153,7 @@ class TestLocalBackend(BackendContract):
             return real(fd, offset, length, flags)
 
         monkeypatch.setattr(local, "_sync_file_range", recording)
-        monkeypatch.setattr(shardckpt.writer, "PARALLEL_MIN_BYTES", 1 << 20)  # the threaded path at test size
+        monkeypatch.setattr(shardckpt.write.writer, "PARALLEL_MIN_BYTES", 1 << 20)  # the threaded path at test size
         state = {f"t{i}": torch.randn(1 << 18) for i in range(6)}  # 1 MiB each
         url = str(tmp_path / "ckpt")
         writer = shardckpt.ShardWriter(url, rank=0, world_size=1, write_threads=write_threads)

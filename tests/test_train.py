@@ -10,7 +10,7 @@ import time
 import pytest
 
 import shardckpt
-from shardckpt.verify import verify
+from shardckpt.ops.verify import verify
 from tests.training import losses, resume, torchrun
 
 STEPS, EVERY = 8, 4

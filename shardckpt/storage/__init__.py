@@ -4,7 +4,7 @@
 """
 
 from shardckpt.storage.base import NewFile, RangeReader, SingleCoordinatorCommitWarning, Storage
-from shardckpt.storage.faults import Fault, FaultyRequests, FaultyStorage, RequestFault
+from shardckpt.testing.faults import Fault, FaultyRequests, FaultyStorage, RequestFault
 from shardckpt.storage.fsspec_backend import FsspecStorage
 from shardckpt.storage.local import LocalStorage
 from shardckpt.storage.resolve import open_storage

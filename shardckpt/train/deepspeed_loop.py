@@ -1,7 +1,7 @@
 """The training loop on DeepSpeed ZeRO-3 instead of FSDP2: same model, data, AdamW, schedule and checkpoint names.
 
 `python -m shardckpt.train --engine deepspeed` under torchrun; its checkpoints resume on any world size, and in
-the FSDP2 loop, and the other way round (see shardckpt/integrations/deepspeed.py).
+the FSDP2 loop, and the other way round (see shardckpt/statedict/deepspeed.py).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
-from shardckpt.integrations.deepspeed import OPTIONAL_ON_LOAD, DeepSpeedZero3
-from shardckpt.integrations.leaves import PerRank
+from shardckpt.statedict.deepspeed import OPTIONAL_ON_LOAD, DeepSpeedZero3
+from shardckpt.statedict.leaves import PerRank
 from shardckpt.train.common import ADAMW_BETAS, ADAMW_WEIGHT_DECAY, free_port, rng_state, warmup_cosine
 from shardckpt.train.fsdp2 import Trainer
 from shardckpt.train.model import GPT, next_token_loss

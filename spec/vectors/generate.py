@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 import shardckpt
-import shardckpt.coordinator
+import shardckpt.write.commit
 from shardckpt.torch_bytes import TORCH_TO_FORMAT
 
 HERE = Path(__file__).resolve().parent
@@ -105,7 +105,7 @@ def write_json(path: Path, document: Any) -> None:
 @contextlib.contextmanager
 def pinned_clock() -> Iterator[None]:
     """The coordinator stamps `created` with time.time(); pin it so the manifests are byte-reproducible."""
-    module = shardckpt.coordinator
+    module = shardckpt.write.commit
     original = getattr(module, "time")  # noqa: B009 - the module's `time` import, not an exported name
     setattr(module, "time", types.SimpleNamespace(time=lambda: CREATED))  # noqa: B010
     try:

@@ -1,0 +1,75 @@
+"""`shardckpt du`: bytes used by each checkpoint under a root, and how many of them are reclaimable leftovers.
+
+The command line over shardckpt.ops.du; see `shardckpt du --help`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from shardckpt.cli.common import human_bytes, new_command, storage_options
+from shardckpt.ops.du import disk_usage
+
+NAME = "du"
+
+
+def register(subparsers: Any) -> None:
+    command = new_command(
+        subparsers,
+        NAME,
+        "disk usage per checkpoint: committed bytes and leftovers of failed attempts",
+        "Show, for every checkpoint directly under ROOT (or for ROOT itself when it is a checkpoint), the bytes "
+        "of its committed attempt, the leftovers of failed attempts (files of other attempts; every file of a "
+        "checkpoint that never committed) and files the format does not name, with totals. Reads only listings "
+        "and sizes, never data.",
+        "examples:\n  shardckpt du /ckpts\n  shardckpt du s3://bucket/run --json | jq .total.leftover_bytes",
+    )
+    command.add_argument("root", metavar="ROOT", help="directory or URL that holds checkpoints")
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    report = disk_usage(args.root, storage_options=storage_options(args.storage_option))
+    fields = ("committed_bytes", "leftover_bytes", "leftover_files", "other_bytes", "total_bytes")
+    totals = {name: report.total(name) for name in fields}
+    if args.json:
+        rows = [{**asdict(c), "total_bytes": c.total_bytes} for c in report.checkpoints]
+        print(json.dumps({"root": report.root, "checkpoints": rows, "total": totals}))
+        return 0
+    columns = ("checkpoint", "status", "step", "committed", "leftovers", "other", "total")
+    table = Table(*columns, title=report.root, title_justify="left")
+    colors = {"committed": "green", "incomplete": "yellow", "broken": "red"}
+    for c in report.checkpoints:
+        table.add_row(
+            c.name,
+            f"[{colors[c.status]}]{c.status}[/]",
+            "-" if c.step is None else str(c.step),
+            human_bytes(c.committed_bytes) if c.committed_bytes else "-",
+            _leftovers(c.leftover_bytes, c.leftover_files),
+            human_bytes(c.other_bytes) if c.other_bytes else "-",
+            human_bytes(c.total_bytes),
+        )
+    table.add_section()
+    count = len(report.checkpoints)
+    table.add_row(
+        "total",
+        f"{count} checkpoint{'' if count == 1 else 's'}",
+        "",
+        human_bytes(totals["committed_bytes"]),
+        _leftovers(totals["leftover_bytes"], totals["leftover_files"]),
+        human_bytes(totals["other_bytes"]),
+        human_bytes(totals["total_bytes"]),
+    )
+    console.print(table)
+    if totals["leftover_bytes"]:
+        console.print(f"{human_bytes(totals['leftover_bytes'])} of leftovers can be reclaimed by a garbage collector")
+    return 0
+
+
+def _leftovers(nbytes: int, files: int) -> str:
+    return f"{human_bytes(nbytes)} ({files} file{'' if files == 1 else 's'})" if files else "-"

@@ -1,0 +1,112 @@
+"""`shardckpt export`: a checkpoint's model weights as Hugging Face sharded safetensors, under a memory bound.
+
+The command line over shardckpt.tools.export; see `shardckpt export --help`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from shardckpt.cli.common import (
+    add_memory_limit,
+    human_bytes,
+    new_command,
+    parse_regex,
+    parse_size,
+    progress_bar,
+    storage_options,
+)
+from shardckpt.tools.export import DEFAULT_INCLUDE, DTYPES, INDEX_FILE, export_hf_safetensors
+
+NAME = "export"
+
+
+def register(subparsers: Any) -> None:
+    command = new_command(
+        subparsers,
+        NAME,
+        "write model weights as Hugging Face safetensors shards + index",
+        "Export the model weights of a committed checkpoint as consolidated, unsharded tensors in the layout "
+        "Hugging Face tools read: model-0000k-of-0000n.safetensors files and model.safetensors.index.json in "
+        "OUT (a new or empty directory). Tensors stream through in row-major chunks, so the tensor data in "
+        "memory stays under --memory-limit whatever the size of the model. By default only names under "
+        "'model.' are exported (no optimizer state); --include/--exclude choose others.",
+        "examples:\n"
+        "  shardckpt export /ckpts/step-00001000 ./hf --to hf-safetensors\n"
+        "  shardckpt export s3://bucket/run/step-00001000 ./hf --dtype bf16 --strip-prefix model. \\\n"
+        "      --max-shard-size 2GB --memory-limit 512MiB\n"
+        "  shardckpt export CKPT ./hf --include '^model\\.' --exclude 'rotary|\\.inv_freq$'\n"
+        "\n"
+        "Load the result with safetensors.torch.load_file on each shard, or transformers' from_pretrained\n"
+        "(add the model's config.json to OUT). Sizes: 5GB = 5*10^9 bytes, 5GiB = 5*2^30 bytes.",
+    )
+    command.add_argument("url", metavar="URL", help="checkpoint URL or path")
+    command.add_argument("out", metavar="OUT", help="output directory (new or empty; local path or URL)")
+    command.add_argument(
+        "--to", choices=["hf-safetensors"], default="hf-safetensors", help="output layout (default: %(default)s)"
+    )
+    command.add_argument(
+        "--dtype", choices=sorted(DTYPES), help="convert floating-point tensors to this type (default: keep)"
+    )
+    command.add_argument(
+        "--include",
+        type=parse_regex,
+        metavar="REGEX",
+        help=f"export tensors whose name matches (re.search; default: {DEFAULT_INCLUDE})",
+    )
+    command.add_argument("--exclude", type=parse_regex, metavar="REGEX", help="skip tensors whose name matches")
+    command.add_argument(
+        "--strip-prefix", default="", metavar="PREFIX", help="remove PREFIX from exported names, e.g. 'model.'"
+    )
+    command.add_argument(
+        "--max-shard-size", type=parse_size, default="5GB", metavar="SIZE", help="bytes per file (default: 5GB)"
+    )
+    add_memory_limit(command)
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    with progress_bar(console, "exporting", not (args.json or args.quiet)) as progress:
+        report = export_hf_safetensors(
+            args.url,
+            args.out,
+            dtype=args.dtype,
+            include=args.include,
+            exclude=args.exclude,
+            strip_prefix=args.strip_prefix,
+            max_shard_size=args.max_shard_size,
+            memory_limit=args.memory_limit,
+            storage_options=storage_options(args.storage_option),
+            out_options=storage_options(args.storage_option),
+            progress=progress,
+        )
+    files: list[dict[str, Any]] = [
+        {"file": shard.file, "tensors": len(shard.tensors), "bytes": shard.nbytes} for shard in report.shards
+    ]
+    if args.json:
+        summary = {
+            "url": report.url,
+            "out": report.out,
+            "index": INDEX_FILE,
+            "files": files,
+            "tensors": report.tensors,
+            "total_size": report.total_size,
+            "dtype": args.dtype,
+            "seconds": round(report.seconds, 3),
+        }
+        print(json.dumps(summary))
+        return 0
+    table = Table("file", "tensors", "size", title=report.out, title_justify="left")
+    for row in files:
+        table.add_row(row["file"], str(row["tensors"]), human_bytes(row["bytes"]))
+    console.print(table)
+    console.print(
+        f"[green]exported[/green] {report.tensors} tensors ({human_bytes(report.total_size)}) from {report.url} "
+        f"in {report.seconds:.1f} s; index: {INDEX_FILE}",
+        highlight=False,
+    )
+    return 0

@@ -1,0 +1,366 @@
+"""The save and load protocols over a process group (or one process): who writes, who commits, who learns what.
+
+save: (coordinator) refuse an existing checkpoint, draw the attempt -> (all) write own pieces -> (coordinator)
+gather local manifests, validate, commit -> (all) learn the outcome. load: (coordinator) read COMMITTED and the
+manifest once -> (all) receive them, plan and read only their own boxes -> (all) agree that every rank succeeded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgpack
+import torch.distributed as dist
+
+from shardckpt.distributed.collectives import Group, all_gather_bytes, any_rank, broadcast_bytes, gather_bytes
+from shardckpt.write.commit import commit
+from shardckpt.errors import AlreadyExistsError, DistributedError, ShardckptUsageError
+from shardckpt.format import layout
+from shardckpt.format.manifest import (
+    GlobalManifest,
+    decode_commit_marker,
+    decode_global_manifest,
+    encode_global_manifest,
+)
+from shardckpt.format.values import check_plain
+from shardckpt.statedict.leaves import PerRank, destination_shapes, load_items, per_rank_value, save_items
+from shardckpt.statedict.replicas import Digest, replica_digest, replica_disagreements
+from shardckpt.planner.plan import DEFAULT_MAX_GAP
+from shardckpt.read.checkpoint import (
+    Checkpoint,
+    Opening,
+    PendingRead,
+    ReadStats,
+    open_checkpoint,
+    read_opening,
+    verify_global_manifest,
+)
+from shardckpt.statedict.flatten import Leaf, flatten
+from shardckpt.storage import Storage, open_storage
+from shardckpt.write.writer import ShardWriter
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class _Solo:
+    """The trivial group of one process, so both protocols are written once."""
+
+    rank: int = 0
+    size: int = 1
+
+
+def resolve_group(process_group: Any) -> Group | _Solo:
+    """The caller's group, else the default group when torch.distributed is initialized, else one process."""
+    if process_group is None and dist.is_available() and dist.is_initialized():
+        process_group = dist.group.WORLD
+    if process_group is None:
+        return _Solo()
+    group = Group.of(process_group)
+    return _Solo() if group.size == 1 else group
+
+
+def _broadcast(group: Group | _Solo, data: bytes | None, src: int) -> bytes:
+    if isinstance(group, _Solo):
+        assert data is not None
+        return data
+    return _collective(lambda: broadcast_bytes(group, data, src), group)
+
+
+def _gather(group: Group | _Solo, data: bytes, dst: int) -> list[bytes] | None:
+    if isinstance(group, _Solo):
+        return [data]
+    return _collective(lambda: gather_bytes(group, data, dst), group)
+
+
+def _any_rank(group: Group | _Solo, flag: bool) -> bool:
+    if isinstance(group, _Solo):
+        return flag
+    return _collective(lambda: any_rank(group, flag), group)
+
+
+def _all_gather(group: Group | _Solo, data: bytes) -> list[bytes]:
+    if isinstance(group, _Solo):
+        return [data]
+    return _collective(lambda: all_gather_bytes(group, data), group)
+
+
+def _collective(run: Callable[[], T], group: Group) -> T:
+    try:
+        return run()
+    except RuntimeError as exc:  # a peer died, or the group's timeout passed
+        raise DistributedError("a collective", {group.rank: f"{type(exc).__name__}: {exc}"}) from exc
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _pack(value: Any) -> bytes:
+    packed: bytes = msgpack.packb(value, use_bin_type=True)
+    return packed
+
+
+def _unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def save(
+    state_dict: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+    url: str | Storage,
+    *,
+    process_group: Any = None,
+    coordinator: int = 0,
+    storage_options: dict[str, Any] | None = None,
+    step: int | None = None,
+    metadata: dict[str, Any] | None = None,
+    block_size: int,
+) -> GlobalManifest:
+    group = resolve_group(process_group)
+    if not 0 <= coordinator < group.size:
+        raise ShardckptUsageError(f"coordinator {coordinator} is not a rank of the group of {group.size}")
+    solo = isinstance(group, _Solo)
+    # Whatever fails on one rank (its storage, its state dict, the coordinator's existence check) is carried
+    # through the protocol's own collectives, so every rank raises the same DistributedError, never waits.
+    local_error: BaseException | None = None
+    storage: Storage | None = None
+    leaves: list[Leaf] = []
+    digest: Digest = []
+    try:
+        storage = open_storage(url, storage_options)
+        if metadata is not None:
+            check_plain(metadata, "metadata")  # before any rank writes a byte, not at commit
+        # A callable state is built here, so that its failure on one rank reaches every rank like any other.
+        leaves = flatten(state_dict() if callable(state_dict) else state_dict)
+        digest = [] if solo else replica_digest(leaves)
+    except Exception as exc:
+        if solo:
+            raise
+        local_error = exc
+    opening = None
+    if group.rank == coordinator:
+        try:
+            if local_error is not None:
+                raise local_error
+            assert storage is not None
+            refused = storage.exists(layout.COMMITTED)
+            opening = _pack(
+                {"refused": f"{storage.url} already holds a committed checkpoint; save to a new URL"}
+                if refused
+                else {"attempt": layout.new_attempt()}
+            )
+        except Exception as exc:
+            if solo:
+                raise
+            opening = _pack({"failures": {coordinator: _describe(exc)}})
+    message = _unpack(_broadcast(group, opening, coordinator))
+    if "failures" in message:
+        raise DistributedError("save", {int(r): cause for r, cause in message["failures"].items()}) from local_error
+    if "refused" in message:
+        raise AlreadyExistsError(message["refused"])
+    attempt = message["attempt"]
+    try:
+        if local_error is not None:
+            raise local_error
+        assert storage is not None
+        writer = ShardWriter(
+            storage, rank=group.rank, world_size=group.size, attempt=attempt, block_size=block_size, step=step
+        )
+        items = save_items(leaves, group.rank, group.size)
+        for name, tensor, placement in items.pieces:
+            writer.add(name, tensor, **placement)
+        for name, value, per_rank in items.objects:
+            writer.add_object(name, value, per_rank=per_rank)
+        writer.close()
+        assert writer.encoded_manifest is not None
+        payload = _pack({"manifest": writer.encoded_manifest, "replicas": digest})
+    except Exception as exc:
+        if solo:
+            raise
+        local_error = exc
+        payload = _pack({"error": _describe(exc)})
+    gathered = _gather(group, payload, coordinator)
+    outcome = None
+    if group.rank == coordinator:
+        assert gathered is not None and storage is not None
+        try:
+            outcome = _pack(_commit_gathered(storage, gathered, coordinator, attempt, step, metadata))
+        except Exception as exc:
+            if solo:
+                raise
+            outcome = _pack({"failures": {coordinator: _describe(exc)}})
+    result = _unpack(_broadcast(group, outcome, coordinator))
+    if "failures" in result:
+        raise DistributedError("save", {int(r): cause for r, cause in result["failures"].items()}) from local_error
+    where = storage.describe(layout.global_manifest_path(attempt)) if storage is not None else str(url)
+    return decode_global_manifest(result["manifest"], where)
+
+
+def _commit_gathered(
+    storage: Storage,
+    gathered: list[bytes],
+    coordinator: int,
+    attempt: str,
+    step: int | None,
+    metadata: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """(coordinator) The outcome of a save from every rank's reply: the ranks' failures, or the committed manifest.
+
+    Nothing is committed unless every rank wrote its part and all hold the same values saved once for all ranks.
+    """
+    replies = [_unpack(reply) for reply in gathered]
+    failures = {rank: reply["error"] for rank, reply in enumerate(replies) if "error" in reply}
+    if not failures:
+        failures = replica_disagreements([reply["replicas"] for reply in replies], coordinator)
+    if failures:
+        return {"failures": failures}
+    manifest = commit(
+        storage,
+        world_size=len(replies),
+        attempt=attempt,
+        step=step,
+        metadata=metadata,
+        local_manifests=[reply["manifest"] for reply in replies],
+    )
+    return {"manifest": encode_global_manifest(manifest)}
+
+
+def load(
+    state_dict: Mapping[str, Any],
+    url: str | Storage,
+    *,
+    process_group: Any = None,
+    coordinator: int = 0,
+    storage_options: dict[str, Any] | None = None,
+    strict: bool = True,
+    max_in_flight: int,
+    verify_first: bool = False,
+    optional: Sequence[str] = (),
+    max_gap: int = DEFAULT_MAX_GAP,
+) -> ReadStats:
+    group = resolve_group(process_group)
+    if isinstance(group, _Solo):
+        checkpoint = open_checkpoint(open_storage(url, storage_options), max_in_flight=max_in_flight, max_gap=max_gap)
+        pending, assign = _prepare_fill(checkpoint, state_dict, group.rank, strict, optional)
+        if verify_first:
+            pending.fetch()
+        stats = pending.apply()
+        assign()
+        return stats
+    if not 0 <= coordinator < group.size:
+        raise ShardckptUsageError(f"coordinator {coordinator} is not a rank of the group of {group.size}")
+    local_error: BaseException | None = None
+    storage: Storage | None = None
+    try:
+        storage = open_storage(url, storage_options)
+    except Exception as exc:
+        local_error = exc
+    opening = None
+    own: Opening | None = None
+    if group.rank == coordinator:
+        try:  # any failure here, typed or not, must reach the ranks waiting on the broadcast
+            if local_error is not None:
+                raise local_error
+            assert storage is not None
+            own = read_opening(storage)
+            opening = _pack({"marker": own.marker_raw, "manifest": own.manifest_raw})
+        except Exception as exc:
+            opening = _pack({"error": _describe(exc)})
+    message = _unpack(_broadcast(group, opening, coordinator))
+    if "error" in message:
+        raise DistributedError("load", {coordinator: message["error"]}) from local_error
+    stats = ReadStats(0, 0, 0, 0.0)
+    prepared: tuple[PendingRead, Callable[[], None]] | None = None
+    try:
+        if local_error is not None:
+            raise local_error
+        assert storage is not None
+        if own is not None:  # the coordinator checked and decoded these very bytes already
+            marker, manifest = own.marker, own.manifest
+        else:  # read once by the coordinator; every rank checks the bytes against the marker before trusting them
+            marker = decode_commit_marker(message["marker"], storage.describe(layout.COMMITTED))
+            manifest = verify_global_manifest(message["manifest"], marker, storage.describe(marker.manifest))
+        checkpoint = Checkpoint(storage, marker, manifest, max_in_flight=max_in_flight, max_gap=max_gap)
+        prepared = pending, assign = _prepare_fill(checkpoint, state_dict, group.rank, strict, optional)
+        if verify_first:
+            pending.fetch()  # every rank verifies all its bytes; the destinations are written after the vote
+        else:
+            stats = pending.apply()
+            assign()
+        status = _pack({"ok": True})
+    except Exception as exc:
+        local_error = exc
+        status = _pack({"error": _describe(exc)})
+    # One small collective when every rank succeeded; the ranks' messages are gathered only after a failure.
+    if _any_rank(group, local_error is not None):
+        replies = [_unpack(reply) for reply in _all_gather(group, status)]
+        failures = {rank: reply["error"] for rank, reply in enumerate(replies) if "error" in reply}
+        raise DistributedError("load", failures) from local_error
+    if verify_first:
+        assert prepared is not None
+        stats = prepared[0].apply()
+        prepared[1]()
+    return stats
+
+
+def _prepare_fill(
+    checkpoint: Checkpoint, state_dict: Mapping[str, Any], rank: int, strict: bool, optional: Sequence[str] = ()
+) -> tuple[PendingRead, Callable[[], None]]:
+    """Check and plan this rank's part of a load (writing nothing); returns the read and what sets plain values.
+
+    strict: every entry of the state dict must be in the checkpoint, except those named by `optional` (an entry
+    name, or a prefix before a '.'), which are left as they are when the checkpoint lacks them.
+    """
+    stored = checkpoint.manifest.tensor_index()
+    shared, own = checkpoint.objects, checkpoint.rank_objects(rank)
+    leaves = flatten(state_dict)
+    items = load_items(leaves)
+    missing = sorted({name for name, _, _ in items if name not in stored})
+    for leaf in leaves:
+        if leaf.is_plain and leaf.name not in shared:
+            missing.append(leaf.name)
+        # A rank that did not exist when the checkpoint was saved has no per-rank values to restore.
+        if isinstance(leaf.value, PerRank) and leaf.name not in own and rank < checkpoint.manifest.world_size:
+            missing.append(leaf.name)
+    missing = [name for name in missing if not _is_optional(name, optional)]
+    if missing and strict:
+        raise ShardckptUsageError(
+            f"{checkpoint.url} lacks {len(missing)} entries of the state dict: {missing[:10]}"
+            + (" ..." if len(missing) > 10 else "")
+        )
+    for name, shape, kind in destination_shapes(leaves):
+        if name in stored and shape != tuple(stored[name].shape):
+            raise ShardckptUsageError(
+                f"tensor {name!r}: the state dict's {kind} has global shape {list(shape)}, the checkpoint holds "
+                f"shape {list(stored[name].shape)}; a load fills whole tensors (read a part with "
+                f"shardckpt.open({checkpoint.url!r}).read({name!r}, offsets=..., shape=...))"
+            )
+    present = [item for item in items if item[0] in stored]
+    for name, box, _ in present:
+        if not box.within(stored[name].shape):  # a destination's own boxes lie outside its global shape
+            raise ShardckptUsageError(
+                f"tensor {name!r}: the state dict wants box {box}, outside the tensor's shape "
+                f"{list(stored[name].shape)} in the checkpoint"
+            )
+    pending = checkpoint.prepare(present)
+    where = checkpoint.url
+    mine = {
+        leaf.name: per_rank_value(own[leaf.name], f"{where}: per-rank object {leaf.name!r} of rank {rank}")
+        for leaf in leaves
+        if isinstance(leaf.value, PerRank) and leaf.name in own
+    }
+
+    def assign() -> None:
+        for leaf in leaves:
+            if isinstance(leaf.value, PerRank) and leaf.name in mine:
+                leaf.value.value = mine[leaf.name]
+            elif leaf.is_plain and leaf.name in shared:
+                leaf.assign(shared[leaf.name])
+
+    return pending, assign
+
+
+def _is_optional(name: str, optional: Sequence[str]) -> bool:
+    return any(name == prefix or name.startswith(prefix + ".") for prefix in optional)

@@ -1,0 +1,693 @@
+"""Opening a committed checkpoint and reading any box of any tensor, verifying every byte it reads.
+
+open() checks COMMITTED and the manifest's checksum; reads go planner -> coalesced range reads (concurrent,
+bounded bytes in flight, into one reused buffer) -> block checksums from the file's local manifest -> strided
+copies into destinations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import crc32c
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from shardckpt.read import fetching
+from shardckpt.errors import (
+    FormatError,
+    IntegrityError,
+    NotCommittedError,
+    NotFoundError,
+    ShardckptError,
+    ShardckptUsageError,
+    StorageError,
+    TruncatedError,
+)
+from shardckpt.format import layout, limits
+from shardckpt.format.dtypes import itemsize
+from shardckpt.format.local_manifest import LocalManifest, decode_local_manifest
+from shardckpt.format.manifest import (
+    CommitMarker,
+    GlobalManifest,
+    TensorEntry,
+    crc32c_of,
+    decode_commit_marker,
+    decode_global_manifest,
+)
+from shardckpt.planner import Box, ReadPlan, ReadRequest, Target, VerifySpan, check_cover, plan_reads
+from shardckpt.planner.box import box_as_flat_range, linear_index
+from shardckpt.planner.execute import apply_copy
+from shardckpt.planner.plan import DEFAULT_MAX_GAP, DEFAULT_MAX_REQUEST, RESIDENT_MAX_REQUEST
+from shardckpt.storage import RangeReader, Storage, open_storage
+from shardckpt.torch_bytes import host_staging, torch_dtype, writable_bytes
+
+DEFAULT_MAX_IN_FLIGHT = 256 << 20
+ByteArray = npt.NDArray[np.uint8]
+
+
+class TensorInfo(NamedTuple):
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ReadStats:
+    needed_bytes: int
+    fetched_bytes: int
+    requests: int
+    seconds: float
+
+
+def read_marker_bytes(storage: Storage) -> bytes | None:
+    """The raw COMMITTED marker, or None when the checkpoint is not committed."""
+    try:
+        return storage.read_small(layout.COMMITTED, limits.MAX_COMMIT_MARKER_BYTES)
+    except NotFoundError:
+        return None
+
+
+def read_commit_marker(storage: Storage) -> CommitMarker | None:
+    raw = read_marker_bytes(storage)
+    return None if raw is None else decode_commit_marker(raw, storage.describe(layout.COMMITTED))
+
+
+def read_global_manifest(storage: Storage, marker: CommitMarker) -> GlobalManifest:
+    """The manifest COMMITTED points at, after checking its size and CRC32C against the marker."""
+    raw = storage.read_small(marker.manifest, limits.MAX_GLOBAL_MANIFEST_BYTES)
+    return verify_global_manifest(raw, marker, storage.describe(marker.manifest))
+
+
+def verify_global_manifest(raw: bytes, marker: CommitMarker, where: str) -> GlobalManifest:
+    """Check manifest bytes (read here or received from a peer) against COMMITTED, then decode them."""
+    if len(raw) != marker.manifest_size or crc32c_of(raw) != marker.manifest_crc32c:
+        raise IntegrityError(
+            f"{where}: {len(raw)} bytes with CRC32C {crc32c_of(raw):#010x}, but COMMITTED promises "
+            f"{marker.manifest_size} bytes with CRC32C {marker.manifest_crc32c:#010x}"
+        )
+    manifest = decode_global_manifest(raw, where)
+    if (manifest.attempt, manifest.world_size, manifest.step) != (marker.attempt, marker.world_size, marker.step):
+        raise FormatError(
+            f"{where}: attempt {manifest.attempt}, {manifest.world_size} ranks, step {manifest.step} disagree with "
+            f"COMMITTED (attempt {marker.attempt}, {marker.world_size} ranks, step {marker.step})"
+        )
+    return manifest
+
+
+class FileIndex:
+    """One data file's local manifest as a lookup: piece offsets (file order), sizes, first block, checksums."""
+
+    def __init__(self, local: LocalManifest) -> None:
+        self.local = local
+        self.offsets, self.sizes, self.crcs = local.pieces.offset, local.pieces.nbytes, local.crc32c
+        blocks = -(-self.sizes // local.block_size)
+        self.first_block = np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64) if blocks.size else blocks
+
+    def find(self, entry: TensorEntry, piece: int) -> int | str:
+        """Position of piece `piece` of `entry` in this file, or why the local manifest does not hold it."""
+        offset = int(entry.pieces.offset[piece])
+        position = int(np.searchsorted(self.offsets, offset))
+        if position >= self.offsets.size or self.offsets[position] != offset:
+            return f"the local manifest has no piece at byte {offset}"
+        spec = self.local.tensors[int(self.local.pieces.tensor[position])]
+        first = int(self.local.pieces.position[position])
+        start = tuple(self.local.pieces.start[first : first + spec.k].tolist())
+        length = tuple(self.local.pieces.length[first : first + spec.k].tolist())
+        if spec.layout != entry.layout:  # stored as a box by this rank, described as an element range globally
+            flat = box_as_flat_range(spec.shape, start, length)
+            start, length = ((flat[0],), (flat[1],)) if flat else (start, length)
+        wanted = (tuple(entry.pieces.start[piece].tolist()), tuple(entry.pieces.length[piece].tolist()))
+        if (spec.name, spec.dtype, spec.shape, start, length) != (entry.name, entry.dtype, entry.shape, *wanted):
+            return (
+                f"the piece at byte {offset} is {spec.name!r} {spec.dtype} {list(spec.shape)} start {list(start)} "
+                f"length {list(length)} in the local manifest, but start {list(wanted[0])} length "
+                f"{list(wanted[1])} of {entry.name!r} {entry.dtype} {list(entry.shape)} in the global manifest"
+            )
+        return position
+
+
+RESIDENT_PROBES = 8  # requests probed to decide whether a plan's bytes are in memory already
+
+# How far past the request being read the ordered reader announces ranges that do not follow on (a disk serves a
+# jump at full speed only when it is asked early; sequential runs are left to the kernel's own read-ahead).
+PREFETCH_AHEAD = 16 << 20
+
+
+class Checkpoint:
+    """A committed checkpoint opened for reading. Use `shardckpt.open(url)`.
+
+    It keeps one read buffer for its lifetime (a few requests' worth, never more than max_in_flight or the largest
+    request): faulted in once, reused by every read, so reads do not pay page faults on fresh memory.
+    """
+
+    def __init__(
+        self,
+        storage: Storage,
+        marker: CommitMarker,
+        manifest: GlobalManifest,
+        *,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        max_gap: int = DEFAULT_MAX_GAP,
+        max_request: int | None = None,
+    ) -> None:
+        """max_request: the largest range read; None picks it per read (DEFAULT_MAX_REQUEST from storage,
+        RESIDENT_MAX_REQUEST when the storage says the bytes are in memory already)."""
+        self.storage, self.marker, self.manifest = storage, marker, manifest
+        self.url = storage.url
+        self.max_in_flight, self.max_gap, self.max_request = max_in_flight, max_gap, max_request
+        self._checked: set[str] = set()
+        self._indexes: dict[int, FileIndex] = {}
+        self._index_failures: dict[int, ShardckptError] = {}
+        self._sized: set[int] = set()
+        self._lock = threading.Lock()
+        self._positions: dict[tuple[int, str, int], int] = {}
+        self._buffer: ByteArray | None = None  # the read buffer, faulted in once and reused by every read
+        self._buffer_busy = False
+
+    # ------------------------------------------------------------------------------------- description
+
+    @property
+    def tensors(self) -> dict[str, TensorInfo]:
+        return {e.name: TensorInfo(e.shape, torch_dtype(e.dtype), e.nbytes) for e in self.manifest.tensors}
+
+    @property
+    def objects(self) -> dict[str, Any]:
+        """Values shared by all ranks."""
+        return {o.name: o.value for o in self.manifest.objects if o.rank is None}
+
+    def rank_objects(self, rank: int) -> dict[str, Any]:
+        """Values saved by `rank` for itself (RNG state and the like)."""
+        return {o.name: o.value for o in self.manifest.objects if o.rank == rank}
+
+    @property
+    def step(self) -> int | None:
+        return self.manifest.step
+
+    def entry(self, name: str) -> TensorEntry:
+        """The manifest entry of `name`, with its pieces range- and coverage-checked on first use."""
+        entry = self.manifest.tensor(name)
+        if entry is None:
+            raise ShardckptUsageError(f"tensor {name!r} is not in {self.url}")
+        if name not in self._checked:
+            check_cover(name, entry.shape, entry.layout, entry.pieces.start, entry.pieces.length)
+            if entry.numel == 0:
+                self._check_declared(entry)
+            self._checked.add(name)
+        return entry
+
+    def _check_declared(self, entry: TensorEntry) -> None:
+        """A tensor without elements has no piece to check against a local manifest, so check the rank that
+        declares it (SPEC: at least one does): dtype and shape must agree there too. Reads local manifests until
+        one declares it; cached, and only for empty tensors."""
+        for file in range(len(self.manifest.files)):
+            declared = next((t for t in self.file_index(file).local.tensors if t.name == entry.name), None)
+            if declared is None:
+                continue
+            if (declared.dtype, declared.shape, declared.layout) != (entry.dtype, entry.shape, entry.layout):
+                raise IntegrityError(
+                    f"{self.storage.describe(self.manifest.files[file].index)}: tensor {entry.name!r} is "
+                    f"{declared.dtype} {list(declared.shape)} ({declared.layout}) there, but {entry.dtype} "
+                    f"{list(entry.shape)} ({entry.layout}) in the global manifest"
+                )
+            return
+        raise FormatError(f"{self.url}: no local manifest declares the empty tensor {entry.name!r} (SPEC 6.1)")
+
+    # --------------------------------------------------------------------------------------- planning
+
+    def plan(self, wanted: Mapping[str, Sequence[tuple[Sequence[int], Sequence[int]]]]) -> ReadPlan:
+        """Plan reads of {name: [(offsets, shape), ...]}: which byte ranges of which files, nothing else."""
+        targets = [
+            Target(name, Box(tuple(int(o) for o in offsets), tuple(int(s) for s in shape)))
+            for name, boxes in wanted.items()
+            for offsets, shape in boxes
+        ]
+        return self._plan(targets)
+
+    def _plan(self, targets: Sequence[Target]) -> ReadPlan:
+        entries = {t.name: self.entry(t.name) for t in targets}
+
+        def plan(max_request: int) -> ReadPlan:
+            return plan_reads(
+                entries, targets, block_size=self.manifest.block_size, max_gap=self.max_gap, max_request=max_request
+            )
+
+        if self.max_request is not None:
+            return plan(self.max_request)
+        planned = plan(DEFAULT_MAX_REQUEST)
+        if len(planned.requests) > 1 and self._resident(planned):
+            return plan(RESIDENT_MAX_REQUEST)
+        return planned
+
+    def _resident(self, plan: ReadPlan) -> bool:
+        """Whether the plan's bytes are in memory already, judged by probing the start and middle of up to
+        RESIDENT_PROBES of its requests, spread over the plan."""
+        requests = plan.requests
+        step = max(1, len(requests) // RESIDENT_PROBES)
+        files = self.manifest.files
+        places = [
+            (files[r.file].data, offset) for r in requests[::step] for offset in (r.start, (r.start + r.end) // 2)
+        ]
+        return self.storage.resident(places) is True
+
+    # ---------------------------------------------------------------------------------------- reading
+
+    def read(self, name: str, offsets: Sequence[int] | None = None, shape: Sequence[int] | None = None) -> torch.Tensor:
+        """Box (`offsets`, `shape`) of tensor `name` (default: all of it) as a new tensor, bit-exact."""
+        began = time.perf_counter()
+        entry = self.entry(name)
+        box_offsets = tuple(int(o) for o in offsets) if offsets is not None else (0,) * len(entry.shape)
+        box_shape = (
+            tuple(int(s) for s in shape)
+            if shape is not None
+            else tuple(d - o for d, o in zip(entry.shape, box_offsets))
+        )
+        if len(box_offsets) != len(entry.shape) or len(box_shape) != len(entry.shape):
+            raise ShardckptUsageError(
+                f"tensor {name!r} has {len(entry.shape)} dimensions; offsets {list(box_offsets)} and shape "
+                f"{list(box_shape)} must have as many"
+            )
+        if any(o < 0 for o in box_offsets) or any(s < 0 for s in box_shape):
+            raise ShardckptUsageError(
+                f"tensor {name!r}: offsets {list(box_offsets)} and shape {list(box_shape)} must be non-negative"
+            )
+        box = Box(box_offsets, box_shape)
+        # Plan and check the chain (local manifests, data sizes, piece identity) before allocating what the
+        # manifest declares: a hostile size then fails as the lie it is, not as an allocation.
+        self._check_pieces(entry, box)
+        plan = self._plan([Target(name, box)])
+        self.preflight(plan)
+        out = _allocate(name, box_shape, entry.dtype)
+        view = writable_bytes(out)
+        PendingRead(self, plan, [view if view is not None else np.zeros(0, np.uint8)], [], began).apply()
+        return out
+
+    def read_into(self, items: Sequence[tuple[str, Box, torch.Tensor]], *, verify_first: bool = False) -> ReadStats:
+        """Fill each destination tensor with box `Box` of its tensor; all reads planned and coalesced together.
+
+        No destination byte is written before every destination, the coverage of every tensor read and every local
+        manifest the reads need are checked, and no byte is copied before its block's checksum is. verify_first:
+        fetch and verify every byte before writing any (holds the fetched bytes, about the destinations' size, in
+        memory); otherwise each read request is copied once all its blocks verify, and a failure leaves earlier
+        copies.
+        """
+        pending = self.prepare(items)
+        if verify_first:
+            pending.fetch()
+        return pending.apply()
+
+    def prepare(self, items: Sequence[tuple[str, Box, torch.Tensor]]) -> PendingRead:
+        """Plan a read into destination tensors and check everything but the data bytes; writes nothing."""
+        began = time.perf_counter()
+        targets, buffers, fixups = [], [], []
+        for name, box, tensor in items:
+            entry = self.entry(name)
+            if tuple(tensor.shape) != box.shape or tensor.dtype != torch_dtype(entry.dtype):
+                raise ShardckptUsageError(
+                    f"tensor {name!r}: destination is {tensor.dtype} {list(tensor.shape)}, the checkpoint holds "
+                    f"{torch_dtype(entry.dtype)} and the box {box} has shape {list(box.shape)}"
+                )
+            view = writable_bytes(tensor)
+            if view is None:  # GPU (pinned staging), non-contiguous or empty: read into host memory, copy once
+                staging = host_staging(box.shape, tensor.dtype, tensor.device)
+                view = writable_bytes(staging)
+                fixups.append((tensor, staging))
+            targets.append(Target(name, box))
+            buffers.append(view if view is not None else np.zeros(0, np.uint8))
+        plan = self._plan(targets)
+        self.preflight(plan)
+        return PendingRead(self, plan, buffers, fixups, began)
+
+    def execute(self, plan: ReadPlan, destinations: Sequence[ByteArray]) -> None:
+        """Fetch the plan's requests, at most max_in_flight bytes at a time; verify each, then copy it."""
+        self.preflight(plan)
+        self.stream(plan, destinations)
+
+    def stream(self, plan: ReadPlan, destinations: Sequence[ByteArray]) -> None:
+        """execute() without the preflight (done already): fetch, verify and copy, at most max_in_flight bytes
+        fetched and not yet copied (a larger request alone).
+
+        Worker threads each read a request into a slot of one reused buffer, verify it and copy it out while the
+        next requests are read. Batched backends (object stores) fetch whole waves instead, then verify and copy.
+        """
+        if self.storage.batched_reads:
+            for wave in self.waves(plan):
+                for request, fetched in self.fetch_wave(wave):
+                    self.copy(request, fetched, destinations)
+            return
+
+        def finish(request: ReadRequest, slot: ByteArray) -> None:
+            self.verify(request, slot)
+            self.copy(request, slot, destinations)  # this request's blocks all matched their checksums
+
+        workers = self._workers(len(plan.requests))
+        ordered = self.storage.ordered_reads
+        # Ordered: this thread reads while the workers finish, so the ring holds a slot for it too.
+        size = fetching.ring_size(plan.requests, self.max_in_flight, workers + ordered)
+        with (
+            self.storage.reader() as reader,
+            self._read_buffer(size) as buffer,
+            ThreadPoolExecutor(max_workers=workers) as pool,
+        ):
+            read = functools.partial(self.read_request, reader)
+            files, requests = self.manifest.files, plan.requests
+            hinted = [0]  # requests up to this number have been hinted (or need no hint)
+
+            def prefetch(number: int) -> None:
+                """Hint the requests within PREFETCH_AHEAD bytes after this one that jump (read-ahead misses them)."""
+                ahead, following = 0, number + 1
+                while following < len(requests) and ahead < PREFETCH_AHEAD:
+                    if following > hinted[0]:
+                        before, request = requests[following - 1], requests[following]
+                        if request.file != before.file or request.start != before.end:
+                            reader.prefetch(files[request.file].data, request.start, request.size)
+                        hinted[0] = following
+                    ahead += requests[following].size
+                    following += 1
+
+            fetching.stream(
+                plan.requests, buffer, self.max_in_flight, pool, read, finish, ordered=ordered, prefetch=prefetch
+            )
+
+    def preflight(self, plan: ReadPlan) -> None:
+        """Read and check every local manifest the plan needs and find each piece there, before any data byte."""
+        files = sorted({request.file for request in plan.requests})
+        with ThreadPoolExecutor(max_workers=max(1, min(self.storage.read_threads, len(files)))) as pool:
+            list(pool.map(self.file_index, files))
+            list(pool.map(self._check_data_size, files))
+        for request in plan.requests:
+            for span in request.verify:
+                self._position(request.file, span)
+
+    def waves(self, plan: ReadPlan) -> Iterator[list[ReadRequest]]:
+        """The plan's requests in groups of at most max_in_flight bytes (a larger request alone)."""
+        wave: list[ReadRequest] = []
+        in_flight = 0
+        for request in plan.requests:
+            if wave and in_flight + request.size > self.max_in_flight:
+                yield wave
+                wave, in_flight = [], 0
+            wave.append(request)
+            in_flight += request.size
+        if wave:
+            yield wave
+
+    def fetch_wave(self, wave: list[ReadRequest]) -> list[tuple[ReadRequest, ByteArray]]:
+        """Read a wave's ranges concurrently and verify every block of them; nothing is copied."""
+        files = self.manifest.files
+        try:
+            blobs = self.storage.read_ranges([(files[r.file].data, r.start, r.end) for r in wave])
+        except TruncatedError as exc:
+            names = sorted({span.tensor for r in wave for span in r.verify})
+            raise IntegrityError(f"{exc} while reading tensors {names[:5]}") from exc
+        fetched_wave = []
+        for request, blob in zip(wave, blobs):
+            if len(blob) != request.size:
+                raise IntegrityError(
+                    f"{self.storage.describe(files[request.file].data)}: short read of bytes "
+                    f"{request.start}:{request.end} (got {len(blob)})"
+                )
+            fetched = np.frombuffer(blob, dtype=np.uint8)
+            self.verify(request, fetched)
+            fetched_wave.append((request, fetched))
+        return fetched_wave
+
+    def read_request(self, reader: RangeReader, request: ReadRequest, slot: ByteArray) -> None:
+        """Read one request's bytes into `slot` (request.size bytes) through `reader`; nothing is verified yet."""
+        path = self.manifest.files[request.file].data
+        try:
+            reader.read_into(path, request.start, slot.data)
+        except TruncatedError as exc:
+            names = sorted({span.tensor for span in request.verify})
+            raise IntegrityError(f"{exc} while reading tensors {names[:5]}") from exc
+
+    def verify(self, request: ReadRequest, fetched: ByteArray) -> None:
+        """Check every block of a request's bytes against its checksum; IntegrityError on the first mismatch."""
+        for span in request.verify:
+            self._verify(request.file, span, fetched, request.start)
+
+    @staticmethod
+    def copy(request: ReadRequest, fetched: ByteArray, destinations: Sequence[ByteArray]) -> None:
+        for copy in request.copies:
+            apply_copy(copy, fetched, request.start, destinations[copy.target])
+
+    def _workers(self, jobs: int) -> int:
+        """Threads for `jobs` reads: the backend's read concurrency, but no more than the cores left for checksums
+        and copies (extra threads only contend for them and for the GIL); with ordered reads, the reading thread
+        keeps a core busy itself."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(1, min(self.storage.read_threads, cores - self.storage.ordered_reads, jobs))
+
+    def worker_pool(self, jobs: int) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(max_workers=self._workers(jobs))
+
+    @contextlib.contextmanager
+    def _read_buffer(self, size: int) -> Iterator[ByteArray]:
+        """This checkpoint's read buffer (grown to `size` bytes if smaller), or a private one while it is in use."""
+        with self._lock:
+            buffer, busy = self._buffer, self._buffer_busy
+            self._buffer_busy = True
+        if busy:
+            yield fetching.allocate(size)
+            return
+        try:
+            if buffer is None or buffer.size < size:
+                buffer = self._buffer = None  # free the old one before touching the new one
+                buffer = self._buffer = fetching.allocate(size)
+            yield buffer[:size]
+        finally:
+            with self._lock:
+                self._buffer_busy = False
+
+    # ------------------------------------------------------------------------------------- integrity
+
+    def file_index(self, file: int) -> FileIndex:
+        """File `file`'s checked local manifest, read once: a failure is remembered and raised again, not re-read."""
+        with self._lock:
+            index, failure = self._indexes.get(file), self._index_failures.get(file)
+        if failure is not None:
+            raise type(failure)(*failure.args)
+        if index is None:
+            try:
+                index = self._load_index(file)
+            except ShardckptError as exc:
+                with self._lock:
+                    self._index_failures[file] = exc
+                raise
+            with self._lock:
+                self._indexes[file] = index
+        return index
+
+    def _load_index(self, file: int) -> FileIndex:
+        entry = self.manifest.files[file]
+        where = self.storage.describe(entry.index)
+        raw = self.storage.read_small(entry.index, limits.MAX_LOCAL_MANIFEST_BYTES)
+        if len(raw) != entry.index_size or crc32c_of(raw) != entry.index_crc32c:
+            raise IntegrityError(
+                f"{where}: {len(raw)} bytes with CRC32C {crc32c_of(raw):#010x}, but the global manifest promises "
+                f"{entry.index_size} bytes with CRC32C {entry.index_crc32c:#010x}"
+            )
+        local = decode_local_manifest(raw, where)
+        if (local.attempt, local.rank, local.world_size, local.data, local.data_size, local.block_size) != (
+            self.manifest.attempt,
+            entry.rank,
+            self.manifest.world_size,
+            entry.data,
+            entry.data_size,
+            self.manifest.block_size,
+        ):
+            raise FormatError(f"{where}: does not describe {entry.data} of attempt {self.manifest.attempt}")
+        # decode_local_manifest checked that pieces are in file order, packed, and that checksums count right.
+        return FileIndex(local)
+
+    def _check_data_size(self, file: int) -> None:
+        """A data file of another size than the manifest says is truncated or has grown: refuse it (once per file)."""
+        if file in self._sized:
+            return
+        entry = self.manifest.files[file]
+        actual = self.storage.size(entry.data)
+        if actual != entry.data_size:
+            kind = "truncated" if actual < entry.data_size else "has trailing bytes"
+            raise IntegrityError(
+                f"{self.storage.describe(entry.data)} {kind}: {actual} bytes, the manifest says {entry.data_size}"
+            )
+        with self._lock:
+            self._sized.add(file)
+
+    def _position(self, file: int, span: VerifySpan) -> int:
+        """Where the span's piece sits in its file's local manifest (checked once, then remembered)."""
+        return self._piece_position(file, span.tensor, span.piece)
+
+    def _piece_position(self, file: int, tensor: str, piece: int) -> int:
+        key = (file, tensor, piece)
+        position = self._positions.get(key)
+        if position is not None:
+            return position
+        found = self.file_index(file).find(self.entry(tensor), piece)
+        if isinstance(found, str):
+            path = self.storage.describe(self.manifest.files[file].data)
+            raise IntegrityError(f"{path}: tensor {tensor!r}: {found}")
+        self._positions[key] = found
+        return found
+
+    def _check_pieces(self, entry: TensorEntry, box: Box) -> None:
+        """Check the chain for every piece that overlaps `box` (local manifest, data file size, piece identity),
+        in time proportional to those pieces: before planning or allocating anything sized by the manifest."""
+        if box.volume == 0:
+            return
+        file, _, start, length = entry.pieces.arrays()
+        if entry.layout == "flat":
+            lo, hi = (
+                linear_index(entry.shape, box.offsets),
+                linear_index(entry.shape, tuple(e - 1 for e in box.end)) + 1,
+            )
+            hit = np.nonzero((start[:, 0] < hi) & (start[:, 0] + length[:, 0] > lo))[0]
+        else:
+            wanted_lo, wanted_hi = np.array(box.offsets, dtype=np.int64), np.array(box.end, dtype=np.int64)
+            hit = np.nonzero(((start < wanted_hi) & (start + length > wanted_lo)).all(axis=1))[0]
+        for number in np.unique(file[hit]).tolist():
+            self.file_index(int(number))
+            self._check_data_size(int(number))
+        for piece in hit.tolist():
+            self._piece_position(int(file[piece]), entry.name, piece)
+
+    def _verify(self, file: int, span: VerifySpan, fetched: ByteArray, fetched_start: int) -> None:
+        index = self.file_index(file)
+        position = self._position(file, span)
+        block = self.manifest.block_size
+        first = (span.start - span.piece_offset) // block
+        last = -(-(span.end - span.piece_offset) // block)
+        base = int(index.first_block[position])
+        view = fetched.data
+        origin = span.piece_offset - fetched_start  # where the piece's first block would start in `fetched`
+        piece_end = origin + span.piece_size
+        # A tight loop: crc32c releases the GIL for each block, so several workers verify at once.
+        for number, expected in enumerate(index.crcs[base + first : base + last].tolist(), first):
+            lo = origin + number * block
+            actual = crc32c.crc32c(view[lo : min(lo + block, piece_end)])
+            if actual != expected:
+                lo, hi = lo + fetched_start, min(lo + block, piece_end) + fetched_start
+                path = self.storage.describe(self.manifest.files[file].data)
+                raise IntegrityError(
+                    f"{path}: tensor {span.tensor!r}: block {number} of the piece at byte {span.piece_offset} "
+                    f"(file bytes {lo}:{hi}) fails its checksum (stored {expected:#010x}, read {actual:#010x})"
+                )
+
+
+def _allocate(name: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+    """A host tensor for a read; an allocation failure is a typed error naming the tensor and the size."""
+    nbytes = math.prod(shape) * itemsize(dtype)
+    try:
+        return torch.empty(shape, dtype=torch_dtype(dtype))
+    except (RuntimeError, MemoryError) as exc:
+        raise ShardckptUsageError(
+            f"tensor {name!r}: cannot allocate {list(shape)} {dtype} ({nbytes} bytes): {exc}"
+        ) from None
+
+
+class PendingRead:
+    """A checked, planned read into destination tensors (from Checkpoint.prepare); nothing written yet.
+
+    fetch(): read and verify every byte, keeping them, still writing no destination. apply(): write the
+    destinations (from the kept bytes, or fetching, verifying and copying wave by wave when fetch() was not called).
+    """
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        plan: ReadPlan,
+        buffers: list[ByteArray],
+        fixups: list[tuple[torch.Tensor, torch.Tensor]],
+        began: float,
+    ) -> None:
+        self.checkpoint, self.plan, self._buffers, self._fixups, self._began = checkpoint, plan, buffers, fixups, began
+        self._fetched: list[tuple[ReadRequest, ByteArray]] | None = None
+
+    def fetch(self) -> None:
+        checkpoint, requests = self.checkpoint, self.plan.requests
+        fetched: list[tuple[ReadRequest, ByteArray]] = []
+        if checkpoint.storage.batched_reads:
+            for wave in checkpoint.waves(self.plan):
+                fetched.extend(checkpoint.fetch_wave(wave))
+        else:  # one buffer for everything (kept until apply), filled and verified by the workers
+            buffer = fetching.allocate(sum(request.size for request in requests))
+            position = 0
+            for request in requests:
+                fetched.append((request, buffer[position : position + request.size]))
+                position += request.size
+            slots, ordered = [slot for _, slot in fetched], checkpoint.storage.ordered_reads
+            with checkpoint.storage.reader() as reader, checkpoint.worker_pool(len(fetched)) as pool:
+                read = functools.partial(checkpoint.read_request, reader)
+                fetching.fetch_all(requests, slots, pool, read, checkpoint.verify, ordered=ordered)
+        self._fetched = fetched
+
+    def apply(self) -> ReadStats:
+        if self._fetched is None:
+            self.checkpoint.stream(self.plan, self._buffers)
+        else:
+            fetched, self._fetched = self._fetched, None
+            with self.checkpoint.worker_pool(len(fetched)) as pool:
+                copy, buffers = self.checkpoint.copy, self._buffers
+                fetching.run_all([functools.partial(copy, request, data, buffers) for request, data in fetched], pool)
+        for tensor, staging in self._fixups:
+            tensor.copy_(staging)
+        plan = self.plan
+        return ReadStats(plan.needed_bytes, plan.fetch_bytes, len(plan.requests), time.perf_counter() - self._began)
+
+
+@dataclass(frozen=True)
+class Opening:
+    """What opening a checkpoint reads, raw (to hand to other ranks) and checked: COMMITTED and the manifest."""
+
+    marker_raw: bytes
+    marker: CommitMarker
+    manifest_raw: bytes
+    manifest: GlobalManifest
+
+
+def read_opening(storage: Storage) -> Opening:
+    """Read COMMITTED and the global manifest it points at, each once, and check them; NotCommittedError if none."""
+    try:
+        marker_raw = read_marker_bytes(storage)
+        marker = None if marker_raw is None else decode_commit_marker(marker_raw, storage.describe(layout.COMMITTED))
+    except StorageError as exc:
+        raise StorageError(f"cannot read {storage.describe(layout.COMMITTED)}: {exc}") from exc
+    if marker_raw is None or marker is None:
+        raise NotCommittedError(
+            f"{storage.url} is not committed (no {layout.COMMITTED} marker): the save is incomplete, failed, "
+            "or still running"
+        )
+    manifest_raw = storage.read_small(marker.manifest, limits.MAX_GLOBAL_MANIFEST_BYTES)
+    manifest = verify_global_manifest(manifest_raw, marker, storage.describe(marker.manifest))
+    return Opening(marker_raw, marker, manifest_raw, manifest)
+
+
+def open_checkpoint(
+    url: str | Storage,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+    max_gap: int = DEFAULT_MAX_GAP,
+    max_request: int | None = None,
+) -> Checkpoint:
+    """Open the committed checkpoint at `url`; NotCommittedError if it has no COMMITTED marker."""
+    storage = open_storage(url, storage_options)
+    opening = read_opening(storage)
+    return Checkpoint(
+        storage,
+        opening.marker,
+        opening.manifest,
+        max_in_flight=max_in_flight,
+        max_gap=max_gap,
+        max_request=max_request,
+    )

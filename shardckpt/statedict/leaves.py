@@ -1,0 +1,161 @@
+"""From a flattened state dict to what this rank writes on save and fills on load.
+
+DTensors contribute their local box; plain tensors are replicated (written once, spread over ranks);
+FlatPartitions contribute flat pieces; PerRank values are kept per rank; other plain values are shared.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shardckpt.errors import FormatError
+from shardckpt.statedict.dtensor import is_dtensor, local_box
+from shardckpt.statedict.flat import FlatPartition
+from shardckpt.planner.box import Box
+from shardckpt.statedict.flatten import Leaf
+from shardckpt.torch_bytes import FORMAT_TO_TORCH, format_dtype, host_bytes
+
+
+@dataclass
+class PerRank:
+    """A value that each rank saves for itself (its RNG state, its data-loader worker position).
+
+    Plain values, and tensors anywhere inside them (torch.get_rng_state()), stored as per-rank objects; a load
+    sets `value` to this rank's (tensors come back on the CPU).
+    """
+
+    value: Any
+    shardckpt_leaf = True
+
+
+# A tensor inside a PerRank value is stored as the plain map {TENSOR_TAG: [dtype, shape, bytes]} (SPEC section 7
+# values have no tensor type); a load turns such a map back into a tensor.
+TENSOR_TAG = "__shardckpt_tensor__"
+
+
+def per_rank_plain(value: Any) -> Any:
+    """`value` with each tensor inside it replaced by its tagged plain map."""
+    if isinstance(value, torch.Tensor):
+        data = host_bytes(value).tobytes()
+        return {TENSOR_TAG: [format_dtype(value.dtype), list(value.shape), data]}
+    if isinstance(value, dict):
+        return {key: per_rank_plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [per_rank_plain(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(per_rank_plain(item) for item in value)
+    return value
+
+
+def per_rank_value(stored: Any, where: str) -> Any:
+    """A stored per-rank value with its tagged maps turned back into tensors (FormatError for a malformed one)."""
+    if isinstance(stored, dict) and set(stored) == {TENSOR_TAG}:
+        return _tensor_of(stored[TENSOR_TAG], where)
+    if isinstance(stored, dict):
+        return {key: per_rank_value(item, where) for key, item in stored.items()}
+    if isinstance(stored, list):
+        return [per_rank_value(item, where) for item in stored]
+    if isinstance(stored, tuple):
+        return tuple(per_rank_value(item, where) for item in stored)
+    return stored
+
+
+def _tensor_of(fields: Any, where: str) -> torch.Tensor:
+    if not (isinstance(fields, list) and len(fields) == 3 and isinstance(fields[0], str)):
+        raise FormatError(f"{where}: a {TENSOR_TAG} entry must be [dtype, shape, bytes]")
+    name, shape, data = fields
+    if name not in FORMAT_TO_TORCH:
+        raise FormatError(f"{where}: unknown tensor dtype {name!r}")
+    if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+        raise FormatError(f"{where}: tensor shape {shape!r} is not a list of non-negative integers")
+    dtype = FORMAT_TO_TORCH[name]
+    if not isinstance(data, bytes) or len(data) != math.prod(shape) * torch.empty((), dtype=dtype).element_size():
+        raise FormatError(f"{where}: {type(data).__name__} of the wrong size for a {name} tensor of shape {shape}")
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+
+
+@dataclass
+class StagedShard:
+    """A DTensor's local box copied to host memory for a background save (see staging.py)."""
+
+    local: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    writes: bool
+    shardckpt_leaf = True
+
+
+@dataclass
+class SaveItems:
+    pieces: list[tuple[str, torch.Tensor, dict[str, Any]]] = field(default_factory=list)  # (name, tensor, add kwargs)
+    objects: list[tuple[str, Any, bool]] = field(default_factory=list)  # (name, value, per_rank)
+
+
+def save_items(leaves: list[Leaf], rank: int, world_size: int) -> SaveItems:
+    """What `rank` writes: its DTensor boxes, its share of the replicated tensors, its flat pieces, objects."""
+    items = SaveItems()
+    replicated: list[tuple[str, torch.Tensor]] = []
+    for leaf in leaves:
+        value = leaf.value
+        if is_dtensor(value):
+            box = local_box(leaf.name, value)
+            if box.writes:
+                items.pieces.append((leaf.name, box.local, {"global_shape": box.global_shape, "offsets": box.offsets}))
+        elif isinstance(value, StagedShard):
+            if value.writes:
+                items.pieces.append(
+                    (leaf.name, value.local, {"global_shape": value.global_shape, "offsets": value.offsets})
+                )
+        elif isinstance(value, torch.Tensor):
+            replicated.append((leaf.name, value))
+        elif isinstance(value, FlatPartition):
+            for name, shape, first, piece in value.slices():
+                items.pieces.append((name, piece, {"global_shape": shape, "flat_offset": first}))
+        elif isinstance(value, PerRank):
+            items.objects.append((leaf.name, per_rank_plain(value.value), True))
+        else:
+            items.objects.append((leaf.name, value, False))
+    # Greedy balance, largest first, identical on every rank (same names and sizes everywhere).
+    load = [0] * world_size
+    for name, tensor in sorted(replicated, key=lambda item: (-item[1].numel() * item[1].element_size(), item[0])):
+        writer = min(range(world_size), key=lambda r: (load[r], r))
+        load[writer] += max(tensor.numel() * tensor.element_size(), 1)
+        if writer == rank:
+            items.pieces.append((name, tensor, {}))
+    return items
+
+
+def destination_shapes(leaves: list[Leaf]) -> list[tuple[str, tuple[int, ...], str]]:
+    """(tensor name, global shape, kind) of every tensor destination: a load fills whole tensors only, so each
+    global shape must be the stored one (a sub-box is Checkpoint.read's job)."""
+    shapes: list[tuple[str, tuple[int, ...], str]] = []
+    for leaf in leaves:
+        value = leaf.value
+        if is_dtensor(value):
+            shapes.append((leaf.name, tuple(int(d) for d in value.shape), "DTensor"))
+        elif isinstance(value, torch.Tensor):
+            shapes.append((leaf.name, tuple(value.shape), "tensor"))
+        elif isinstance(value, FlatPartition):
+            shapes.extend((name, tuple(shape), "flat partition") for name, shape in value.params)
+    return shapes
+
+
+def load_items(leaves: list[Leaf]) -> list[tuple[str, Box, torch.Tensor]]:
+    """(tensor name, box, destination) for every tensor this rank holds: its shards, whole tensors, flat slices."""
+    items: list[tuple[str, Box, torch.Tensor]] = []
+    for leaf in leaves:
+        value = leaf.value
+        if is_dtensor(value):
+            box = local_box(leaf.name, value)
+            items.append((leaf.name, Box(box.offsets, tuple(box.local.shape)), box.local))
+        elif isinstance(value, torch.Tensor):
+            items.append((leaf.name, Box.full(tuple(value.shape)), value))
+        elif isinstance(value, FlatPartition):
+            items.extend(value.boxes())
+    return items

@@ -1,0 +1,222 @@
+"""Exporting model weights as Hugging Face sharded safetensors, streamed tensor by tensor under a memory bound.
+
+Writes `model-0000k-of-0000n.safetensors` files and `model.safetensors.index.json`, the layout HF tools read.
+
+Each output file's header is computed from the manifest alone (names, shapes, dtypes), written first, and then
+every tensor's bytes follow in row-major chunks read (and dtype-converted) one at a time, so no tensor is ever
+whole in memory. The index is written last: an export without its index is incomplete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shardckpt.errors import AlreadyExistsError, ShardckptUsageError
+from shardckpt.format.dtypes import itemsize
+from shardckpt.read.checkpoint import Checkpoint
+from shardckpt.storage import Storage, open_storage
+from shardckpt.read.streaming import arena_view, chunk_arena, chunk_elements, open_streaming, read_chunks
+from shardckpt.torch_bytes import host_bytes, torch_dtype
+
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_INCLUDE = r"^model\."
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # what transformers' save_pretrained uses ("5GB")
+DEFAULT_MEMORY_LIMIT = 1 << 30
+DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
+FLOATING = frozenset({"F16", "BF16", "F32", "F64"})  # converted by --dtype; integer and bool tensors keep theirs
+
+
+@dataclass(frozen=True)
+class ExportedTensor:
+    source: str  # name in the checkpoint
+    name: str  # name in the export
+    dtype: str  # format dtype written
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class ExportShard:
+    file: str
+    tensors: tuple[ExportedTensor, ...]  # in the order their bytes are written
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclass
+class ExportReport:
+    url: str
+    out: str
+    shards: list[ExportShard] = field(default_factory=list)  # the files written, in order
+    seconds: float = 0.0
+
+    @property
+    def tensors(self) -> int:
+        return sum(len(shard.tensors) for shard in self.shards)
+
+    @property
+    def total_size(self) -> int:
+        return sum(shard.nbytes for shard in self.shards)
+
+
+def select_tensors(
+    checkpoint: Checkpoint,
+    *,
+    dtype: str | None = None,
+    include: str | None = None,
+    exclude: str | None = None,
+    strip_prefix: str = "",
+) -> list[ExportedTensor]:
+    """The tensors to export, in manifest order: names matching `include` (default: under `model.`), not `exclude`.
+
+    `dtype` (bf16, fp16, fp32) converts floating-point tensors; `strip_prefix` is cut from names that start with it.
+    """
+    if dtype is not None and dtype not in DTYPES:
+        raise ShardckptUsageError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    wanted = re.compile(include if include is not None else DEFAULT_INCLUDE)
+    unwanted = re.compile(exclude) if exclude else None
+    chosen: list[ExportedTensor] = []
+    names: dict[str, str] = {}
+    for entry in checkpoint.manifest.tensors:
+        if not wanted.search(entry.name) or (unwanted is not None and unwanted.search(entry.name)):
+            continue
+        name = entry.name[len(strip_prefix) :] if strip_prefix and entry.name.startswith(strip_prefix) else entry.name
+        if not name or name == "__metadata__":
+            raise ShardckptUsageError(f"tensor {entry.name!r} would be exported as {name!r}, which safetensors forbids")
+        if name in names:
+            raise ShardckptUsageError(f"tensors {names[name]!r} and {entry.name!r} would both be exported as {name!r}")
+        names[name] = entry.name
+        written = DTYPES[dtype] if dtype is not None and entry.dtype in FLOATING else entry.dtype
+        chosen.append(ExportedTensor(entry.name, name, written, entry.shape))
+    if not chosen:
+        raise ShardckptUsageError(
+            f"no tensor of {checkpoint.url} matches include {wanted.pattern!r}"
+            + (f" and exclude {unwanted.pattern!r}" if unwanted else "")
+            + "; pass --include REGEX to choose others"
+        )
+    return chosen
+
+
+def plan_shards(tensors: list[ExportedTensor], max_shard_size: int) -> list[ExportShard]:
+    """Fill files in order up to max_shard_size bytes (a larger tensor gets a file of its own), as transformers does.
+
+    Within a file, tensors with larger elements come first, so every tensor starts aligned to its element size.
+    """
+    if max_shard_size < 1:
+        raise ShardckptUsageError(f"max shard size must be positive, got {max_shard_size}")
+    groups: list[list[ExportedTensor]] = [[]]
+    size = 0
+    for tensor in tensors:
+        if groups[-1] and size + tensor.nbytes > max_shard_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(tensor)
+        size += tensor.nbytes
+    count = len(groups)
+    return [
+        ExportShard(
+            f"model-{number:05d}-of-{count:05d}.safetensors",
+            tuple(sorted(group, key=lambda t: -itemsize(t.dtype))),
+        )
+        for number, group in enumerate(groups, start=1)
+    ]
+
+
+def shard_header(shard: ExportShard) -> bytes:
+    """The safetensors header of an output file: u64 length, then JSON padded with spaces to a multiple of 8."""
+    entries: dict[str, Any] = {"__metadata__": {"format": "pt"}}  # transformers refuses files without it
+    position = 0
+    for tensor in shard.tensors:
+        entries[tensor.name] = {
+            "dtype": tensor.dtype,
+            "shape": list(tensor.shape),
+            "data_offsets": [position, position + tensor.nbytes],
+        }
+        position += tensor.nbytes
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+def index_document(shards: list[ExportShard]) -> bytes:
+    weight_map = {tensor.name: shard.file for shard in shards for tensor in shard.tensors}
+    index = {"metadata": {"total_size": sum(s.nbytes for s in shards)}, "weight_map": weight_map}
+    return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+
+
+def export_hf_safetensors(
+    url: str | Storage,
+    out: str | Storage,
+    *,
+    dtype: str | None = None,
+    include: str | None = None,
+    exclude: str | None = None,
+    strip_prefix: str = "",
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    memory_limit: int = DEFAULT_MEMORY_LIMIT,
+    storage_options: dict[str, Any] | None = None,
+    out_options: dict[str, Any] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> ExportReport:
+    """Export the selected tensors of the checkpoint at `url` into the directory `out` (which must hold no export).
+
+    Tensor data in memory stays under `memory_limit` bytes (manifests and the interpreter come on top).
+    `progress(nbytes, total)` is called as output bytes are written.
+    """
+    began = time.perf_counter()
+    checkpoint = open_streaming(url, memory_limit, storage_options=storage_options)
+    shards = plan_shards(
+        select_tensors(checkpoint, dtype=dtype, include=include, exclude=exclude, strip_prefix=strip_prefix),
+        max_shard_size,
+    )
+    target = open_storage(out, out_options)
+    existing = [name for name in target.list() if name.endswith(".safetensors") or name == INDEX_FILE]
+    if existing:
+        raise AlreadyExistsError(f"{target.url} already holds an export ({existing[0]}); export into a new directory")
+    total = sum(shard.nbytes for shard in shards)
+    report = ExportReport(checkpoint.url, target.url)
+    arena = chunk_arena(memory_limit)
+    for shard in shards:
+        with target.open_new(shard.file) as handle:
+            handle.write(shard_header(shard))
+            for tensor in shard.tensors:
+                _write_tensor(checkpoint, tensor, handle, arena, total, progress)
+        report.shards.append(shard)
+    target.write_new(INDEX_FILE, index_document(shards))
+    report.seconds = time.perf_counter() - began
+    return report
+
+
+def _write_tensor(
+    checkpoint: Checkpoint,
+    tensor: ExportedTensor,
+    handle: Any,
+    arena: torch.Tensor,
+    total: int,
+    progress: Callable[[int, int], None] | None,
+) -> None:
+    stored = checkpoint.entry(tensor.source).dtype
+    converts = stored != tensor.dtype
+    per_element = itemsize(stored) + (itemsize(tensor.dtype) if converts else 0)
+    elements = chunk_elements(checkpoint, arena, per_element)
+    converted = None
+    if converts:  # the converted chunk lives in the arena too, after the chunk read from the checkpoint
+        converted, _ = arena_view(arena, elements * itemsize(stored), elements, torch_dtype(tensor.dtype))
+    for chunk in read_chunks(checkpoint, tensor.source, elements, arena):
+        data = chunk if converted is None else converted[: chunk.numel()].copy_(chunk)
+        handle.write(memoryview(host_bytes(data)))  # type: ignore[arg-type]  # numpy arrays are buffers
+        if progress is not None:
+            progress(data.numel() * data.element_size(), total)

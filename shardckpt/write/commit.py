@@ -1,0 +1,283 @@
+"""The commit: gather every rank's local manifest, prove exact coverage, write the global manifest, then COMMITTED.
+
+(coordinator only) 1. read or receive the W local manifests of one attempt and check each against its data file;
+2. validate: same dtype/shape/layout on every rank, pieces cover every tensor exactly once;
+3. write manifest-<attempt>.msgpack (create-only); 4. create COMMITTED atomically — always the last write.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from shardckpt.crashpoints import crash_point
+from shardckpt.errors import (
+    AlreadyExistsError,
+    CommitConflictError,
+    CoverageError,
+    FormatError,
+    IntegrityError,
+    NotFoundError,
+)
+from shardckpt.format import layout, limits
+from shardckpt.format.local_manifest import LocalManifest, decode_local_manifest
+from shardckpt.format.manifest import (
+    CommitMarker,
+    FileEntry,
+    GlobalManifest,
+    crc32c_of,
+    decode_global_manifest,
+    encode_commit_marker,
+    encode_global_manifest,
+)
+from shardckpt.write.merge import merge_objects, merge_tensors
+from shardckpt.read.checkpoint import read_commit_marker, read_global_manifest, read_marker_bytes
+from shardckpt.storage import Storage, open_storage
+
+
+def commit(
+    url: str | Storage,
+    *,
+    world_size: int | None = None,
+    attempt: str | None = None,
+    step: int | None = None,
+    metadata: dict[str, Any] | None = None,
+    local_manifests: Sequence[bytes] | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> GlobalManifest:
+    """Validate the local manifests of one attempt and commit the checkpoint at `url` atomically.
+
+    `local_manifests`: the encoded local manifests, rank-ordered, when the caller gathered them (distributed
+    saves); otherwise they are read from storage. Re-committing the attempt that already committed (or whose
+    global manifest a failed commit already wrote) reuses what it recorded: a `step` or `metadata` given here
+    must equal the recorded one (None keeps it), else CommitConflictError, as for any other attempt.
+    """
+    storage = open_storage(url, storage_options)
+    committed = _existing_commit(storage, attempt, step, metadata)
+    if committed is not None:
+        return committed
+    if local_manifests is None:
+        attempt = attempt or _find_attempt(storage, world_size)
+        local_manifests = _read_local_manifests(storage, attempt, world_size)
+    locals_ = _decode_all(storage, local_manifests, attempt, world_size)
+    attempt, world_size = locals_[0].attempt, locals_[0].world_size
+    _check_data_files(storage, locals_)
+    manifest = GlobalManifest(
+        attempt=attempt,
+        world_size=world_size,
+        block_size=_agree(locals_, "block_size"),
+        files=tuple(
+            FileEntry(
+                m.rank, m.data, m.data_size, layout.local_manifest_path(m.rank, attempt), len(raw), crc32c_of(raw)
+            )
+            for m, raw in zip(locals_, local_manifests)
+        ),
+        tensors=merge_tensors(locals_),
+        objects=merge_objects(locals_),
+        step=step if step is not None else _agree(locals_, "step"),
+        created=time.time(),
+        metadata=dict(metadata or {}),
+    )
+    crash_point("before_global_manifest")
+    manifest, encoded = _write_manifest(storage, manifest, step, metadata)
+    crash_point("before_commit")
+    marker = CommitMarker(
+        attempt=attempt,
+        manifest=layout.global_manifest_path(attempt),
+        manifest_size=len(encoded),
+        manifest_crc32c=crc32c_of(encoded),
+        world_size=world_size,
+        total_bytes=manifest.total_bytes,
+        step=manifest.step,
+        created=manifest.created,
+    )
+    marker_bytes = encode_commit_marker(marker)
+    try:
+        storage.commit_marker(layout.COMMITTED, marker_bytes)
+    except AlreadyExistsError:
+        # A concurrent committer won the race: success only if it committed this very manifest.
+        winner = _existing_commit(storage, attempt, step, metadata)
+        if winner is None:
+            raise
+        return winner
+    if read_marker_bytes(storage) != marker_bytes:  # never report success for a marker that does not read back
+        raise IntegrityError(f"{storage.describe(layout.COMMITTED)} does not hold the marker bytes just written")
+    return decode_global_manifest(encoded, storage.describe(marker.manifest))
+
+
+def _existing_commit(
+    storage: Storage, attempt: str | None, step: int | None, metadata: dict[str, Any] | None
+) -> GlobalManifest | None:
+    marker = read_commit_marker(storage)
+    if marker is None:
+        return None
+    if attempt is None or marker.attempt == attempt:
+        # Committing what is already committed is a no-op (a retried commit after a lost reply).
+        committed = read_global_manifest(storage, marker)
+        _refuse_changes(storage.describe(layout.COMMITTED), committed, step, metadata)
+        return committed
+    raise CommitConflictError(
+        f"{storage.url} is already committed by attempt {marker.attempt} (step {marker.step}); "
+        "a committed checkpoint never changes: save to a new URL"
+    )
+
+
+def _find_attempt(storage: Storage, world_size: int | None) -> str:
+    """The one attempt whose local manifests are all present, when the caller did not name it."""
+    ranks: dict[str, set[int]] = defaultdict(set)
+    for name in storage.list(layout.RANKS_DIR):
+        try:
+            rank, attempt = layout.parse_local_manifest_path(f"{layout.RANKS_DIR}/{name}")
+        except FormatError:
+            continue  # not ours (an editor's swap file, a temp file): never a reason to fail a commit
+        ranks[attempt].add(rank)
+    if not ranks:
+        raise CoverageError(f"{storage.url}: no local manifest found under {layout.RANKS_DIR}/; nothing to commit")
+    complete = [a for a, found in ranks.items() if found == set(range(world_size or _world_size_of(storage, a)))]
+    if len(complete) == 1:
+        return complete[0]
+    summary = "; ".join(f"attempt {a}: ranks {sorted(r)}" for a, r in sorted(ranks.items()))
+    if not complete:
+        raise CoverageError(f"{storage.url}: no attempt has the local manifests of every rank ({summary})")
+    raise CoverageError(f"{storage.url}: several complete attempts, pass attempt= to choose ({summary})")
+
+
+def _world_size_of(storage: Storage, attempt: str) -> int:
+    """The world size rank 0 of `attempt` recorded (0 when rank 0 left no readable manifest)."""
+    path = layout.local_manifest_path(0, attempt)
+    try:
+        raw = storage.read_small(path, limits.MAX_LOCAL_MANIFEST_BYTES)
+        return decode_local_manifest(raw, storage.describe(path)).world_size
+    except (NotFoundError, FormatError):
+        return 0
+
+
+def _read_local_manifests(storage: Storage, attempt: str, world_size: int | None) -> list[bytes]:
+    if world_size is None:
+        first = decode_local_manifest(
+            storage.read_small(layout.local_manifest_path(0, attempt), limits.MAX_LOCAL_MANIFEST_BYTES),
+            storage.describe(layout.local_manifest_path(0, attempt)),
+        )
+        world_size = first.world_size
+    paths = [layout.local_manifest_path(rank, attempt) for rank in range(world_size)]
+
+    def read(path: str) -> bytes:
+        try:
+            return storage.read_small(path, limits.MAX_LOCAL_MANIFEST_BYTES)
+        except NotFoundError:
+            raise CoverageError(
+                f"{storage.describe(path)} is missing: that rank did not finish its part of attempt {attempt}"
+            ) from None
+
+    with ThreadPoolExecutor(max_workers=min(16, len(paths))) as pool:
+        return list(pool.map(read, paths))
+
+
+def _decode_all(
+    storage: Storage, raws: Sequence[bytes], attempt: str | None, world_size: int | None
+) -> list[LocalManifest]:
+    if not raws:
+        raise CoverageError(f"{storage.url}: no local manifests to commit")
+    manifests = []
+    for index, raw in enumerate(raws):
+        where = storage.describe(layout.local_manifest_path(index, attempt or "0"))
+        manifest = decode_local_manifest(raw, where)
+        expected = (attempt or manifest.attempt, world_size or len(raws), index)
+        if (manifest.attempt, manifest.world_size, manifest.rank) != expected:
+            raise CoverageError(
+                f"{where}: belongs to attempt {manifest.attempt}, rank {manifest.rank} of {manifest.world_size}; "
+                f"expected attempt {expected[0]}, rank {index} of {expected[1]}"
+            )
+        attempt = manifest.attempt
+        manifests.append(manifest)
+    if len(manifests) != manifests[0].world_size:
+        raise CoverageError(f"{storage.url}: {len(manifests)} local manifests for world size {manifests[0].world_size}")
+    return manifests
+
+
+def _check_data_files(storage: Storage, manifests: list[LocalManifest]) -> None:
+    def size(manifest: LocalManifest) -> None:
+        try:
+            actual = storage.size(manifest.data)
+        except NotFoundError:
+            raise IntegrityError(f"{storage.describe(manifest.data)} is missing (rank {manifest.rank})") from None
+        if actual != manifest.data_size:
+            raise IntegrityError(
+                f"{storage.describe(manifest.data)} is {actual} bytes but its local manifest says "
+                f"{manifest.data_size} (truncated or still being written)"
+            )
+
+    with ThreadPoolExecutor(max_workers=min(16, len(manifests))) as pool:
+        list(pool.map(size, manifests))
+
+
+def _agree(manifests: list[LocalManifest], field: str) -> Any:
+    values = {getattr(m, field) for m in manifests}
+    if len(values) != 1:
+        raise CoverageError(f"ranks disagree on {field}: {sorted(values, key=repr)}")
+    return values.pop()
+
+
+def _refuse_changes(where: str, recorded: GlobalManifest, step: int | None, metadata: dict[str, Any] | None) -> None:
+    """CommitConflictError when a retried commit names another step or metadata than its attempt recorded.
+
+    Neither can change once written (nothing is overwritten), and COMMITTED must agree with the manifest.
+    """
+    if step is not None and step != recorded.step:
+        raise CommitConflictError(
+            f"{where}: attempt {recorded.attempt} already recorded step {recorded.step}; this commit asks for step "
+            f"{step}, which a committed or half-committed attempt cannot change: save again to a new URL"
+        )
+    if metadata is not None and dict(metadata) != recorded.metadata:
+        raise CommitConflictError(
+            f"{where}: attempt {recorded.attempt} already recorded metadata {recorded.metadata!r}; this commit asks "
+            f"for {dict(metadata)!r}, which a committed or half-committed attempt cannot change: save again to a "
+            "new URL"
+        )
+
+
+def _write_manifest(
+    storage: Storage, manifest: GlobalManifest, step: int | None, metadata: dict[str, Any] | None
+) -> tuple[GlobalManifest, bytes]:
+    """The global manifest written now, or the one an earlier commit of this attempt left (and its bytes)."""
+    path = layout.global_manifest_path(manifest.attempt)
+    encoded = encode_global_manifest(manifest)
+    try:
+        storage.write_new(path, encoded)
+        if storage.read_small(path, limits.MAX_GLOBAL_MANIFEST_BYTES) != encoded:
+            raise IntegrityError(f"{storage.describe(path)} does not hold the bytes just written")
+    except AlreadyExistsError:
+        # A coordinator of this attempt died between manifest and COMMITTED, or is writing it right now: reuse its
+        # manifest if it describes the same files (nothing is ever overwritten).
+        previous, existing = _existing_manifest(storage, path)
+        if previous.files != manifest.files:
+            raise CommitConflictError(f"{storage.describe(path)} exists and describes other files") from None
+        _refuse_changes(storage.describe(path), previous, step, metadata)
+        return previous, existing
+    return manifest, encoded
+
+
+# A manifest that does not decode may be one a concurrent committer of the same attempt is still writing: look
+# again until its bytes have not changed for MANIFEST_SETTLE seconds (then it is what a dead writer left).
+MANIFEST_SETTLE = 0.25
+MANIFEST_WAIT = 5.0
+
+
+def _existing_manifest(storage: Storage, path: str) -> tuple[GlobalManifest, bytes]:
+    """The global manifest already at `path`, decoded, once it has stopped changing; FormatError if it never does."""
+    deadline = time.monotonic() + MANIFEST_WAIT
+    last, settled = b"", time.monotonic()
+    while True:
+        existing = storage.read_small(path, limits.MAX_GLOBAL_MANIFEST_BYTES)
+        try:
+            return decode_global_manifest(existing, storage.describe(path)), existing
+        except FormatError:
+            now = time.monotonic()
+            if existing != last:
+                last, settled = existing, now
+            if now - settled >= MANIFEST_SETTLE or now >= deadline:
+                raise
+            time.sleep(0.01)

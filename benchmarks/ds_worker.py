@@ -15,10 +15,10 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script
 from benchmarks.dist_worker import run_scenario, timed_collective
 from benchmarks.pagecache import drop_caches
+from shardckpt.api import load_deepspeed, save_deepspeed
 from shardckpt.train.common import parse_args
 from shardckpt.train.deepspeed_loop import DeepSpeedTrainer, deepspeed_config, init_deepspeed
 from shardckpt.train.model import GPT
-from shardckpt.zero3 import load_deepspeed, save_deepspeed
 
 
 def trainer(args: dict) -> DeepSpeedTrainer:

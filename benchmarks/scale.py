@@ -23,8 +23,8 @@ from shardckpt.format.local_manifest import (
     encode_local_manifest,
 )
 from shardckpt.format.manifest import FileEntry, GlobalManifest, decode_global_manifest, encode_global_manifest
-from shardckpt.write.merge import merge_tensors
 from shardckpt.planner import Box, Target, plan_reads
+from shardckpt.write.merge import merge_tensors
 
 BLOCK = 64 << 10
 

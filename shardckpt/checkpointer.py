@@ -18,15 +18,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardckpt.distributed import protocol
 from shardckpt.api import latest
 from shardckpt.catalog import read_commit_marker
+from shardckpt.catalog.retention import retain
+from shardckpt.distributed import protocol
 from shardckpt.distributed.collectives import Group, broadcast_bytes
 from shardckpt.errors import DistributedError, ShardckptError, ShardckptUsageError
 from shardckpt.format.limits import DEFAULT_BLOCK_SIZE
 from shardckpt.format.manifest import GlobalManifest
 from shardckpt.read.checkpoint import DEFAULT_MAX_IN_FLIGHT
-from shardckpt.catalog.retention import retain
 from shardckpt.statedict.staging import StagingBuffers, stage
 from shardckpt.storage import open_storage
 

@@ -71,7 +71,7 @@ def main() -> int:
             raise SystemExit(f"nothing to resume under {args.ckpt}")
         shardckpt.save(trainer.state(), out, step=trainer.step)
     elif mode == "load-stats":  # load_deepspeed straight from a checkpoint URL; what this rank read
-        from shardckpt.zero3 import load_deepspeed
+        from shardckpt.api import load_deepspeed
 
         stats = load_deepspeed(trainer.engine, args.ckpt, max_gap=0)  # no gap read through: only what it needs
         os.makedirs(out, exist_ok=True)

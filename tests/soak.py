@@ -30,9 +30,9 @@ from pathlib import Path
 
 import shardckpt
 from shardckpt.ops.gc import gc
+from shardckpt.ops.verify import verify
 from shardckpt.read.checkpoint import read_commit_marker
 from shardckpt.storage import open_storage
-from shardckpt.ops.verify import verify
 
 RESUMED = re.compile(r"resumed (?:from \S+ )?at step (\d+) on (\d+) ranks")
 MODES = ("random", "after-step")

@@ -20,14 +20,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardckpt
-from shardckpt.read import checkpoint as restorer
 from shardckpt.catalog import delete_objects, list_root, order_key, read_commit_marker
 from shardckpt.catalog.deletion import deletion_order
+from shardckpt.catalog.retention import prune
 from shardckpt.errors import FormatError, ShardckptError, StorageError
 from shardckpt.format import layout
 from shardckpt.format.manifest import CommitMarker, encode_commit_marker
 from shardckpt.ops.gc import gc
-from shardckpt.catalog.retention import prune
+from shardckpt.read import checkpoint as restorer
 from shardckpt.storage import LocalStorage, open_storage
 from shardckpt.testing.faults import FaultyStorage
 

@@ -22,13 +22,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardckpt
+from shardckpt.catalog.retention import prune
 from shardckpt.format import layout
 from shardckpt.format.manifest import CommitMarker, encode_commit_marker
 from shardckpt.ops.gc import gc
-from shardckpt.catalog.retention import prune
+from shardckpt.ops.verify import verify
 from shardckpt.storage import LocalStorage, open_storage
 from shardckpt.testing.faults import FaultyStorage
-from shardckpt.ops.verify import verify
 
 OLD = 7200.0
 

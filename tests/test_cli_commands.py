@@ -14,8 +14,8 @@ import torch
 from conftest import save_sharded
 from rich.console import Console
 
-from shardckpt.cli import COMMANDS, build_parser
 from shardckpt.cli import main as cli_main
+from shardckpt.cli.main import build_parser, command_runner
 
 COMMAND_NAMES = ["inspect", "verify", "ls", "gc", "export", "import-dcp", "diff", "du"]
 
@@ -50,7 +50,7 @@ def run_command(argv: list[str], terminal: bool) -> tuple[int, str]:
     args = build_parser().parse_args(argv)
     buffer = io.StringIO()
     console = Console(file=buffer, force_terminal=terminal, width=160)
-    return COMMANDS[args.command](args, console), buffer.getvalue()
+    return command_runner(args.command)(args, console), buffer.getvalue()
 
 
 def test_progress_bars_show_bytes_and_rate_on_a_terminal_only(tmp_path, capsys) -> None:

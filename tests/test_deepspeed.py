@@ -18,8 +18,8 @@ import torch
 
 import shardckpt
 from shardckpt.errors import ShardckptUsageError
-from shardckpt.statedict.deepspeed import DeepSpeedZero3
 from shardckpt.ops.verify import verify
+from shardckpt.statedict.deepspeed import DeepSpeedZero3
 from tests.training import TORCH_EXTENSIONS_DIR, losses, resume, torchrun
 
 STEPS, EVERY = 8, 4

@@ -10,8 +10,8 @@ from conftest import sample_state, save_sharded
 
 import shardckpt
 from shardckpt.cli import main as cli_main
-from shardckpt.tools.diff import diff
 from shardckpt.ops.du import disk_usage
+from shardckpt.tools.diff import diff
 
 
 def test_identical_checkpoints_on_other_world_sizes(tmp_path, capsys) -> None:

@@ -10,8 +10,8 @@ from conftest import chunk_bounds
 import shardckpt
 from shardckpt.format.layout import new_attempt
 from shardckpt.statedict import FlatPartition
-from shardckpt.statedict.leaves import save_items
 from shardckpt.statedict.flatten import flatten
+from shardckpt.statedict.leaves import save_items
 
 PARAMS = [("layer.weight", (5, 7)), ("layer.bias", (7,)), ("head.weight", (3, 4)), ("scale", ())]
 

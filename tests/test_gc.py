@@ -27,9 +27,9 @@ import shardckpt.ops.gc as gc_module
 from shardckpt.cli import main as cli_main
 from shardckpt.format import layout
 from shardckpt.ops.gc import collect, gc, plan_gc
+from shardckpt.ops.verify import verify
 from shardckpt.storage import LocalStorage, open_storage
 from shardckpt.testing.faults import Fault, FaultyStorage
-from shardckpt.ops.verify import verify
 
 OLD, HOUR = 7200.0, 3600.0
 

@@ -32,10 +32,10 @@ from shardckpt.errors import CoverageError, FormatError, IntegrityError, NotFoun
 from shardckpt.format import columns, layout
 from shardckpt.format.local_manifest import decode_local_manifest
 from shardckpt.format.manifest import decode_commit_marker, decode_global_manifest
+from shardckpt.ops.verify import verify
 from shardckpt.planner import check_cover
 from shardckpt.storage import LocalStorage
 from shardckpt.testing.faults import FaultyStorage
-from shardckpt.ops.verify import verify
 
 ALLOWED = (FormatError, CoverageError, IntegrityError, NotFoundError)
 READ_ONLY = {"read_range", "size", "exists", "list", "modified"}

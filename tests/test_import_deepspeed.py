@@ -26,13 +26,13 @@ from safetensors.torch import load_file
 
 import shardckpt
 from shardckpt.cli import main as cli_main
+from shardckpt.errors import FormatError, NotFoundError, ShardckptError
 from shardckpt.interop.deepspeed_pickle import (
     DynamicLossScalerState,
     NamespaceState,
     plain_attributes,
     read_checkpoint_pickle,
 )
-from shardckpt.errors import FormatError, NotFoundError, ShardckptError
 from shardckpt.interop.import_deepspeed import import_deepspeed, model_file, optim_file
 from tests.launch import free_port
 

@@ -31,10 +31,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 import shardckpt
-from shardckpt.interop import dcp_pickle
-from shardckpt.interop import deepspeed_pickle
-from shardckpt.interop.dcp_pickle import StoredTensor
 from shardckpt.errors import FormatError
+from shardckpt.interop import dcp_pickle, deepspeed_pickle
+from shardckpt.interop.dcp_pickle import StoredTensor
 from shardckpt.interop.import_dcp import import_dcp
 from shardckpt.interop.pickle_scan import check_pickle
 from shardckpt.interop.torch_zip import tensor_view, zip_entries

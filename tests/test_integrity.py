@@ -13,9 +13,9 @@ from conftest import sample_state, save_sharded
 
 import shardckpt
 from shardckpt.cli import main as cli_main
+from shardckpt.ops.verify import verify
 from shardckpt.storage import LocalStorage
 from shardckpt.testing.faults import Fault, FaultyStorage
-from shardckpt.ops.verify import verify
 
 
 @pytest.fixture

@@ -18,9 +18,9 @@ from test_hostile_manifests import ATTEMPT, Chain, _column
 import shardckpt
 from shardckpt.errors import IntegrityError
 from shardckpt.format.columns import decode_int_column
+from shardckpt.ops.verify import verify
 from shardckpt.planner import Box
 from shardckpt.read.streaming import chunk_arena, chunk_elements, open_streaming, read_chunks
-from shardckpt.ops.verify import verify
 
 W = torch.arange(12, dtype=torch.float32).reshape(4, 3)
 A, B = torch.full((2, 3), 1.5), torch.full((2, 3), -7.0)

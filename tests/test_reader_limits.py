@@ -16,8 +16,8 @@ import shardckpt
 from shardckpt.errors import FormatError
 from shardckpt.format import layout
 from shardckpt.format.local_manifest import decode_local_manifest
-from shardckpt.storage import LocalStorage
 from shardckpt.ops.verify import verify
+from shardckpt.storage import LocalStorage
 
 HUGE_HEADER = 400 << 20  # 400 MiB: over the 100,000,000-byte JSON limit of SPEC 4
 

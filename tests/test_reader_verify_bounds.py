@@ -16,8 +16,8 @@ from test_hostile_manifests import ATTEMPT, Chain, _column
 
 import shardckpt
 from shardckpt.format.columns import decode_int_column
-from shardckpt.storage import LocalStorage
 from shardckpt.ops.verify import verify
+from shardckpt.storage import LocalStorage
 
 PIECES = 2_000
 

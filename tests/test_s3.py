@@ -27,8 +27,8 @@ from shardckpt.errors import (
     TruncatedError,
 )
 from shardckpt.storage import RetryPolicy, open_storage
-from shardckpt.testing.faults import FaultyRequests, RequestFault
 from shardckpt.storage.s3 import PROBE_PREFIX, S3Storage, SingleCoordinatorCommitWarning, open_s3
+from shardckpt.testing.faults import FaultyRequests, RequestFault
 
 MIB = 1 << 20
 FAST = RetryPolicy(attempts=4, base_delay=0.001, max_delay=0.01, deadline=10.0)

@@ -25,10 +25,9 @@ from hypothesis import strategies as st
 
 import shardckpt
 from shardckpt.format.layout import new_attempt
-from shardckpt.storage import FsspecStorage, LocalStorage, Storage
-from shardckpt.testing.faults import Fault, FaultyStorage
-from shardckpt.testing.faults import OPERATIONS
 from shardckpt.ops.verify import verify
+from shardckpt.storage import FsspecStorage, LocalStorage, Storage
+from shardckpt.testing.faults import OPERATIONS, Fault, FaultyStorage
 
 PATHS = ["*", "data/*", "ranks/*", "manifest-*", "COMMITTED", "COMMITTED.tmp-*"]
 WRITE_FAULTS = st.builds(

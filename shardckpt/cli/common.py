@@ -6,6 +6,7 @@ Progress bars appear only on a terminal and never with --json, so pipes and scri
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -16,6 +17,16 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
 from shardckpt.errors import ShardckptUsageError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def when(seconds: float) -> str:
+    """A commit time for people (UTC), or "-" when unknown."""
+    if not seconds:
+        return "-"
+    return dt.datetime.fromtimestamp(seconds, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
 
 _UNITS = {
     "": 1,

@@ -13,7 +13,6 @@ from rich.console import Console
 from rich.table import Table
 
 from shardckpt.cli.common import add_memory_limit, new_command, progress_bar, storage_options
-from shardckpt.tools.diff import diff
 
 NAME = "diff"
 
@@ -40,6 +39,8 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
+    from shardckpt.tools.diff import diff
+
     with progress_bar(console, "comparing", not (args.json or args.quiet)) as progress:
         report = diff(
             args.a,

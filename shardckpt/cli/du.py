@@ -14,7 +14,6 @@ from rich.console import Console
 from rich.table import Table
 
 from shardckpt.cli.common import human_bytes, new_command, storage_options
-from shardckpt.ops.du import disk_usage
 
 NAME = "du"
 
@@ -34,6 +33,8 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
+    from shardckpt.ops.du import disk_usage
+
     report = disk_usage(args.root, storage_options=storage_options(args.storage_option))
     fields = ("committed_bytes", "leftover_bytes", "leftover_files", "other_bytes", "total_bytes")
     totals = {name: report.total(name) for name in fields}

@@ -21,7 +21,7 @@ from shardckpt.cli.common import (
     progress_bar,
     storage_options,
 )
-from shardckpt.tools.export import DEFAULT_INCLUDE, DTYPES, INDEX_FILE, export_hf_safetensors
+from shardckpt.tools.hf_names import DEFAULT_INCLUDE, DTYPES, INDEX_FILE
 
 NAME = "export"
 
@@ -70,6 +70,8 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
+    from shardckpt.tools.export import export_hf_safetensors
+
     with progress_bar(console, "exporting", not (args.json or args.quiet)) as progress:
         report = export_hf_safetensors(
             args.url,

@@ -12,7 +12,6 @@ from typing import Any
 from rich.console import Console
 
 from shardckpt.cli.common import new_command, progress_bar, storage_options
-from shardckpt.interop.import_deepspeed import import_deepspeed
 
 NAME = "import-deepspeed"
 
@@ -49,6 +48,8 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
+    from shardckpt.interop.import_deepspeed import import_deepspeed
+
     options = storage_options(args.storage_option)
     with progress_bar(console, "importing", not (args.json or args.quiet)) as progress:
         report = import_deepspeed(

@@ -15,7 +15,6 @@ import msgpack
 import torch.distributed as dist
 
 from shardckpt.distributed.collectives import Group, all_gather_bytes, any_rank, broadcast_bytes, gather_bytes
-from shardckpt.write.commit import commit
 from shardckpt.errors import AlreadyExistsError, DistributedError, ShardckptUsageError
 from shardckpt.format import layout
 from shardckpt.format.manifest import (
@@ -25,8 +24,6 @@ from shardckpt.format.manifest import (
     encode_global_manifest,
 )
 from shardckpt.format.values import check_plain
-from shardckpt.statedict.leaves import PerRank, destination_shapes, load_items, per_rank_value, save_items
-from shardckpt.statedict.replicas import Digest, replica_digest, replica_disagreements
 from shardckpt.planner.plan import DEFAULT_MAX_GAP
 from shardckpt.read.checkpoint import (
     Checkpoint,
@@ -38,7 +35,10 @@ from shardckpt.read.checkpoint import (
     verify_global_manifest,
 )
 from shardckpt.statedict.flatten import Leaf, flatten
+from shardckpt.statedict.leaves import PerRank, destination_shapes, load_items, per_rank_value, save_items
+from shardckpt.statedict.replicas import Digest, replica_digest, replica_disagreements
 from shardckpt.storage import Storage, open_storage
+from shardckpt.write.commit import commit
 from shardckpt.write.writer import ShardWriter
 
 T = TypeVar("T")

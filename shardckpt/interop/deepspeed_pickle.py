@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardckpt.errors import FormatError
 from shardckpt.interop.dcp_pickle import (
     REBUILD_V2,
     REBUILD_V3,
@@ -31,7 +32,6 @@ from shardckpt.interop.dcp_pickle import (
     tree_budget,
     unpickle,
 )
-from shardckpt.errors import FormatError
 from shardckpt.interop.unpickled import Sealed, StandIn, brief, check_tree
 
 LABEL = "a DeepSpeed checkpoint"  # completes "refuses the pickled global X (not a name ... uses)"

@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
-from shardckpt.write.commit import commit
+from shardckpt.errors import AlreadyExistsError, FormatError, ShardckptError
+from shardckpt.format import layout
+from shardckpt.format.values import check_plain
 from shardckpt.interop.dcp_pickle import (
     DcpMetadata,
     DcpRecord,
@@ -31,14 +33,12 @@ from shardckpt.interop.dcp_pickle import (
     read_tensor_pickle,
     read_value_pickle,
 )
-from shardckpt.errors import AlreadyExistsError, FormatError, ShardckptError
-from shardckpt.format import layout
-from shardckpt.format.values import check_plain
 from shardckpt.interop.import_io import ImportReport, SourceDir, with_progress
+from shardckpt.interop.torch_zip import tensor_view, zip_entries
 from shardckpt.read.checkpoint import read_commit_marker
 from shardckpt.storage import Storage, open_storage
 from shardckpt.torch_bytes import format_dtype
-from shardckpt.interop.torch_zip import tensor_view, zip_entries
+from shardckpt.write.commit import commit
 from shardckpt.write.writer import ShardWriter
 
 __all__ = ["ImportReport", "import_dcp"]

@@ -26,20 +26,25 @@ from typing import Any
 
 import torch
 
-from shardckpt.write.commit import commit
-from shardckpt.interop.dcp_pickle import StoredTensor
-from shardckpt.interop.deepspeed_pickle import MAX_PICKLE_BYTES, RecordedObject, plain_attributes, read_checkpoint_pickle
 from shardckpt.errors import AlreadyExistsError, FormatError, NotFoundError, ShardckptError, ShardckptUsageError
 from shardckpt.format import layout
 from shardckpt.format.limits import MAX_DEPTH
 from shardckpt.format.strict import check_name, check_shape
 from shardckpt.format.values import check_plain
+from shardckpt.interop.dcp_pickle import StoredTensor
+from shardckpt.interop.deepspeed_pickle import (
+    MAX_PICKLE_BYTES,
+    RecordedObject,
+    plain_attributes,
+    read_checkpoint_pickle,
+)
 from shardckpt.interop.import_io import ImportReport, SourceDir, with_progress
+from shardckpt.interop.torch_zip import ZipEntries, tensor_view, zip_entries
+from shardckpt.interop.unpickled import brief
 from shardckpt.read.checkpoint import read_commit_marker
 from shardckpt.storage import Storage, open_storage
 from shardckpt.torch_bytes import format_dtype
-from shardckpt.interop.torch_zip import ZipEntries, tensor_view, zip_entries
-from shardckpt.interop.unpickled import brief
+from shardckpt.write.commit import commit
 from shardckpt.write.writer import ShardWriter
 
 LATEST = "latest"

@@ -16,9 +16,9 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from shardckpt.interop.dcp_pickle import DcpRecord
 from shardckpt.errors import FormatError, NotFoundError, StorageError
 from shardckpt.format import layout
+from shardckpt.interop.dcp_pickle import DcpRecord
 from shardckpt.storage import NewFile, Storage
 
 

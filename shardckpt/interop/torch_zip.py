@@ -13,8 +13,8 @@ import zipfile
 
 import torch
 
-from shardckpt.interop.dcp_pickle import StoredTensor
 from shardckpt.errors import FormatError
+from shardckpt.interop.dcp_pickle import StoredTensor
 
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # a zip local file header (zipfile.structFileHeader)
 _LOCAL_MAGIC = b"PK\x03\x04"

@@ -23,7 +23,6 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from shardckpt.read import fetching
 from shardckpt.errors import (
     FormatError,
     IntegrityError,
@@ -49,6 +48,7 @@ from shardckpt.planner import Box, ReadPlan, ReadRequest, Target, VerifySpan, ch
 from shardckpt.planner.box import box_as_flat_range, linear_index
 from shardckpt.planner.execute import apply_copy
 from shardckpt.planner.plan import DEFAULT_MAX_GAP, DEFAULT_MAX_REQUEST, RESIDENT_MAX_REQUEST
+from shardckpt.read import fetching
 from shardckpt.storage import RangeReader, Storage, open_storage
 from shardckpt.torch_bytes import host_staging, torch_dtype, writable_bytes
 

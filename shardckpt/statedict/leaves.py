@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 from shardckpt.errors import FormatError
+from shardckpt.planner.box import Box
 from shardckpt.statedict.dtensor import is_dtensor, local_box
 from shardckpt.statedict.flat import FlatPartition
-from shardckpt.planner.box import Box
 from shardckpt.statedict.flatten import Leaf
 from shardckpt.torch_bytes import FORMAT_TO_TORCH, format_dtype, host_bytes
 

@@ -13,8 +13,8 @@ import torch
 
 from shardckpt.statedict.dtensor import is_dtensor, local_box
 from shardckpt.statedict.flat import FlatPartition
-from shardckpt.statedict.leaves import PerRank, StagedShard
 from shardckpt.statedict.flatten import flatten
+from shardckpt.statedict.leaves import PerRank, StagedShard
 from shardckpt.torch_bytes import host_staging
 
 

@@ -4,21 +4,16 @@
 """
 
 from shardckpt.storage.base import NewFile, RangeReader, SingleCoordinatorCommitWarning, Storage
-from shardckpt.testing.faults import Fault, FaultyRequests, FaultyStorage, RequestFault
 from shardckpt.storage.fsspec_backend import FsspecStorage
 from shardckpt.storage.local import LocalStorage
 from shardckpt.storage.resolve import open_storage
 from shardckpt.storage.retry import RetryPolicy
 
 __all__ = [
-    "Fault",
-    "FaultyRequests",
-    "FaultyStorage",
     "FsspecStorage",
     "LocalStorage",
     "NewFile",
     "RangeReader",
-    "RequestFault",
     "RetryPolicy",
     "SingleCoordinatorCommitWarning",
     "Storage",

@@ -14,8 +14,8 @@ import torch
 
 from shardckpt.format.dtypes import itemsize
 from shardckpt.read.checkpoint import Checkpoint
-from shardckpt.storage import Storage
 from shardckpt.read.streaming import arena_view, chunk_arena, chunk_elements, open_streaming, read_chunks
+from shardckpt.storage import Storage
 from shardckpt.torch_bytes import torch_dtype
 
 DEFAULT_MEMORY_LIMIT = 1 << 30

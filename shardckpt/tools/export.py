@@ -22,15 +22,13 @@ import torch
 from shardckpt.errors import AlreadyExistsError, ShardckptUsageError
 from shardckpt.format.dtypes import itemsize
 from shardckpt.read.checkpoint import Checkpoint
-from shardckpt.storage import Storage, open_storage
 from shardckpt.read.streaming import arena_view, chunk_arena, chunk_elements, open_streaming, read_chunks
+from shardckpt.storage import Storage, open_storage
+from shardckpt.tools.hf_names import DEFAULT_INCLUDE, DTYPES, INDEX_FILE
 from shardckpt.torch_bytes import host_bytes, torch_dtype
 
-INDEX_FILE = "model.safetensors.index.json"
-DEFAULT_INCLUDE = r"^model\."
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # what transformers' save_pretrained uses ("5GB")
 DEFAULT_MEMORY_LIMIT = 1 << 30
-DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
 FLOATING = frozenset({"F16", "BF16", "F32", "F64"})  # converted by --dtype; integer and bool tensors keep theirs
 
 

@@ -33,9 +33,9 @@ from shardckpt.format.manifest import (
     encode_commit_marker,
     encode_global_manifest,
 )
-from shardckpt.write.merge import merge_objects, merge_tensors
 from shardckpt.read.checkpoint import read_commit_marker, read_global_manifest, read_marker_bytes
 from shardckpt.storage import Storage, open_storage
+from shardckpt.write.merge import merge_objects, merge_tensors
 
 
 def commit(

@@ -1,0 +1,126 @@
+"""`shardckpt gc`: delete old committed checkpoints and leftovers of failed saves under a root (SPEC.md 14).
+
+Never the newest committed checkpoint, a file of a committed attempt, names the format does not give, anything
+within the grace period or outside ROOT; --dry-run shows what would go.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress
+
+from shardckpt.cli.common import EXIT_FAILED, EXIT_OK, human_bytes, new_command, storage_options
+from shardckpt.storage import open_storage
+
+if TYPE_CHECKING:
+    from shardckpt.ops.gc import Action, GcPlan
+
+NAME = "gc"
+DEFAULT_GRACE = 3600.0  # seconds; shardckpt.ops.gc.DEFAULT_GRACE (a test keeps the two equal)
+
+
+def register(subparsers: Any) -> None:
+    command = new_command(
+        subparsers,
+        NAME,
+        "delete old checkpoints and leftovers of failed saves under a root",
+        "Delete, under ROOT: committed checkpoints beyond the newest --keep-last (COMMITTED first, so a crash "
+        "leaves nothing half-deleted that looks committed), checkpoints that were never committed, and files of "
+        "failed attempts inside committed checkpoints. Never deletes the newest committed checkpoint, a file of a "
+        "committed attempt, files the format does not name, anything modified within --grace seconds (a save may "
+        "be writing it), or anything outside ROOT. Exit 0 when all went well, 1 if a deletion failed.",
+        "examples:\n  shardckpt gc /ckpts --keep-last 3 --dry-run   # what would go\n"
+        "  shardckpt gc /ckpts --keep-last 3",
+    )
+    command.add_argument("root", help="directory or URL that holds checkpoints")
+    command.add_argument("--keep-last", type=_positive_int, help="committed checkpoints to keep (default: all)")
+    command.add_argument(
+        "--grace",
+        type=_seconds,
+        default=DEFAULT_GRACE,
+        help=f"leave anything modified within this many seconds (default {DEFAULT_GRACE:g})",
+    )
+    command.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    from shardckpt.ops.gc import collect, plan_gc
+
+    root = open_storage(args.root, storage_options(args.storage_option))
+    plan = plan_gc(root, keep_last=args.keep_last, grace=args.grace)
+    if not args.dry_run and not args.json and not args.quiet and console.is_terminal:
+        with Progress("[progress.description]{task.description}", BarColumn(), console=console, transient=True) as bar:
+            task = bar.add_task("collecting", total=plan.objects)
+            collect(plan, lambda action, doomed: bar.advance(task))
+    elif not args.dry_run:
+        collect(plan, None if args.json or args.quiet else lambda action, doomed: _gc_progress(console, action))
+    if args.json:
+        print(json.dumps(_gc_summary(plan, args.dry_run)))
+        return EXIT_OK if plan.ok else EXIT_FAILED
+    verb = "would delete" if args.dry_run else "deleted"
+    for action in plan.actions:
+        status = f"[red]FAILED[/red] after {action.deleted} object(s): {action.error}" if action.error else verb
+        status = f"{action.note}; did not delete" if action.note else status
+        console.print(
+            f"{action.checkpoint}: {status} {len(action.objects)} object(s), {human_bytes(action.bytes)} "
+            f"({action.kind}: {action.reason})",
+            highlight=False,
+            soft_wrap=True,
+        )
+    for skipped in plan.skipped:
+        console.print(f"{skipped.checkpoint}: kept ({skipped.reason})", highlight=False, soft_wrap=True)
+    console.print(
+        f"{verb} {plan.objects} object(s), {human_bytes(plan.bytes)}; {len(plan.kept)} committed checkpoint(s) kept",
+        highlight=False,
+    )
+    return EXIT_OK if plan.ok else EXIT_FAILED
+
+
+def _gc_progress(console: Console, action: Action) -> None:
+    if action.deleted == len(action.objects):
+        console.print(f"gc: {action.checkpoint}: deleted {action.deleted} object(s) ({action.kind})", highlight=False)
+
+
+def _gc_summary(plan: GcPlan, dry_run: bool) -> dict[str, Any]:
+    return {
+        "root": plan.storage.url,
+        "dry_run": dry_run,
+        "ok": plan.ok,
+        "keep_last": plan.keep_last,
+        "grace": plan.grace,
+        "objects": plan.objects,
+        "bytes": plan.bytes,
+        "actions": [
+            {
+                "checkpoint": a.checkpoint,
+                "kind": a.kind,
+                "reason": a.reason,
+                "paths": [d.path for d in a.objects],
+                "bytes": a.bytes,
+                "deleted": a.deleted,
+                "error": a.error,
+                "note": a.note,
+            }
+            for a in plan.actions
+        ],
+        "skipped": [{"checkpoint": s.checkpoint, "reason": s.reason} for s in plan.skipped],
+        "kept": plan.kept,
+    }
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (the newest checkpoint is never deleted), got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value

@@ -9,14 +9,11 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from launch import run_ranks
-
 from benchmarks.__main__ import write_report
+from tests.helpers.launch import run_ranks
 
 WORKER = Path(__file__).resolve().parent / "dist_worker.py"
 GIB = 1 << 30

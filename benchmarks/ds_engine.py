@@ -15,11 +15,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from launch import run_ranks
-
 from benchmarks.__main__ import write_report
 from benchmarks.distributed import values
+from tests.helpers.launch import run_ranks
 
 WORKER = Path(__file__).resolve().parent / "ds_worker.py"
 EXTENSIONS = str(Path(sys.prefix) / "torch_extensions")  # DeepSpeed's JIT-built comm extension, built once

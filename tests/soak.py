@@ -29,14 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import shardckpt
+from shardckpt.catalog.chain import read_commit_marker
 from shardckpt.ops.gc import gc
 from shardckpt.ops.verify import verify
-from shardckpt.read.checkpoint import read_commit_marker
 from shardckpt.storage import open_storage
 
 RESUMED = re.compile(r"resumed (?:from \S+ )?at step (\d+) on (\d+) ranks")
 MODES = ("random", "after-step")
-RELATIVE_TOLERANCE = 1e-4  # another world size only reorders float sums (tests/test_train.py)
+RELATIVE_TOLERANCE = 1e-4  # another world size only reorders float sums (tests/train/test_train.py)
 
 
 @dataclass

@@ -18,6 +18,19 @@ from shardckpt.format.manifest import CommitMarker
 from shardckpt.storage import LocalStorage, Storage, open_storage
 
 OrderKey = tuple[bool, int, float, str]
+COMMITTED, INCOMPLETE, BROKEN, ALIAS = "committed", "incomplete", "broken", "alias"
+
+
+def classify(names: Collection[str], committed: bool, broken: bool) -> str | None:
+    """What a directory holding `names` is, for ls and du alike: committed, broken (COMMITTED unreadable),
+    incomplete (layout files but no COMMITTED: a failed or running save), or None (not a checkpoint)."""
+    if broken:
+        return BROKEN
+    if committed:
+        return COMMITTED
+    if layout.COMMITTED in names or layout.DATA_DIR in names or layout.RANKS_DIR in names:
+        return INCOMPLETE
+    return None
 
 
 def order_key(marker: CommitMarker, name: str) -> OrderKey:
@@ -43,6 +56,15 @@ class Entry:
     @property
     def owned(self) -> bool:
         return self.not_owned is None
+
+    def status(self, root: Storage) -> str | None:
+        """committed, broken, incomplete, alias (a link to a checkpoint of this root) or None (not a checkpoint);
+        lists the directory only when its marker leaves the question open."""
+        if self.alias_of is not None:
+            return ALIAS
+        if self.marker is not None or self.error is not None:
+            return classify((), self.marker is not None, self.error is not None)
+        return classify(root.child(self.name).list(), False, False)
 
     @property
     def key(self) -> OrderKey:

@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import Counter
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from shardckpt.cli.common import EXIT_FAILED, EXIT_OK, human_bytes, new_command, storage_options, when
-from shardckpt.errors import ShardckptError
 from shardckpt.format import layout
-from shardckpt.storage import Storage, open_storage
+from shardckpt.ops.inspect import inspect_checkpoint
 
 NAME = "inspect"
 
@@ -34,59 +32,18 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    from shardckpt.read.checkpoint import open_checkpoint, read_commit_marker
-
-    storage = open_storage(args.url, storage_options(args.storage_option))
-    if read_commit_marker(storage) is None:
-        return _inspect_incomplete(storage, args, console)
-    checkpoint = open_checkpoint(storage)
-    manifest = checkpoint.manifest
-    tensors: list[dict[str, Any]] = []
-    for entry in manifest.tensors:
-        files = entry.pieces.file
-        tensors.append(
-            {
-                "name": entry.name,
-                "dtype": entry.dtype,
-                "shape": list(entry.shape),
-                "layout": entry.layout,
-                "bytes": entry.nbytes,
-                "pieces": entry.pieces.count,
-                "pieces_per_rank": dict(Counter(manifest.files[int(f)].rank for f in files.tolist())),
-            }
-        )
-    ranks = [
-        {
-            "rank": f.rank,
-            "data": f.data,
-            "bytes": f.data_size,
-            "pieces": sum(t["pieces_per_rank"].get(f.rank, 0) for t in tensors),
-        }
-        for f in manifest.files
-    ]
-    summary: dict[str, Any] = {
-        "url": storage.url,
-        "status": "committed",
-        "format_version": f"{manifest.version[0]}.{manifest.version[1]}",
-        "attempt": manifest.attempt,
-        "step": manifest.step,
-        "created": manifest.created,
-        "world_size": manifest.world_size,
-        "block_size": manifest.block_size,
-        "total_bytes": manifest.total_bytes,
-        "tensors": tensors,
-        "ranks": ranks,
-        "objects": [{"name": o.name, "rank": o.rank, "value": _preview(o.value)} for o in manifest.objects],
-        "metadata": manifest.metadata,
-    }
+    summary = inspect_checkpoint(args.url, storage_options=storage_options(args.storage_option))
+    if summary["status"] != "committed":
+        return _show_incomplete(summary, args, console)
+    tensors, ranks = summary["tensors"], summary["ranks"]
     if args.json:
         print(json.dumps(summary, default=str))
         return EXIT_OK
-    console.print(f"[bold]{storage.url}[/bold]  [green]committed[/green]")
+    console.print(f"[bold]{summary['url']}[/bold]  [green]committed[/green]")
     console.print(
-        f"step {manifest.step}  ·  {manifest.world_size} ranks  ·  {len(tensors)} tensors  ·  "
-        f"{human_bytes(manifest.total_bytes)}  ·  format {summary['format_version']}  ·  attempt {manifest.attempt}"
-        f"  ·  {when(manifest.created)}"
+        f"step {summary['step']}  ·  {summary['world_size']} ranks  ·  {len(tensors)} tensors  ·  "
+        f"{human_bytes(summary['total_bytes'])}  ·  format {summary['format_version']}  ·  attempt "
+        f"{summary['attempt']}  ·  {when(summary['created'])}"
     )
     table = Table(
         "tensor", "dtype", "shape", "size", "pieces", "ranks", "layout", title="tensors", title_justify="left"
@@ -109,7 +66,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if summary["objects"]:
         object_table = Table("object", "rank", "value", title="objects", title_justify="left")
         for o in summary["objects"]:
-            object_table.add_row(o["name"], "shared" if o["rank"] is None else str(o["rank"]), o["value"])
+            object_table.add_row(o["name"], "shared" if o["rank"] is None else str(o["rank"]), _preview(o["value"]))
         console.print(object_table)
     return EXIT_OK
 
@@ -119,25 +76,12 @@ def _preview(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _inspect_incomplete(storage: Storage, args: argparse.Namespace, console: Console) -> int:
-    attempts: dict[str, list[int]] = {}
-    for name in storage.list(layout.RANKS_DIR):
-        try:
-            rank, attempt = layout.parse_local_manifest_path(f"{layout.RANKS_DIR}/{name}")
-        except ShardckptError:
-            continue
-        attempts.setdefault(attempt, []).append(rank)
-    data_files = len(storage.list(layout.DATA_DIR))
-    summary = {
-        "url": storage.url,
-        "status": "incomplete",
-        "attempts": {a: sorted(r) for a, r in attempts.items()},
-        "data_files": data_files,
-    }
+def _show_incomplete(summary: dict[str, Any], args: argparse.Namespace, console: Console) -> int:
+    attempts, data_files = summary["attempts"], summary["data_files"]
     if args.json:
         print(json.dumps(summary))
     else:
-        console.print(f"[bold]{storage.url}[/bold]  [yellow]incomplete[/yellow] (no {layout.COMMITTED} marker)")
+        console.print(f"[bold]{summary['url']}[/bold]  [yellow]incomplete[/yellow] (no {layout.COMMITTED} marker)")
         if not attempts and not data_files:
             console.print("nothing here: not a checkpoint")
         for attempt, ranks in sorted(attempts.items()):

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
 
 def _total_bytes(storage: Storage) -> int | None:
-    from shardckpt.read.checkpoint import read_commit_marker
+    from shardckpt.catalog.chain import read_commit_marker
 
     try:
         marker = read_commit_marker(storage)

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import msgpack
 import torch.distributed as dist
 
+from shardckpt.catalog.chain import Opening, read_opening, verify_global_manifest
 from shardckpt.distributed.collectives import Group, all_gather_bytes, any_rank, broadcast_bytes, gather_bytes
 from shardckpt.errors import AlreadyExistsError, DistributedError, ShardckptUsageError
 from shardckpt.format import layout
@@ -25,15 +26,7 @@ from shardckpt.format.manifest import (
 )
 from shardckpt.format.values import check_plain
 from shardckpt.planner.plan import DEFAULT_MAX_GAP
-from shardckpt.read.checkpoint import (
-    Checkpoint,
-    Opening,
-    PendingRead,
-    ReadStats,
-    open_checkpoint,
-    read_opening,
-    verify_global_manifest,
-)
+from shardckpt.read.checkpoint import Checkpoint, PendingRead, ReadStats, open_checkpoint
 from shardckpt.statedict.flatten import Leaf, flatten
 from shardckpt.statedict.leaves import PerRank, destination_shapes, load_items, per_rank_value, save_items
 from shardckpt.statedict.replicas import Digest, replica_digest, replica_disagreements

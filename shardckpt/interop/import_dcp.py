@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from shardckpt.catalog.chain import read_commit_marker
 from shardckpt.errors import AlreadyExistsError, FormatError, ShardckptError
 from shardckpt.format import layout
 from shardckpt.format.values import check_plain
@@ -35,7 +36,6 @@ from shardckpt.interop.dcp_pickle import (
 )
 from shardckpt.interop.import_io import ImportReport, SourceDir, with_progress
 from shardckpt.interop.torch_zip import tensor_view, zip_entries
-from shardckpt.read.checkpoint import read_commit_marker
 from shardckpt.storage import Storage, open_storage
 from shardckpt.torch_bytes import format_dtype
 from shardckpt.write.commit import commit

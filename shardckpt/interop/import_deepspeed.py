@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from shardckpt.catalog.chain import read_commit_marker
 from shardckpt.errors import AlreadyExistsError, FormatError, NotFoundError, ShardckptError, ShardckptUsageError
 from shardckpt.format import layout
 from shardckpt.format.limits import MAX_DEPTH
@@ -41,7 +42,6 @@ from shardckpt.interop.deepspeed_pickle import (
 from shardckpt.interop.import_io import ImportReport, SourceDir, with_progress
 from shardckpt.interop.torch_zip import ZipEntries, tensor_view, zip_entries
 from shardckpt.interop.unpickled import brief
-from shardckpt.read.checkpoint import read_commit_marker
 from shardckpt.storage import Storage, open_storage
 from shardckpt.torch_bytes import format_dtype
 from shardckpt.write.commit import commit

@@ -5,14 +5,14 @@ Leftovers are the files of attempts other than the committed one, or every file 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardckpt.catalog.chain import read_commit_marker
+from shardckpt.catalog.listing import ALIAS, classify, list_root
 from shardckpt.errors import FormatError, NotFoundError, ShardckptError
 from shardckpt.format import layout
-from shardckpt.read.checkpoint import read_commit_marker
 from shardckpt.storage import Storage, open_storage
 
 MAX_DEPTH = 8  # how deep foreign directories inside a checkpoint are walked
@@ -47,21 +47,18 @@ class UsageReport:
 
 
 def disk_usage(root: str | Storage, *, storage_options: dict[str, Any] | None = None) -> UsageReport:
-    """Usage of every checkpoint directly under `root` (or of `root` itself when it is a checkpoint)."""
+    """Usage of every checkpoint directly under `root` (or of `root` itself when it is a checkpoint); a link to a
+    checkpoint of the same root is that checkpoint, counted once (catalog.list_root decides, as for ls and gc)."""
     storage = open_storage(root, storage_options)
     report = UsageReport(storage.url)
-    if _looks_like_checkpoint(storage.list()):
+    if classify(storage.list(), committed=False, broken=False) is not None:
         report.checkpoints.append(checkpoint_usage(storage, storage.url.rstrip("/").rsplit("/", 1)[-1]))
         return report
-    for name in storage.list():
-        child = storage.child(name)
-        if _looks_like_checkpoint(child.list()):
-            report.checkpoints.append(checkpoint_usage(child, name))
+    listing = list_root(storage)
+    for entry in listing.entries:
+        if entry.status(listing.root) not in (None, ALIAS):
+            report.checkpoints.append(checkpoint_usage(storage.child(entry.name), entry.name))
     return report
-
-
-def _looks_like_checkpoint(names: Sequence[str]) -> bool:
-    return layout.COMMITTED in names or layout.DATA_DIR in names or layout.RANKS_DIR in names
 
 
 def checkpoint_usage(storage: Storage, name: str) -> CheckpointUsage:

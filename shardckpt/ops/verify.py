@@ -13,12 +13,12 @@ import crc32c
 import numpy as np
 import numpy.typing as npt
 
+from shardckpt.catalog.stored import FileIndex, StoredCheckpoint, open_stored
 from shardckpt.errors import ShardckptError
 from shardckpt.format.columns import Int64Array
 from shardckpt.format.data_header import header_problems
 from shardckpt.format.local_manifest import LocalManifest, TensorSpec
 from shardckpt.format.manifest import GlobalManifest, TensorEntry
-from shardckpt.read.checkpoint import Checkpoint, FileIndex, open_checkpoint
 from shardckpt.storage import Storage, open_storage
 
 READ_CHUNK = 64 << 20
@@ -61,7 +61,7 @@ def verify(
     storage = open_storage(url, storage_options)
     report = VerifyReport(storage.url)
     try:
-        checkpoint = open_checkpoint(storage)
+        checkpoint = open_stored(storage)
     except ShardckptError as exc:
         report.problems.append(Problem(storage.url, None, str(exc)))
         return report
@@ -81,7 +81,7 @@ def verify(
 
 
 def _verify_file(
-    checkpoint: Checkpoint, file_number: int, report: VerifyReport, progress: Callable[[int], None] | None
+    checkpoint: StoredCheckpoint, file_number: int, report: VerifyReport, progress: Callable[[int], None] | None
 ) -> None:
     storage, entry = checkpoint.storage, checkpoint.manifest.files[file_number]
     path = storage.describe(entry.data)
@@ -102,7 +102,7 @@ def _verify_file(
 
 
 def _check_blocks(
-    checkpoint: Checkpoint,
+    checkpoint: StoredCheckpoint,
     local: LocalManifest,
     path: str,
     report: VerifyReport,
@@ -157,7 +157,7 @@ def _check_blocks(
         begin = end
 
 
-def _check_header(checkpoint: Checkpoint, local: LocalManifest, path: str, report: VerifyReport) -> None:
+def _check_header(checkpoint: StoredCheckpoint, local: LocalManifest, path: str, report: VerifyReport) -> None:
     """The data file must be a safetensors file whose header agrees with the local manifest."""
     try:
         raw = checkpoint.storage.read_range(local.data, 0, local.header_size)
@@ -170,7 +170,7 @@ def _check_header(checkpoint: Checkpoint, local: LocalManifest, path: str, repor
         report.problems.append(Problem(path, tensor, message))
 
 
-def _check_global_pieces(checkpoint: Checkpoint, report: VerifyReport) -> None:
+def _check_global_pieces(checkpoint: StoredCheckpoint, report: VerifyReport) -> None:
     """Every piece of the global manifest must be the same piece (tensor, box, bytes) in its file's local manifest.
 
     Work is bounded by the manifests: a file claimed by more pieces than its local manifest holds is one problem

@@ -1,8 +1,8 @@
-"""Opening a committed checkpoint and reading any box of any tensor, verifying every byte it reads.
+"""Opening a committed checkpoint and reading any box of any tensor into torch tensors, verifying every byte.
 
-open() checks COMMITTED and the manifest's checksum; reads go planner -> coalesced range reads (concurrent,
-bounded bytes in flight, into one reused buffer) -> block checksums from the file's local manifest -> strided
-copies into destinations.
+open() checks COMMITTED and the manifest's checksum (catalog/chain.py); reads go planner -> coalesced range reads
+(concurrent, bounded bytes in flight, into one reused buffer) -> block checksums from the file's local manifest
+(catalog/stored.py) -> strided copies into destinations.
 """
 
 from __future__ import annotations
@@ -11,41 +11,29 @@ import contextlib
 import functools
 import math
 import os
-import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import crc32c
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from shardckpt.catalog.chain import read_opening
+from shardckpt.catalog.stored import StoredCheckpoint
 from shardckpt.errors import (
-    FormatError,
     IntegrityError,
-    NotCommittedError,
-    NotFoundError,
-    ShardckptError,
     ShardckptUsageError,
-    StorageError,
     TruncatedError,
 )
-from shardckpt.format import layout, limits
 from shardckpt.format.dtypes import itemsize
-from shardckpt.format.local_manifest import LocalManifest, decode_local_manifest
 from shardckpt.format.manifest import (
     CommitMarker,
     GlobalManifest,
-    TensorEntry,
-    crc32c_of,
-    decode_commit_marker,
-    decode_global_manifest,
 )
-from shardckpt.planner import Box, ReadPlan, ReadRequest, Target, VerifySpan, check_cover, plan_reads
-from shardckpt.planner.box import box_as_flat_range, linear_index
+from shardckpt.planner import Box, ReadPlan, ReadRequest, Target, plan_reads
 from shardckpt.planner.execute import apply_copy
 from shardckpt.planner.plan import DEFAULT_MAX_GAP, DEFAULT_MAX_REQUEST, RESIDENT_MAX_REQUEST
 from shardckpt.read import fetching
@@ -70,73 +58,6 @@ class ReadStats:
     seconds: float
 
 
-def read_marker_bytes(storage: Storage) -> bytes | None:
-    """The raw COMMITTED marker, or None when the checkpoint is not committed."""
-    try:
-        return storage.read_small(layout.COMMITTED, limits.MAX_COMMIT_MARKER_BYTES)
-    except NotFoundError:
-        return None
-
-
-def read_commit_marker(storage: Storage) -> CommitMarker | None:
-    raw = read_marker_bytes(storage)
-    return None if raw is None else decode_commit_marker(raw, storage.describe(layout.COMMITTED))
-
-
-def read_global_manifest(storage: Storage, marker: CommitMarker) -> GlobalManifest:
-    """The manifest COMMITTED points at, after checking its size and CRC32C against the marker."""
-    raw = storage.read_small(marker.manifest, limits.MAX_GLOBAL_MANIFEST_BYTES)
-    return verify_global_manifest(raw, marker, storage.describe(marker.manifest))
-
-
-def verify_global_manifest(raw: bytes, marker: CommitMarker, where: str) -> GlobalManifest:
-    """Check manifest bytes (read here or received from a peer) against COMMITTED, then decode them."""
-    if len(raw) != marker.manifest_size or crc32c_of(raw) != marker.manifest_crc32c:
-        raise IntegrityError(
-            f"{where}: {len(raw)} bytes with CRC32C {crc32c_of(raw):#010x}, but COMMITTED promises "
-            f"{marker.manifest_size} bytes with CRC32C {marker.manifest_crc32c:#010x}"
-        )
-    manifest = decode_global_manifest(raw, where)
-    if (manifest.attempt, manifest.world_size, manifest.step) != (marker.attempt, marker.world_size, marker.step):
-        raise FormatError(
-            f"{where}: attempt {manifest.attempt}, {manifest.world_size} ranks, step {manifest.step} disagree with "
-            f"COMMITTED (attempt {marker.attempt}, {marker.world_size} ranks, step {marker.step})"
-        )
-    return manifest
-
-
-class FileIndex:
-    """One data file's local manifest as a lookup: piece offsets (file order), sizes, first block, checksums."""
-
-    def __init__(self, local: LocalManifest) -> None:
-        self.local = local
-        self.offsets, self.sizes, self.crcs = local.pieces.offset, local.pieces.nbytes, local.crc32c
-        blocks = -(-self.sizes // local.block_size)
-        self.first_block = np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64) if blocks.size else blocks
-
-    def find(self, entry: TensorEntry, piece: int) -> int | str:
-        """Position of piece `piece` of `entry` in this file, or why the local manifest does not hold it."""
-        offset = int(entry.pieces.offset[piece])
-        position = int(np.searchsorted(self.offsets, offset))
-        if position >= self.offsets.size or self.offsets[position] != offset:
-            return f"the local manifest has no piece at byte {offset}"
-        spec = self.local.tensors[int(self.local.pieces.tensor[position])]
-        first = int(self.local.pieces.position[position])
-        start = tuple(self.local.pieces.start[first : first + spec.k].tolist())
-        length = tuple(self.local.pieces.length[first : first + spec.k].tolist())
-        if spec.layout != entry.layout:  # stored as a box by this rank, described as an element range globally
-            flat = box_as_flat_range(spec.shape, start, length)
-            start, length = ((flat[0],), (flat[1],)) if flat else (start, length)
-        wanted = (tuple(entry.pieces.start[piece].tolist()), tuple(entry.pieces.length[piece].tolist()))
-        if (spec.name, spec.dtype, spec.shape, start, length) != (entry.name, entry.dtype, entry.shape, *wanted):
-            return (
-                f"the piece at byte {offset} is {spec.name!r} {spec.dtype} {list(spec.shape)} start {list(start)} "
-                f"length {list(length)} in the local manifest, but start {list(wanted[0])} length "
-                f"{list(wanted[1])} of {entry.name!r} {entry.dtype} {list(entry.shape)} in the global manifest"
-            )
-        return position
-
-
 RESIDENT_PROBES = 8  # requests probed to decide whether a plan's bytes are in memory already
 
 # How far past the request being read the ordered reader announces ranges that do not follow on (a disk serves a
@@ -144,7 +65,7 @@ RESIDENT_PROBES = 8  # requests probed to decide whether a plan's bytes are in m
 PREFETCH_AHEAD = 16 << 20
 
 
-class Checkpoint:
+class Checkpoint(StoredCheckpoint):
     """A committed checkpoint opened for reading. Use `shardckpt.open(url)`.
 
     It keeps one read buffer for its lifetime (a few requests' worth, never more than max_in_flight or the largest
@@ -163,15 +84,8 @@ class Checkpoint:
     ) -> None:
         """max_request: the largest range read; None picks it per read (DEFAULT_MAX_REQUEST from storage,
         RESIDENT_MAX_REQUEST when the storage says the bytes are in memory already)."""
-        self.storage, self.marker, self.manifest = storage, marker, manifest
-        self.url = storage.url
+        super().__init__(storage, marker, manifest)
         self.max_in_flight, self.max_gap, self.max_request = max_in_flight, max_gap, max_request
-        self._checked: set[str] = set()
-        self._indexes: dict[int, FileIndex] = {}
-        self._index_failures: dict[int, ShardckptError] = {}
-        self._sized: set[int] = set()
-        self._lock = threading.Lock()
-        self._positions: dict[tuple[int, str, int], int] = {}
         self._buffer: ByteArray | None = None  # the read buffer, faulted in once and reused by every read
         self._buffer_busy = False
 
@@ -180,48 +94,6 @@ class Checkpoint:
     @property
     def tensors(self) -> dict[str, TensorInfo]:
         return {e.name: TensorInfo(e.shape, torch_dtype(e.dtype), e.nbytes) for e in self.manifest.tensors}
-
-    @property
-    def objects(self) -> dict[str, Any]:
-        """Values shared by all ranks."""
-        return {o.name: o.value for o in self.manifest.objects if o.rank is None}
-
-    def rank_objects(self, rank: int) -> dict[str, Any]:
-        """Values saved by `rank` for itself (RNG state and the like)."""
-        return {o.name: o.value for o in self.manifest.objects if o.rank == rank}
-
-    @property
-    def step(self) -> int | None:
-        return self.manifest.step
-
-    def entry(self, name: str) -> TensorEntry:
-        """The manifest entry of `name`, with its pieces range- and coverage-checked on first use."""
-        entry = self.manifest.tensor(name)
-        if entry is None:
-            raise ShardckptUsageError(f"tensor {name!r} is not in {self.url}")
-        if name not in self._checked:
-            check_cover(name, entry.shape, entry.layout, entry.pieces.start, entry.pieces.length)
-            if entry.numel == 0:
-                self._check_declared(entry)
-            self._checked.add(name)
-        return entry
-
-    def _check_declared(self, entry: TensorEntry) -> None:
-        """A tensor without elements has no piece to check against a local manifest, so check the rank that
-        declares it (SPEC: at least one does): dtype and shape must agree there too. Reads local manifests until
-        one declares it; cached, and only for empty tensors."""
-        for file in range(len(self.manifest.files)):
-            declared = next((t for t in self.file_index(file).local.tensors if t.name == entry.name), None)
-            if declared is None:
-                continue
-            if (declared.dtype, declared.shape, declared.layout) != (entry.dtype, entry.shape, entry.layout):
-                raise IntegrityError(
-                    f"{self.storage.describe(self.manifest.files[file].index)}: tensor {entry.name!r} is "
-                    f"{declared.dtype} {list(declared.shape)} ({declared.layout}) there, but {entry.dtype} "
-                    f"{list(entry.shape)} ({entry.layout}) in the global manifest"
-                )
-            return
-        raise FormatError(f"{self.url}: no local manifest declares the empty tensor {entry.name!r} (SPEC 6.1)")
 
     # --------------------------------------------------------------------------------------- planning
 
@@ -469,120 +341,6 @@ class Checkpoint:
             with self._lock:
                 self._buffer_busy = False
 
-    # ------------------------------------------------------------------------------------- integrity
-
-    def file_index(self, file: int) -> FileIndex:
-        """File `file`'s checked local manifest, read once: a failure is remembered and raised again, not re-read."""
-        with self._lock:
-            index, failure = self._indexes.get(file), self._index_failures.get(file)
-        if failure is not None:
-            raise type(failure)(*failure.args)
-        if index is None:
-            try:
-                index = self._load_index(file)
-            except ShardckptError as exc:
-                with self._lock:
-                    self._index_failures[file] = exc
-                raise
-            with self._lock:
-                self._indexes[file] = index
-        return index
-
-    def _load_index(self, file: int) -> FileIndex:
-        entry = self.manifest.files[file]
-        where = self.storage.describe(entry.index)
-        raw = self.storage.read_small(entry.index, limits.MAX_LOCAL_MANIFEST_BYTES)
-        if len(raw) != entry.index_size or crc32c_of(raw) != entry.index_crc32c:
-            raise IntegrityError(
-                f"{where}: {len(raw)} bytes with CRC32C {crc32c_of(raw):#010x}, but the global manifest promises "
-                f"{entry.index_size} bytes with CRC32C {entry.index_crc32c:#010x}"
-            )
-        local = decode_local_manifest(raw, where)
-        if (local.attempt, local.rank, local.world_size, local.data, local.data_size, local.block_size) != (
-            self.manifest.attempt,
-            entry.rank,
-            self.manifest.world_size,
-            entry.data,
-            entry.data_size,
-            self.manifest.block_size,
-        ):
-            raise FormatError(f"{where}: does not describe {entry.data} of attempt {self.manifest.attempt}")
-        # decode_local_manifest checked that pieces are in file order, packed, and that checksums count right.
-        return FileIndex(local)
-
-    def _check_data_size(self, file: int) -> None:
-        """A data file of another size than the manifest says is truncated or has grown: refuse it (once per file)."""
-        if file in self._sized:
-            return
-        entry = self.manifest.files[file]
-        actual = self.storage.size(entry.data)
-        if actual != entry.data_size:
-            kind = "truncated" if actual < entry.data_size else "has trailing bytes"
-            raise IntegrityError(
-                f"{self.storage.describe(entry.data)} {kind}: {actual} bytes, the manifest says {entry.data_size}"
-            )
-        with self._lock:
-            self._sized.add(file)
-
-    def _position(self, file: int, span: VerifySpan) -> int:
-        """Where the span's piece sits in its file's local manifest (checked once, then remembered)."""
-        return self._piece_position(file, span.tensor, span.piece)
-
-    def _piece_position(self, file: int, tensor: str, piece: int) -> int:
-        key = (file, tensor, piece)
-        position = self._positions.get(key)
-        if position is not None:
-            return position
-        found = self.file_index(file).find(self.entry(tensor), piece)
-        if isinstance(found, str):
-            path = self.storage.describe(self.manifest.files[file].data)
-            raise IntegrityError(f"{path}: tensor {tensor!r}: {found}")
-        self._positions[key] = found
-        return found
-
-    def _check_pieces(self, entry: TensorEntry, box: Box) -> None:
-        """Check the chain for every piece that overlaps `box` (local manifest, data file size, piece identity),
-        in time proportional to those pieces: before planning or allocating anything sized by the manifest."""
-        if box.volume == 0:
-            return
-        file, _, start, length = entry.pieces.arrays()
-        if entry.layout == "flat":
-            lo, hi = (
-                linear_index(entry.shape, box.offsets),
-                linear_index(entry.shape, tuple(e - 1 for e in box.end)) + 1,
-            )
-            hit = np.nonzero((start[:, 0] < hi) & (start[:, 0] + length[:, 0] > lo))[0]
-        else:
-            wanted_lo, wanted_hi = np.array(box.offsets, dtype=np.int64), np.array(box.end, dtype=np.int64)
-            hit = np.nonzero(((start < wanted_hi) & (start + length > wanted_lo)).all(axis=1))[0]
-        for number in np.unique(file[hit]).tolist():
-            self.file_index(int(number))
-            self._check_data_size(int(number))
-        for piece in hit.tolist():
-            self._piece_position(int(file[piece]), entry.name, piece)
-
-    def _verify(self, file: int, span: VerifySpan, fetched: ByteArray, fetched_start: int) -> None:
-        index = self.file_index(file)
-        position = self._position(file, span)
-        block = self.manifest.block_size
-        first = (span.start - span.piece_offset) // block
-        last = -(-(span.end - span.piece_offset) // block)
-        base = int(index.first_block[position])
-        view = fetched.data
-        origin = span.piece_offset - fetched_start  # where the piece's first block would start in `fetched`
-        piece_end = origin + span.piece_size
-        # A tight loop: crc32c releases the GIL for each block, so several workers verify at once.
-        for number, expected in enumerate(index.crcs[base + first : base + last].tolist(), first):
-            lo = origin + number * block
-            actual = crc32c.crc32c(view[lo : min(lo + block, piece_end)])
-            if actual != expected:
-                lo, hi = lo + fetched_start, min(lo + block, piece_end) + fetched_start
-                path = self.storage.describe(self.manifest.files[file].data)
-                raise IntegrityError(
-                    f"{path}: tensor {span.tensor!r}: block {number} of the piece at byte {span.piece_offset} "
-                    f"(file bytes {lo}:{hi}) fails its checksum (stored {expected:#010x}, read {actual:#010x})"
-                )
-
 
 def _allocate(name: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
     """A host tensor for a read; an allocation failure is a typed error naming the tensor and the size."""
@@ -643,33 +401,6 @@ class PendingRead:
             tensor.copy_(staging)
         plan = self.plan
         return ReadStats(plan.needed_bytes, plan.fetch_bytes, len(plan.requests), time.perf_counter() - self._began)
-
-
-@dataclass(frozen=True)
-class Opening:
-    """What opening a checkpoint reads, raw (to hand to other ranks) and checked: COMMITTED and the manifest."""
-
-    marker_raw: bytes
-    marker: CommitMarker
-    manifest_raw: bytes
-    manifest: GlobalManifest
-
-
-def read_opening(storage: Storage) -> Opening:
-    """Read COMMITTED and the global manifest it points at, each once, and check them; NotCommittedError if none."""
-    try:
-        marker_raw = read_marker_bytes(storage)
-        marker = None if marker_raw is None else decode_commit_marker(marker_raw, storage.describe(layout.COMMITTED))
-    except StorageError as exc:
-        raise StorageError(f"cannot read {storage.describe(layout.COMMITTED)}: {exc}") from exc
-    if marker_raw is None or marker is None:
-        raise NotCommittedError(
-            f"{storage.url} is not committed (no {layout.COMMITTED} marker): the save is incomplete, failed, "
-            "or still running"
-        )
-    manifest_raw = storage.read_small(marker.manifest, limits.MAX_GLOBAL_MANIFEST_BYTES)
-    manifest = verify_global_manifest(manifest_raw, marker, storage.describe(marker.manifest))
-    return Opening(marker_raw, marker, manifest_raw, manifest)
 
 
 def open_checkpoint(

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from shardckpt.catalog.chain import read_commit_marker, read_global_manifest, read_marker_bytes
 from shardckpt.crashpoints import crash_point
 from shardckpt.errors import (
     AlreadyExistsError,
@@ -33,7 +34,6 @@ from shardckpt.format.manifest import (
     encode_commit_marker,
     encode_global_manifest,
 )
-from shardckpt.read.checkpoint import read_commit_marker, read_global_manifest, read_marker_bytes
 from shardckpt.storage import Storage, open_storage
 from shardckpt.write.merge import merge_objects, merge_tensors
 

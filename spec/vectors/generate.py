@@ -39,7 +39,7 @@ ATTEMPT = "golden1"
 BLOCK = 4096
 CREATED = 1767225600.0  # 2026-01-01T00:00:00Z: the commit clock, pinned so manifests are reproducible
 
-FORMAT_DTYPES = TORCH_TO_FORMAT  # the library's table; tests/test_spec_vectors.py spells its own out
+FORMAT_DTYPES = TORCH_TO_FORMAT  # the library's table; tests/format/test_spec_vectors.py spells its own out
 # Dtypes whose values JSON cannot state exactly (or at all): described by sha256 only.
 EXOTIC = {"F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0", "C64"}
 MAX_LISTED_VALUES = 64

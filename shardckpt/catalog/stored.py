@@ -1,0 +1,237 @@
+"""A committed checkpoint as stored, torch-free: its manifests, each data file's checked index, block checksums.
+
+The reader (read/checkpoint.py) and verify (ops/verify.py) both check bytes through this class, so the chain of
+trust from COMMITTED to every block is written once.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import crc32c
+import numpy as np
+import numpy.typing as npt
+
+from shardckpt.catalog.chain import read_opening
+from shardckpt.errors import FormatError, IntegrityError, ShardckptError, ShardckptUsageError
+from shardckpt.format import limits
+from shardckpt.format.local_manifest import LocalManifest, decode_local_manifest
+from shardckpt.format.manifest import CommitMarker, GlobalManifest, TensorEntry, crc32c_of
+from shardckpt.planner import Box, VerifySpan, check_cover
+from shardckpt.planner.box import box_as_flat_range, linear_index
+from shardckpt.storage import Storage, open_storage
+
+ByteArray = npt.NDArray[np.uint8]
+
+
+class FileIndex:
+    """One data file's local manifest as a lookup: piece offsets (file order), sizes, first block, checksums."""
+
+    def __init__(self, local: LocalManifest) -> None:
+        self.local = local
+        self.offsets, self.sizes, self.crcs = local.pieces.offset, local.pieces.nbytes, local.crc32c
+        blocks = -(-self.sizes // local.block_size)
+        self.first_block = np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64) if blocks.size else blocks
+
+    def find(self, entry: TensorEntry, piece: int) -> int | str:
+        """Position of piece `piece` of `entry` in this file, or why the local manifest does not hold it."""
+        offset = int(entry.pieces.offset[piece])
+        position = int(np.searchsorted(self.offsets, offset))
+        if position >= self.offsets.size or self.offsets[position] != offset:
+            return f"the local manifest has no piece at byte {offset}"
+        spec = self.local.tensors[int(self.local.pieces.tensor[position])]
+        first = int(self.local.pieces.position[position])
+        start = tuple(self.local.pieces.start[first : first + spec.k].tolist())
+        length = tuple(self.local.pieces.length[first : first + spec.k].tolist())
+        if spec.layout != entry.layout:  # stored as a box by this rank, described as an element range globally
+            flat = box_as_flat_range(spec.shape, start, length)
+            start, length = ((flat[0],), (flat[1],)) if flat else (start, length)
+        wanted = (tuple(entry.pieces.start[piece].tolist()), tuple(entry.pieces.length[piece].tolist()))
+        if (spec.name, spec.dtype, spec.shape, start, length) != (entry.name, entry.dtype, entry.shape, *wanted):
+            return (
+                f"the piece at byte {offset} is {spec.name!r} {spec.dtype} {list(spec.shape)} start {list(start)} "
+                f"length {list(length)} in the local manifest, but start {list(wanted[0])} length "
+                f"{list(wanted[1])} of {entry.name!r} {entry.dtype} {list(entry.shape)} in the global manifest"
+            )
+        return position
+
+
+class StoredCheckpoint:
+    """A committed checkpoint's manifests and checks, without torch. Use `open_stored(url)` (or shardckpt.open,
+    whose Checkpoint adds reading into tensors)."""
+
+    def __init__(self, storage: Storage, marker: CommitMarker, manifest: GlobalManifest) -> None:
+        self.storage, self.marker, self.manifest = storage, marker, manifest
+        self.url = storage.url
+        self._checked: set[str] = set()
+        self._indexes: dict[int, FileIndex] = {}
+        self._index_failures: dict[int, ShardckptError] = {}
+        self._sized: set[int] = set()
+        self._lock = threading.Lock()
+        self._positions: dict[tuple[int, str, int], int] = {}
+
+    # ------------------------------------------------------------------------------------- description
+
+    @property
+    def objects(self) -> dict[str, Any]:
+        """Values shared by all ranks."""
+        return {o.name: o.value for o in self.manifest.objects if o.rank is None}
+
+    def rank_objects(self, rank: int) -> dict[str, Any]:
+        """Values saved by `rank` for itself (RNG state and the like)."""
+        return {o.name: o.value for o in self.manifest.objects if o.rank == rank}
+
+    @property
+    def step(self) -> int | None:
+        return self.manifest.step
+
+    def entry(self, name: str) -> TensorEntry:
+        """The manifest entry of `name`, with its pieces range- and coverage-checked on first use."""
+        entry = self.manifest.tensor(name)
+        if entry is None:
+            raise ShardckptUsageError(f"tensor {name!r} is not in {self.url}")
+        if name not in self._checked:
+            check_cover(name, entry.shape, entry.layout, entry.pieces.start, entry.pieces.length)
+            if entry.numel == 0:
+                self._check_declared(entry)
+            self._checked.add(name)
+        return entry
+
+    def _check_declared(self, entry: TensorEntry) -> None:
+        """A tensor without elements has no piece to check against a local manifest, so check the rank that
+        declares it (SPEC: at least one does): dtype and shape must agree there too. Reads local manifests until
+        one declares it; cached, and only for empty tensors."""
+        for file in range(len(self.manifest.files)):
+            declared = next((t for t in self.file_index(file).local.tensors if t.name == entry.name), None)
+            if declared is None:
+                continue
+            if (declared.dtype, declared.shape, declared.layout) != (entry.dtype, entry.shape, entry.layout):
+                raise IntegrityError(
+                    f"{self.storage.describe(self.manifest.files[file].index)}: tensor {entry.name!r} is "
+                    f"{declared.dtype} {list(declared.shape)} ({declared.layout}) there, but {entry.dtype} "
+                    f"{list(entry.shape)} ({entry.layout}) in the global manifest"
+                )
+            return
+        raise FormatError(f"{self.url}: no local manifest declares the empty tensor {entry.name!r} (SPEC 6.1)")
+
+    # ------------------------------------------------------------------------------------- integrity
+
+    def file_index(self, file: int) -> FileIndex:
+        """File `file`'s checked local manifest, read once: a failure is remembered and raised again, not re-read."""
+        with self._lock:
+            index, failure = self._indexes.get(file), self._index_failures.get(file)
+        if failure is not None:
+            raise type(failure)(*failure.args)
+        if index is None:
+            try:
+                index = self._load_index(file)
+            except ShardckptError as exc:
+                with self._lock:
+                    self._index_failures[file] = exc
+                raise
+            with self._lock:
+                self._indexes[file] = index
+        return index
+
+    def _load_index(self, file: int) -> FileIndex:
+        entry = self.manifest.files[file]
+        where = self.storage.describe(entry.index)
+        raw = self.storage.read_small(entry.index, limits.MAX_LOCAL_MANIFEST_BYTES)
+        if len(raw) != entry.index_size or crc32c_of(raw) != entry.index_crc32c:
+            raise IntegrityError(
+                f"{where}: {len(raw)} bytes with CRC32C {crc32c_of(raw):#010x}, but the global manifest promises "
+                f"{entry.index_size} bytes with CRC32C {entry.index_crc32c:#010x}"
+            )
+        local = decode_local_manifest(raw, where)
+        if (local.attempt, local.rank, local.world_size, local.data, local.data_size, local.block_size) != (
+            self.manifest.attempt,
+            entry.rank,
+            self.manifest.world_size,
+            entry.data,
+            entry.data_size,
+            self.manifest.block_size,
+        ):
+            raise FormatError(f"{where}: does not describe {entry.data} of attempt {self.manifest.attempt}")
+        # decode_local_manifest checked that pieces are in file order, packed, and that checksums count right.
+        return FileIndex(local)
+
+    def _check_data_size(self, file: int) -> None:
+        """A data file of another size than the manifest says is truncated or has grown: refuse it (once per file)."""
+        if file in self._sized:
+            return
+        entry = self.manifest.files[file]
+        actual = self.storage.size(entry.data)
+        if actual != entry.data_size:
+            kind = "truncated" if actual < entry.data_size else "has trailing bytes"
+            raise IntegrityError(
+                f"{self.storage.describe(entry.data)} {kind}: {actual} bytes, the manifest says {entry.data_size}"
+            )
+        with self._lock:
+            self._sized.add(file)
+
+    def _position(self, file: int, span: VerifySpan) -> int:
+        """Where the span's piece sits in its file's local manifest (checked once, then remembered)."""
+        return self._piece_position(file, span.tensor, span.piece)
+
+    def _piece_position(self, file: int, tensor: str, piece: int) -> int:
+        key = (file, tensor, piece)
+        position = self._positions.get(key)
+        if position is not None:
+            return position
+        found = self.file_index(file).find(self.entry(tensor), piece)
+        if isinstance(found, str):
+            path = self.storage.describe(self.manifest.files[file].data)
+            raise IntegrityError(f"{path}: tensor {tensor!r}: {found}")
+        self._positions[key] = found
+        return found
+
+    def _check_pieces(self, entry: TensorEntry, box: Box) -> None:
+        """Check the chain for every piece that overlaps `box` (local manifest, data file size, piece identity),
+        in time proportional to those pieces: before planning or allocating anything sized by the manifest."""
+        if box.volume == 0:
+            return
+        file, _, start, length = entry.pieces.arrays()
+        if entry.layout == "flat":
+            lo, hi = (
+                linear_index(entry.shape, box.offsets),
+                linear_index(entry.shape, tuple(e - 1 for e in box.end)) + 1,
+            )
+            hit = np.nonzero((start[:, 0] < hi) & (start[:, 0] + length[:, 0] > lo))[0]
+        else:
+            wanted_lo, wanted_hi = np.array(box.offsets, dtype=np.int64), np.array(box.end, dtype=np.int64)
+            hit = np.nonzero(((start < wanted_hi) & (start + length > wanted_lo)).all(axis=1))[0]
+        for number in np.unique(file[hit]).tolist():
+            self.file_index(int(number))
+            self._check_data_size(int(number))
+        for piece in hit.tolist():
+            self._piece_position(int(file[piece]), entry.name, piece)
+
+    def _verify(self, file: int, span: VerifySpan, fetched: ByteArray, fetched_start: int) -> None:
+        index = self.file_index(file)
+        position = self._position(file, span)
+        block = self.manifest.block_size
+        first = (span.start - span.piece_offset) // block
+        last = -(-(span.end - span.piece_offset) // block)
+        base = int(index.first_block[position])
+        view = fetched.data
+        origin = span.piece_offset - fetched_start  # where the piece's first block would start in `fetched`
+        piece_end = origin + span.piece_size
+        # A tight loop: crc32c releases the GIL for each block, so several workers verify at once.
+        for number, expected in enumerate(index.crcs[base + first : base + last].tolist(), first):
+            lo = origin + number * block
+            actual = crc32c.crc32c(view[lo : min(lo + block, piece_end)])
+            if actual != expected:
+                lo, hi = lo + fetched_start, min(lo + block, piece_end) + fetched_start
+                path = self.storage.describe(self.manifest.files[file].data)
+                raise IntegrityError(
+                    f"{path}: tensor {span.tensor!r}: block {number} of the piece at byte {span.piece_offset} "
+                    f"(file bytes {lo}:{hi}) fails its checksum (stored {expected:#010x}, read {actual:#010x})"
+                )
+
+
+def open_stored(url: str | Storage, *, storage_options: dict[str, Any] | None = None) -> StoredCheckpoint:
+    """Open the committed checkpoint at `url` for checking, without torch; NotCommittedError if it is not."""
+    storage = open_storage(url, storage_options)
+    opening = read_opening(storage)
+    return StoredCheckpoint(storage, opening.marker, opening.manifest)

@@ -1,0 +1,53 @@
+"""What `shardckpt ls` shows: every checkpoint directly under a root with its status, step, ranks, size and time.
+
+Built on catalog.list_root, so ls, du, gc, retention and latest() agree on what is a checkpoint and which is newest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardckpt.catalog.listing import ALIAS, BROKEN, COMMITTED, INCOMPLETE, list_root
+from shardckpt.errors import ShardckptError
+from shardckpt.format import layout
+from shardckpt.storage import Storage
+
+
+def list_checkpoints(root_url: str | Storage, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """{"root": url, "checkpoints": [row, ...]}, oldest first in the one newest order (committed ones by step,
+    commit time and name; the others after them by name). Rows: name, url, status and what the status tells."""
+    listing = list_root(root_url, storage_options=storage_options)
+    rows = []
+    for entry in listing.entries:
+        status = entry.status(listing.root)
+        if status is None:
+            continue  # not a checkpoint
+        row: dict[str, Any] = {"name": entry.name, "url": entry.url, "status": status}
+        if status == BROKEN:
+            row["error"] = entry.error
+        if status in (COMMITTED, ALIAS) and entry.marker is not None:
+            marker = entry.marker
+            row.update(step=marker.step, bytes=marker.total_bytes, created=marker.created, world_size=marker.world_size)
+        if status == ALIAS:
+            row["alias_of"] = entry.alias_of
+        if status == INCOMPLETE:
+            row["bytes"] = _data_bytes(listing.root.child(entry.name))
+        rows.append(row)
+    keys = {entry.name: entry.key for entry in listing.committed()}
+
+    def order(row: dict[str, Any]) -> tuple[int, Any, str]:
+        target = row.get("alias_of") or row["name"]
+        return (0, keys[target], row["name"]) if target in keys else (1, (), row["name"])
+
+    rows.sort(key=order)
+    return {"root": listing.root.url, "checkpoints": rows}
+
+
+def _data_bytes(checkpoint: Storage) -> int:
+    total = 0
+    for data in checkpoint.list(layout.DATA_DIR):
+        try:
+            total += checkpoint.size(f"{layout.DATA_DIR}/{data}")
+        except ShardckptError:
+            continue  # deleted while we looked
+    return total

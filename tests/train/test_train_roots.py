@@ -1,0 +1,46 @@
+"""The bundled training loop pointed at a root that already holds another run's checkpoints (issue 13, finding 0).
+
+Without --resume it refuses (a forgotten --resume would otherwise train beside the old run, whose higher steps stay
+the newest); with --ignore-existing it trains, warns, and keeps every checkpoint it just saved.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import shardckpt
+from tests.helpers.checkpoints import sample_state, save_sharded
+
+
+def _train(root: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """One rank, in this process's interpreter (the loop sets up a one-rank group itself)."""
+    command = [sys.executable, "-m", "shardckpt.train", "--ckpt", str(root), "--steps", "2", "--ckpt-every", "1"]
+    command += ["--cpu", "--d-model", "16", "--layers", "1", "--heads", "2", "--global-batch", "2", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+
+
+def test_a_new_run_into_an_old_root_is_refused_then_kept_with_a_warning(tmp_path: Path) -> None:
+    root = tmp_path / "old"
+    for step in (70, 80, 90):
+        save_sharded(sample_state(step), str(root / f"step-{step:08d}"), 1, step=step)
+    before = sorted(os.listdir(root))
+    refused = _train(root)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert "already holds committed checkpoints" in refused.stderr and "--resume" in refused.stderr, refused.stderr
+    assert sorted(os.listdir(root)) == before
+    done = _train(root, "--ignore-existing", "--keep-last", "3")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "WARNING: step 2 is below step 90" in done.stdout, done.stdout
+    assert sorted(os.listdir(root)) == ["step-00000002", *before]
+    assert shardckpt.open(str(root / "step-00000002")).step == 2
+
+
+def test_a_fresh_root_is_not_refused(tmp_path: Path) -> None:
+    fresh = _train(tmp_path / "fresh")
+    assert fresh.returncode == 0, fresh.stdout + fresh.stderr
+    assert "WARNING" not in fresh.stdout
+    assert shardckpt.latest(str(tmp_path / "fresh")) == str(tmp_path / "fresh" / "step-00000002")

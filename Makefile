@@ -1,4 +1,5 @@
 # make test: bootstrap a virtualenv on a fresh machine and run lint, types and the whole suite.
+# make test-fast: the quick loop (unit tests only: one process, no S3 server, no ranks, nothing slow).
 # make demo: run the main job.  make bench: the performance harness.
 PY ?= python3
 VENV := .venv
@@ -6,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: test lint typecheck unit demo bench clean
+.PHONY: test test-fast lint typecheck unit demo bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -19,8 +20,8 @@ $(STAMP): $(BIN)/python pyproject.toml
 	touch $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check shardckpt tests benchmarks spec
-	$(BIN)/ruff format --check shardckpt tests benchmarks spec
+	$(BIN)/ruff check shardckpt tests benchmarks spec examples
+	$(BIN)/ruff format --check shardckpt tests benchmarks spec examples
 
 typecheck: $(STAMP)
 	$(BIN)/mypy shardckpt
@@ -29,6 +30,10 @@ unit: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 test: lint typecheck unit
+
+test-fast: $(STAMP)
+	$(BIN)/ruff check shardckpt tests benchmarks spec examples
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m unit tests
 
 demo: $(STAMP)
 	$(BIN)/python -m examples.demo

@@ -59,3 +59,39 @@ def root_url(request: pytest.FixtureRequest, tmp_path):
     fs = fsspec.filesystem("memory")
     if fs.exists(path):
         fs.rm(path, recursive=True)
+
+
+# Markers (make test-fast runs `-m unit`): whole modules that launch ranks or DeepSpeed, and tests that reach the
+# S3 server, are marked here from one table, so a new test in those modules is marked without thinking of it.
+DIST_MODULES = {
+    "test_distributed",
+    "test_crash_phases",
+    "test_protocol_faults",
+    "test_train",
+    "test_train_roots",
+    "test_soak",
+    "test_deepspeed",
+    "test_import_deepspeed",
+    "test_interop",
+    "test_s3_race",
+    "test_benchmarks_smoke",
+    "test_scale_smoke",
+}
+DEEPSPEED_MODULES = {"test_deepspeed", "test_import_deepspeed"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.path.stem
+        if module in DIST_MODULES:
+            item.add_marker(pytest.mark.dist)
+        if module in DEEPSPEED_MODULES:
+            item.add_marker(pytest.mark.deepspeed)
+        callspec = getattr(item, "callspec", None)
+        uses_s3 = "s3_server" in getattr(item, "fixturenames", ()) or (
+            callspec is not None and callspec.params.get("root_url") == "s3"
+        )
+        if uses_s3:
+            item.add_marker(pytest.mark.s3)
+        if not any(item.get_closest_marker(name) for name in ("dist", "s3", "deepspeed", "slow")):
+            item.add_marker(pytest.mark.unit)

@@ -23,11 +23,10 @@ import shardckpt
 from shardckpt.catalog import delete_objects, list_root, order_key, read_commit_marker
 from shardckpt.catalog.deletion import deletion_order
 from shardckpt.catalog.retention import prune
-from shardckpt.errors import FormatError, ShardckptError, StorageError
+from shardckpt.errors import FormatError, StorageError
 from shardckpt.format import layout
 from shardckpt.format.manifest import CommitMarker, encode_commit_marker
 from shardckpt.ops.gc import gc
-from shardckpt.read import checkpoint as restorer
 from shardckpt.storage import LocalStorage, open_storage
 from shardckpt.testing.faults import FaultyStorage
 
@@ -61,27 +60,6 @@ print("ok")
 """
     result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
-
-
-@pytest.mark.parametrize(
-    "content",
-    [None, b"", b"{not json", b'{"format": "shardckpt"}', b"x" * 70_000, b"[]"],
-)
-def test_the_marker_reader_gives_the_restorer_s_verdict(tmp_path: Path, content: bytes | None) -> None:
-    """catalog.read_commit_marker replaces restorer.read_commit_marker: same value, same error and message."""
-    storage = LocalStorage(str(tmp_path))
-    if content is not None:
-        (tmp_path / layout.COMMITTED).write_bytes(content)
-    verdicts = []
-    for reader in (read_commit_marker, restorer.read_commit_marker):
-        try:
-            verdicts.append(("value", reader(storage)))
-        except ShardckptError as exc:
-            verdicts.append((type(exc).__name__, str(exc)))
-    assert verdicts[0] == verdicts[1]
-    (tmp_path / "ok").mkdir()
-    (tmp_path / "ok" / layout.COMMITTED).write_bytes(_marker("a1", 3, 1.5))
-    assert read_commit_marker(storage.child("ok")) == restorer.read_commit_marker(storage.child("ok"))
 
 
 def test_order_ties_are_broken_by_name_for_every_caller() -> None:

@@ -243,6 +243,7 @@ populations = st.lists(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(
     population=populations,

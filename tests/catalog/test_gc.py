@@ -213,6 +213,7 @@ class _Crash(BaseException):
     """Stands for SIGKILL: nothing after it runs, no except clause of the library catches it."""
 
 
+@pytest.mark.slow
 def test_a_crash_at_any_point_of_gc_leaves_every_surviving_checkpoint_loadable(tmp_path, monkeypatch) -> None:
     template = tmp_path / "template"
     build_root(template)

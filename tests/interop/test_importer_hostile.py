@@ -94,6 +94,7 @@ print("legitimate imports and dcp.save/dcp.load still work")
 """
 
 
+@pytest.mark.slow
 def test_build_cannot_rewrite_an_admitted_object_and_later_imports_still_work(tmp_path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     result = subprocess.run(
@@ -297,6 +298,7 @@ plain_values = st.recursive(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(value=plain_values, protocol=st.integers(0, 5), cut=st.integers(0, 1 << 16), byte=st.integers(0, 255))
 def test_the_fast_scan_gives_the_reference_verdict_on_real_and_damaged_pickles(value, protocol, cut, byte) -> None:
@@ -385,6 +387,7 @@ for where, read in readers.items():
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["deep", "dag"])
 def test_deep_or_shared_tuples_where_they_are_hashed_are_refused_not_a_crash_or_a_hang(kind) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}

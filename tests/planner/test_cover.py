@@ -51,6 +51,7 @@ def brute_force_ok(shape: tuple[int, ...], layout: str, start: np.ndarray, lengt
 # ---------------------------------------------------------------------------------------- valid covers
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(sharding=shardings())
 def test_every_valid_sharding_is_accepted(sharding: Sharding) -> None:
@@ -76,6 +77,7 @@ def _nonempty(sharding: Sharding) -> None:
     assume(sharding.count >= 1)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(sharding=shardings(), data=st.data())
 def test_dropping_a_piece_leaves_a_gap(sharding: Sharding, data: st.DataObject) -> None:
@@ -87,6 +89,7 @@ def test_dropping_a_piece_leaves_a_gap(sharding: Sharding, data: st.DataObject) 
     assert "gap" in message or "covered by no piece" in message or "but 0 stored pieces" in message
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(sharding=shardings(), data=st.data())
 def test_duplicating_a_piece_is_an_overlap(sharding: Sharding, data: st.DataObject) -> None:
@@ -101,6 +104,7 @@ def _extents(sharding: Sharding) -> list[int]:
     return [math.prod(sharding.shape)] if sharding.layout == "flat" else list(sharding.shape)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(sharding=shardings(), data=st.data())
 def test_growing_a_piece_inside_the_shape_is_an_overlap(sharding: Sharding, data: st.DataObject) -> None:
@@ -118,6 +122,7 @@ def test_growing_a_piece_inside_the_shape_is_an_overlap(sharding: Sharding, data
     assert_rejected(sharding.with_pieces(start, length))
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(sharding=shardings(), data=st.data())
 def test_shifting_a_piece_is_rejected(sharding: Sharding, data: st.DataObject) -> None:
@@ -311,12 +316,14 @@ def _verdict(sharding: Sharding) -> bool:
     return True
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(sharding=piece_sets())
 def test_verdict_matches_a_brute_force_counter(sharding: Sharding) -> None:
     assert _verdict(sharding) == brute_force_ok(sharding.shape, sharding.layout, sharding.start, sharding.length)
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(sharding=piece_sets())
 def test_verdict_without_the_cell_counter_matches_a_brute_force_counter(sharding: Sharding) -> None:
@@ -329,6 +336,7 @@ def test_verdict_without_the_cell_counter_matches_a_brute_force_counter(sharding
     assert verdict == brute_force_ok(sharding.shape, sharding.layout, sharding.start, sharding.length)
 
 
+@pytest.mark.slow
 @given(
     rows=st.integers(1, 40),
     cols=st.integers(1, 5),
@@ -361,6 +369,7 @@ def brute_force_counts(shape: tuple[int, ...], start: np.ndarray, length: np.nda
     return counts
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(sharding=piece_sets())
 def test_corner_check_alone_agrees_with_brute_force_and_names_a_true_defect(sharding: Sharding) -> None:

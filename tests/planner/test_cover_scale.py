@@ -14,6 +14,8 @@ import pytest
 from shardckpt.errors import CoverageError
 from shardckpt.planner.cover import check_cover
 
+pytestmark = pytest.mark.slow  # half a million pieces per test
+
 COLUMNS = 250_000  # two pieces per column: 500,000 pieces
 
 

@@ -95,6 +95,7 @@ def execute(case: Case) -> tuple[list[np.ndarray], list[np.ndarray]]:
 # ----------------------------------------------------------------------------------------- a. and b.
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(case=cases())
 def test_executing_the_plan_reproduces_every_target_bit_for_bit(case: Case) -> None:
@@ -104,6 +105,7 @@ def test_executing_the_plan_reproduces_every_target_bit_for_bit(case: Case) -> N
         assert buffer.tobytes() == expected
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(case=cases())
 def test_copies_write_every_target_byte_exactly_once(case: Case) -> None:
@@ -112,6 +114,7 @@ def test_copies_write_every_target_byte_exactly_once(case: Case) -> None:
         np.testing.assert_array_equal(count, np.ones_like(count))
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(case=cases())
 def test_copies_are_well_formed(case: Case) -> None:
@@ -132,6 +135,7 @@ def test_copies_are_well_formed(case: Case) -> None:
 # ----------------------------------------------------------------------------------------------- c.
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(case=cases())
 def test_planned_bytes_equal_needed_bytes(case: Case) -> None:
@@ -168,6 +172,7 @@ def over_read_bound(case: Case) -> int:
     return bound
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(case=cases())
 def test_over_read_is_bounded_and_requests_lie_inside_their_files(case: Case) -> None:
@@ -195,6 +200,7 @@ def disjoint_cases(draw: st.DrawFn) -> Case:
     return Case(ckpt, kept, 1, 0, max_request, plan)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(case=disjoint_cases())
 def test_no_gap_and_unit_blocks_fetch_exactly_the_needed_bytes(case: Case) -> None:
@@ -209,6 +215,7 @@ def test_no_gap_and_unit_blocks_fetch_exactly_the_needed_bytes(case: Case) -> No
 # ----------------------------------------------------------------------------------------------- e.
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(case=cases())
 def test_verify_spans_are_block_aligned_and_cover_every_copied_byte(case: Case) -> None:

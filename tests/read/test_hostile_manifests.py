@@ -200,6 +200,7 @@ def edit_committed(doc: Any, draw: Any) -> None:
         doc[key] = draw(st.one_of(ints, st.sampled_from([[2, 0], "x", None, [1, 0, 0], "../x"])))
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     target=st.sampled_from(["local0", "local1", "global", "committed"]),
@@ -429,6 +430,7 @@ def test_the_zlib_bound_holds_for_columns_in_a_real_manifest(original: Path, mon
     assert calls and all(0 < limit < 2**20 for limit in calls)  # never unbounded (0), never the claimed maximum
 
 
+@pytest.mark.slow
 def test_the_fuzzer_runs_and_finds_nothing(tmp_path) -> None:
     from fuzz import main as fuzz_main
 

@@ -39,6 +39,7 @@ def _flip(path: str, offset: int) -> None:
         handle.write(bytes([byte[0] ^ 0x01]))
 
 
+@pytest.mark.slow
 def test_every_corrupted_data_byte_is_caught(checkpoint_dir: str) -> None:
     """Flip each byte of the data region of one file in turn: verify exits 1 and reading raises IntegrityError."""
     data_file = sorted(glob.glob(f"{checkpoint_dir}/data/*.safetensors"))[1]

@@ -116,6 +116,7 @@ def test_mismatched_pieces_are_reported_per_tensor_not_per_piece(many_pieces: Pa
     assert len(mismatches) == 1 and f"and {count - 1} more" in mismatches[0].message, report.problems
 
 
+@pytest.mark.slow
 def test_verify_of_many_pieces_scales(tmp_path: Path) -> None:
     """200,000 one-element pieces of one tensor on one rank: verify finishes (the time is printed, -s)."""
     count = 200_000

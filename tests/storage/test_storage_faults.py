@@ -93,6 +93,7 @@ def _assert_bit_exact(storage: Storage | str, state: dict[str, torch.Tensor], **
     assert fresh["trainer"] == {"step": 1}
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     backend=st.sampled_from(["local", "memory"]),

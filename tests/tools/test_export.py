@@ -119,6 +119,7 @@ def peak_rss(*args: str) -> int:
     return int(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_export_of_a_model_larger_than_the_memory_limit_stays_under_it(tmp_path) -> None:
     generator = torch.Generator().manual_seed(0)
     state = {

@@ -30,7 +30,7 @@ import shardckpt.write.writer
 from benchmarks.memory import peak_above
 from benchmarks.pagecache import drop_caches
 from shardckpt.format.layout import new_attempt
-from shardckpt.format.limits import DEFAULT_BLOCK_SIZE
+from shardckpt.knobs import BLOCK_SIZE as DEFAULT_BLOCK_SIZE
 
 GIB = 1 << 30
 

@@ -15,6 +15,7 @@ import tracemalloc
 
 import numpy as np
 
+from shardckpt import knobs
 from shardckpt.format.local_manifest import (
     LocalManifest,
     LocalPieces,
@@ -131,10 +132,10 @@ def measure(world: int) -> dict[str, float]:
         targets.append(Target(entry.name, Box((lo,) + (0,) * (len(entry.shape) - 1), (hi - lo, *entry.shape[1:]))))
     index = decoded.tensor_index()
     began = time.process_time()
-    plan = plan_reads(index, targets, block_size=BLOCK)
+    plan = plan_reads(index, targets, block_size=BLOCK, max_gap=knobs.MAX_GAP, max_request=knobs.MAX_REQUEST)
     plan_seconds = time.process_time() - began
     tracemalloc.start()
-    plan_reads(index, targets, block_size=BLOCK)
+    plan_reads(index, targets, block_size=BLOCK, max_gap=knobs.MAX_GAP, max_request=knobs.MAX_REQUEST)
     plan_peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     return {

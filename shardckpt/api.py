@@ -9,12 +9,11 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from shardckpt import knobs
 from shardckpt.catalog import list_root
 from shardckpt.distributed import protocol
 from shardckpt.errors import ShardckptUsageError
-from shardckpt.format.limits import DEFAULT_BLOCK_SIZE
 from shardckpt.format.manifest import GlobalManifest
-from shardckpt.planner.plan import DEFAULT_MAX_GAP
 from shardckpt.read.checkpoint import DEFAULT_MAX_IN_FLIGHT, Checkpoint, ReadStats
 from shardckpt.storage import Storage
 
@@ -28,7 +27,7 @@ def save(
     storage_options: dict[str, Any] | None = None,
     step: int | None = None,
     metadata: dict[str, Any] | None = None,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: int = knobs.BLOCK_SIZE,
 ) -> GlobalManifest:
     """Save `state_dict` as a committed checkpoint at `url` (a new location); collective over the group.
 
@@ -60,7 +59,7 @@ def load(
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     verify_first: bool = False,
     optional: Sequence[str] = (),
-    max_gap: int = DEFAULT_MAX_GAP,
+    max_gap: int = knobs.MAX_GAP,
 ) -> ReadStats:
     """Fill the tensors of `state_dict` in place from the checkpoint at `url`, on any world size and sharding.
 

@@ -18,13 +18,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardckpt import knobs
 from shardckpt.api import latest
 from shardckpt.catalog import read_commit_marker
 from shardckpt.catalog.retention import retain
 from shardckpt.distributed import protocol
 from shardckpt.distributed.collectives import Group, broadcast_bytes
 from shardckpt.errors import DistributedError, ShardckptError, ShardckptUsageError
-from shardckpt.format.limits import DEFAULT_BLOCK_SIZE
 from shardckpt.format.manifest import GlobalManifest
 from shardckpt.read.checkpoint import DEFAULT_MAX_IN_FLIGHT
 from shardckpt.statedict.staging import StagingBuffers, stage
@@ -69,7 +69,7 @@ class Checkpointer:
         process_group: Any = None,
         storage_options: dict[str, Any] | None = None,
         preemption_signals: tuple[signal.Signals, ...] = PREEMPTION_SIGNALS,
-        block_size: int = DEFAULT_BLOCK_SIZE,
+        block_size: int = knobs.BLOCK_SIZE,
         on_save: Callable[[SaveRecord], None] | None = None,
     ) -> None:
         if every_steps < 1 or keep_last < 1:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress
 
+from shardckpt import knobs
 from shardckpt.cli.common import EXIT_FAILED, EXIT_OK, human_bytes, new_command, storage_options
 from shardckpt.storage import open_storage
 
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from shardckpt.ops.gc import Action, GcPlan
 
 NAME = "gc"
-DEFAULT_GRACE = 3600.0  # seconds; shardckpt.ops.gc.DEFAULT_GRACE (a test keeps the two equal)
+DEFAULT_GRACE = knobs.GC_GRACE
 
 
 def register(subparsers: Any) -> None:

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import msgpack
 import torch.distributed as dist
 
+from shardckpt import knobs
 from shardckpt.catalog.chain import Opening, read_opening, verify_global_manifest
 from shardckpt.distributed.collectives import Group, all_gather_bytes, any_rank, broadcast_bytes, gather_bytes
 from shardckpt.errors import AlreadyExistsError, DistributedError, ShardckptUsageError
@@ -25,7 +26,6 @@ from shardckpt.format.manifest import (
     encode_global_manifest,
 )
 from shardckpt.format.values import check_plain
-from shardckpt.planner.plan import DEFAULT_MAX_GAP
 from shardckpt.read.checkpoint import Checkpoint, PendingRead, ReadStats, open_checkpoint
 from shardckpt.statedict.flatten import Leaf, flatten
 from shardckpt.statedict.leaves import PerRank, destination_shapes, load_items, per_rank_value, save_items
@@ -231,7 +231,7 @@ def load(
     max_in_flight: int,
     verify_first: bool = False,
     optional: Sequence[str] = (),
-    max_gap: int = DEFAULT_MAX_GAP,
+    max_gap: int = knobs.MAX_GAP,
 ) -> ReadStats:
     group = resolve_group(process_group)
     if isinstance(group, _Solo):

@@ -19,7 +19,6 @@ MAX_FILES = 1 << 24
 MAX_WORLD_SIZE = 1 << 24
 MIN_BLOCK_SIZE = 4 << 10
 MAX_BLOCK_SIZE = 64 << 20
-DEFAULT_BLOCK_SIZE = 64 << 10
 MAX_ATTEMPT_CHARS = 32
 MAX_HEADER_JSON_BYTES = 100_000_000  # a data file's safetensors header JSON (SPEC 4): what stock readers accept
 MAX_COVER_CORNERS = 1 << 26  # signed corner points an irregular (non-grid) box tiling's cover check may need

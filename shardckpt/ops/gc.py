@@ -12,13 +12,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from shardckpt import knobs
 from shardckpt.catalog import DIRECTORIES, delete_objects, layout_objects, list_root, read_commit_marker
 from shardckpt.crashpoints import crash_point
 from shardckpt.errors import NotFoundError, ShardckptError, ShardckptUsageError
 from shardckpt.format import layout
 from shardckpt.storage import Storage, open_storage
 
-DEFAULT_GRACE = 3600.0
+DEFAULT_GRACE = knobs.GC_GRACE
 
 
 @dataclass(frozen=True)

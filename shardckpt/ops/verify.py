@@ -13,6 +13,7 @@ import crc32c
 import numpy as np
 import numpy.typing as npt
 
+from shardckpt import knobs
 from shardckpt.catalog.stored import FileIndex, StoredCheckpoint, open_stored
 from shardckpt.errors import ShardckptError
 from shardckpt.format.columns import Int64Array
@@ -21,7 +22,7 @@ from shardckpt.format.local_manifest import LocalManifest, TensorSpec
 from shardckpt.format.manifest import GlobalManifest, TensorEntry
 from shardckpt.storage import Storage, open_storage
 
-READ_CHUNK = 64 << 20
+READ_CHUNK = knobs.VERIFY_CHUNK
 MAX_PROBLEMS_PER_FILE = 20
 
 

@@ -20,14 +20,6 @@ from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import TensorEntry
 from shardckpt.planner.box import Box, intersect, linear_index, linear_range_boxes, row_major_strides
 
-DEFAULT_MAX_GAP = 32 << 10
-# Large enough that a disk streams at full speed and per-request costs vanish. Coalescing never splits a checksum
-# block, so at most one block per cut is read twice.
-DEFAULT_MAX_REQUEST = 8 << 20
-# For bytes already in memory (page cache): small enough that a slot stays in a core's cache between its read, its
-# checksums and its copy (warm loads on 4 ranks: +16-35% over 8 MiB; cold reads lose ~15% at this size).
-RESIDENT_MAX_REQUEST = 2 << 20
-
 
 @dataclass(frozen=True)
 class Target:
@@ -118,10 +110,14 @@ def plan_reads(
     targets: Sequence[Target],
     *,
     block_size: int,
-    max_gap: int = DEFAULT_MAX_GAP,
-    max_request: int = DEFAULT_MAX_REQUEST,
+    max_gap: int,
+    max_request: int,
 ) -> ReadPlan:
-    """Plan the reads that fill every target box from the stored pieces, reading only overlapping bytes."""
+    """Plan the reads that fill every target box from the stored pieces, reading only overlapping bytes.
+
+    max_gap: bytes between two needed ranges of a file read through rather than split; max_request: the largest
+    range read (the reader's defaults are knobs.MAX_GAP and knobs.MAX_REQUEST). Coalescing never splits a
+    checksum block, so at most one block per cut is read twice."""
     if max_gap < 0 or max_request < 1:
         raise ShardckptUsageError(f"max_gap must be >= 0 and max_request >= 1, got {max_gap}, {max_request}")
     units: dict[int, list[_Unit]] = defaultdict(list)

@@ -21,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from shardckpt import knobs
 from shardckpt.catalog.chain import read_opening
 from shardckpt.catalog.stored import StoredCheckpoint
 from shardckpt.errors import (
@@ -35,12 +36,11 @@ from shardckpt.format.manifest import (
 )
 from shardckpt.planner import Box, ReadPlan, ReadRequest, Target, plan_reads
 from shardckpt.planner.execute import apply_copy
-from shardckpt.planner.plan import DEFAULT_MAX_GAP, DEFAULT_MAX_REQUEST, RESIDENT_MAX_REQUEST
 from shardckpt.read import fetching
 from shardckpt.storage import RangeReader, Storage, open_storage
 from shardckpt.torch_bytes import host_staging, torch_dtype, writable_bytes
 
-DEFAULT_MAX_IN_FLIGHT = 256 << 20
+DEFAULT_MAX_IN_FLIGHT = knobs.MAX_IN_FLIGHT
 ByteArray = npt.NDArray[np.uint8]
 
 
@@ -62,7 +62,7 @@ RESIDENT_PROBES = 8  # requests probed to decide whether a plan's bytes are in m
 
 # How far past the request being read the ordered reader announces ranges that do not follow on (a disk serves a
 # jump at full speed only when it is asked early; sequential runs are left to the kernel's own read-ahead).
-PREFETCH_AHEAD = 16 << 20
+PREFETCH_AHEAD = knobs.PREFETCH_AHEAD
 
 
 class Checkpoint(StoredCheckpoint):
@@ -79,11 +79,11 @@ class Checkpoint(StoredCheckpoint):
         manifest: GlobalManifest,
         *,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-        max_gap: int = DEFAULT_MAX_GAP,
+        max_gap: int = knobs.MAX_GAP,
         max_request: int | None = None,
     ) -> None:
-        """max_request: the largest range read; None picks it per read (DEFAULT_MAX_REQUEST from storage,
-        RESIDENT_MAX_REQUEST when the storage says the bytes are in memory already)."""
+        """max_request: the largest range read; None picks it per read (knobs.MAX_REQUEST from storage,
+        knobs.RESIDENT_MAX_REQUEST when the storage says the bytes are in memory already)."""
         super().__init__(storage, marker, manifest)
         self.max_in_flight, self.max_gap, self.max_request = max_in_flight, max_gap, max_request
         self._buffer: ByteArray | None = None  # the read buffer, faulted in once and reused by every read
@@ -116,9 +116,9 @@ class Checkpoint(StoredCheckpoint):
 
         if self.max_request is not None:
             return plan(self.max_request)
-        planned = plan(DEFAULT_MAX_REQUEST)
+        planned = plan(knobs.MAX_REQUEST)
         if len(planned.requests) > 1 and self._resident(planned):
-            return plan(RESIDENT_MAX_REQUEST)
+            return plan(knobs.RESIDENT_MAX_REQUEST)
         return planned
 
     def _resident(self, plan: ReadPlan) -> bool:
@@ -408,7 +408,7 @@ def open_checkpoint(
     *,
     storage_options: dict[str, Any] | None = None,
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-    max_gap: int = DEFAULT_MAX_GAP,
+    max_gap: int = knobs.MAX_GAP,
     max_request: int | None = None,
 ) -> Checkpoint:
     """Open the committed checkpoint at `url`; NotCommittedError if it has no COMMITTED marker."""

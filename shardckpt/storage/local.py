@@ -15,10 +15,11 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from shardckpt import knobs
 from shardckpt.errors import AlreadyExistsError, NotFoundError, ShardckptError, StorageError, TruncatedError
 from shardckpt.storage.base import NewFile, RangeReader, Storage, check_length
 
-WRITE_BEHIND_MIN = 1 << 20  # smaller writes are left to the kernel's own writeback
+WRITE_BEHIND_MIN = knobs.WRITE_BEHIND_MIN  # smaller writes are left to the kernel's own writeback
 _SYNC_FILE_RANGE_WRITE = 2
 
 

@@ -21,6 +21,7 @@ import botocore.exceptions
 import fsspec
 import fsspec.asyn
 
+from shardckpt import knobs
 from shardckpt.errors import (
     AlreadyExistsError,
     FormatError,
@@ -37,10 +38,10 @@ T = TypeVar("T")
 
 S3_PROTOCOLS = ("s3", "s3a")
 MIN_PART_SIZE = 5 << 20  # S3's minimum for every part but the last
-DEFAULT_PART_SIZE = 16 << 20
-DEFAULT_MAX_IN_FLIGHT = 128 << 20
-DEFAULT_MAX_REQUESTS = 16
-DEFAULT_READ_PART_SIZE = 16 << 20
+DEFAULT_PART_SIZE = knobs.S3_PART_SIZE
+DEFAULT_MAX_IN_FLIGHT = knobs.S3_MAX_IN_FLIGHT
+DEFAULT_MAX_REQUESTS = knobs.S3_MAX_REQUESTS
+DEFAULT_READ_PART_SIZE = knobs.S3_READ_PART_SIZE
 PROBE_PREFIX = ".shardckpt-probe-"
 
 # Error codes S3 and compatible servers use for throttling and passing server trouble.

@@ -9,15 +9,41 @@ import contextlib
 import hashlib
 import io
 from collections import deque
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 from shardckpt.errors import AlreadyExistsError, NotFoundError, StorageError
 from shardckpt.storage.base import NewFile
 from shardckpt.storage.retry import RetryPolicy
 
-if TYPE_CHECKING:
-    from shardckpt.storage.s3 import S3Storage
+T = TypeVar("T")
+
+
+class UploadTarget(Protocol):
+    """What an upload needs of the S3 backend (S3Storage provides it); a protocol, so the two modules do not
+    import each other."""
+
+    bucket: str
+    part_size: int
+    max_in_flight: int
+    fs: Any
+    requests: Any
+
+    def key(self, path: str) -> str: ...
+
+    def describe(self, path: str) -> str: ...
+
+    def run(self, function: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T: ...
+
+    async def request(self, operation: str, path: str, verb: str, **params: Any) -> dict[str, Any]: ...
+
+    async def retried(
+        self, call: Callable[[int], Awaitable[T]], what: str, path: str, policy: RetryPolicy | None = None
+    ) -> T: ...
+
+    async def put_new(self, path: str, body: bytes | bytearray, conditional: bool) -> None: ...
+
 
 MAX_PART_SIZE = 5 << 30
 MAX_PARTS = 10_000
@@ -46,7 +72,7 @@ class S3NewFile(NewFile):
     unless the parts on the wire already hold max_in_flight bytes: then it waits for the oldest to finish.
     """
 
-    def __init__(self, storage: S3Storage, path: str, conditional: bool) -> None:
+    def __init__(self, storage: UploadTarget, path: str, conditional: bool) -> None:
         self._storage, self._path, self._conditional = storage, path, conditional
         self._buffer = bytearray()
         self._upload_id: str | None = None

@@ -12,13 +12,14 @@ from typing import Any
 
 import torch
 
+from shardckpt import knobs
 from shardckpt.format.dtypes import itemsize
 from shardckpt.read.checkpoint import Checkpoint
 from shardckpt.read.streaming import arena_view, chunk_arena, chunk_elements, open_streaming, read_chunks
 from shardckpt.storage import Storage
 from shardckpt.torch_bytes import torch_dtype
 
-DEFAULT_MEMORY_LIMIT = 1 << 30
+DEFAULT_MEMORY_LIMIT = knobs.MEMORY_LIMIT
 _SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 # Statuses: the first three compare values, the rest describe what could not be compared element by element.

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from shardckpt import knobs
 from shardckpt.errors import AlreadyExistsError, ShardckptUsageError
 from shardckpt.format.dtypes import itemsize
 from shardckpt.read.checkpoint import Checkpoint
@@ -27,8 +28,8 @@ from shardckpt.storage import Storage, open_storage
 from shardckpt.tools.hf_names import DEFAULT_INCLUDE, DTYPES, INDEX_FILE
 from shardckpt.torch_bytes import host_bytes, torch_dtype
 
-DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # what transformers' save_pretrained uses ("5GB")
-DEFAULT_MEMORY_LIMIT = 1 << 30
+DEFAULT_MAX_SHARD_SIZE = knobs.EXPORT_SHARD_SIZE
+DEFAULT_MEMORY_LIMIT = knobs.MEMORY_LIMIT
 FLOATING = frozenset({"F16", "BF16", "F32", "F64"})  # converted by --dtype; integer and bool tensors keep theirs
 
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from shardckpt import knobs
 from shardckpt.catalog.chain import read_commit_marker, read_global_manifest, read_marker_bytes
 from shardckpt.crashpoints import crash_point
 from shardckpt.errors import (
@@ -262,8 +263,8 @@ def _write_manifest(
 
 # A manifest that does not decode may be one a concurrent committer of the same attempt is still writing: look
 # again until its bytes have not changed for MANIFEST_SETTLE seconds (then it is what a dead writer left).
-MANIFEST_SETTLE = 0.25
-MANIFEST_WAIT = 5.0
+MANIFEST_SETTLE = knobs.MANIFEST_SETTLE
+MANIFEST_WAIT = knobs.MANIFEST_WAIT
 
 
 def _existing_manifest(storage: Storage, path: str) -> tuple[GlobalManifest, bytes]:

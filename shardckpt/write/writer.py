@@ -18,21 +18,22 @@ import crc32c
 import numpy as np
 import torch
 
+from shardckpt import knobs
 from shardckpt.crashpoints import crash_point
 from shardckpt.errors import IntegrityError, ShardckptError, ShardckptUsageError
 from shardckpt.format import layout
-from shardckpt.format.limits import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, MAX_LOCAL_MANIFEST_BYTES, MIN_BLOCK_SIZE
+from shardckpt.format.limits import MAX_BLOCK_SIZE, MAX_LOCAL_MANIFEST_BYTES, MIN_BLOCK_SIZE
 from shardckpt.format.local_manifest import LocalManifest, LocalPieces, TensorSpec, encode_local_manifest
 from shardckpt.format.strict import FORMAT_VERSION, ObjectEntry, check_name, check_shape
 from shardckpt.format.values import check_plain
 from shardckpt.storage import Storage, open_storage
 from shardckpt.torch_bytes import format_dtype, host_bytes
 
-WRITE_CHUNK = 16 << 20  # bytes handed to the backend per call: large enough for disks and multipart uploads
-PARALLEL_MIN_BYTES = 64 << 20  # below this one stream is as fast as several
-DEFAULT_WRITE_THREADS = 2
+WRITE_CHUNK = knobs.WRITE_CHUNK  # bytes handed to the backend per call
+PARALLEL_MIN_BYTES = knobs.PARALLEL_MIN_BYTES  # below this one stream is as fast as several
+DEFAULT_WRITE_THREADS = knobs.WRITE_THREADS
 # Checksummed, then written at once while still in the core's cache; also the local backend's write-behind unit.
-HOT_CHUNK = 2 << 20
+HOT_CHUNK = knobs.HOT_CHUNK
 
 
 @dataclass
@@ -72,7 +73,7 @@ class ShardWriter:
         rank: int,
         world_size: int,
         attempt: str = "0",
-        block_size: int = DEFAULT_BLOCK_SIZE,
+        block_size: int = knobs.BLOCK_SIZE,
         step: int | None = None,
         storage_options: dict[str, Any] | None = None,
         write_threads: int = DEFAULT_WRITE_THREADS,

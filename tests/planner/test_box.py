@@ -220,7 +220,7 @@ def test_four_ranks_read_on_three_ranks() -> None:
     table, files, array = _row_pieces([0, 2, 4, 6, 8])
     entries = {"w": tensor_entry("w", "F32", (8, 4), "box", table)}
     # Reader rank 1 wants rows 3..6: row 3 is the second row of file 1, rows 4..5 all of file 2.
-    plan = plan_reads(entries, [Target("w", Box((3, 0), (3, 4)))], block_size=16, max_gap=0)
+    plan = plan_reads(entries, [Target("w", Box((3, 0), (3, 4)))], block_size=16, max_gap=0, max_request=1 << 20)
     assert plan.requests == (
         ReadRequest(
             file=1,
@@ -239,12 +239,12 @@ def test_four_ranks_read_on_three_ranks() -> None:
     )
     assert _run(plan.requests, files, [3 * ROW]) == [array[3:6].tobytes()]
     # With 32-byte blocks the read of row 3 is rounded out to the whole piece, which is one block.
-    plan = plan_reads(entries, [Target("w", Box((3, 0), (3, 4)))], block_size=32, max_gap=0)
+    plan = plan_reads(entries, [Target("w", Box((3, 0), (3, 4)))], block_size=32, max_gap=0, max_request=1 << 20)
     assert [(r.file, r.start, r.end) for r in plan.requests] == [(1, HEADER, HEADER + 2 * ROW), (2, HEADER, 40)]
     assert plan.requests[0].copies == (Copy(0, HEADER + ROW, 0, (ROW,), (), ()),)
     # All three reader ranks together get the whole tensor back.
     targets = [Target("w", Box((a, 0), (b - a, 4))) for a, b in [(0, 3), (3, 6), (6, 8)]]
-    plan = plan_reads(entries, targets, block_size=16)
+    plan = plan_reads(entries, targets, block_size=16, max_gap=32 << 10, max_request=8 << 20)
     got = _run(plan.requests, files, [3 * ROW, 3 * ROW, 2 * ROW])
     assert got == [array[0:3].tobytes(), array[3:6].tobytes(), array[6:8].tobytes()]
 

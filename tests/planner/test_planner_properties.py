@@ -253,15 +253,15 @@ def test_plan_rejects_unknown_tensors_boxes_outside_and_bad_parameters() -> None
     )
     entries = {"w": tensor_entry_of("w", "F32", sharding, np.zeros(1), np.zeros(1))}
     with pytest.raises(ShardckptUsageError, match="'x'"):
-        plan_reads(entries, [Target("x", Box((0, 0), (1, 1)))], block_size=16)
+        plan_reads(entries, [Target("x", Box((0, 0), (1, 1)))], block_size=16, max_gap=0, max_request=1 << 20)
     with pytest.raises(ShardckptUsageError, match="outside"):
-        plan_reads(entries, [Target("w", Box((3, 0), (2, 1)))], block_size=16)
+        plan_reads(entries, [Target("w", Box((3, 0), (2, 1)))], block_size=16, max_gap=0, max_request=1 << 20)
     with pytest.raises(ShardckptUsageError):
-        plan_reads(entries, [Target("w", Box((0,), (1,)))], block_size=16)
+        plan_reads(entries, [Target("w", Box((0,), (1,)))], block_size=16, max_gap=0, max_request=1 << 20)
     with pytest.raises(ShardckptUsageError):
-        plan_reads(entries, [], block_size=16, max_gap=-1)
+        plan_reads(entries, [], block_size=16, max_gap=-1, max_request=1 << 20)
     with pytest.raises(ShardckptUsageError):
-        plan_reads(entries, [], block_size=16, max_request=0)
-    plan = plan_reads(entries, [Target("w", Box((0, 0), (0, 3)))], block_size=16)
+        plan_reads(entries, [], block_size=16, max_request=0, max_gap=0)
+    plan = plan_reads(entries, [Target("w", Box((0, 0), (0, 3)))], block_size=16, max_gap=0, max_request=1 << 20)
     assert plan.requests == ()
     assert plan.needed_bytes == 0

@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 
 import shardckpt
 from benchmarks.__main__ import save_row_shards
+from shardckpt.knobs import MAX_REQUEST as DEFAULT_MAX_REQUEST
+from shardckpt.knobs import RESIDENT_MAX_REQUEST
 from shardckpt.planner import ReadRequest
-from shardckpt.planner.plan import DEFAULT_MAX_REQUEST, RESIDENT_MAX_REQUEST
 from shardckpt.read import fetching
 from shardckpt.storage import LocalStorage
 from shardckpt.storage.local import _LocalReader

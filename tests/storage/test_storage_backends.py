@@ -1,4 +1,5 @@
-"""One backend contract, subclassed per backend (as fsspec's abstract tests are); results checked directly."""
+"""The backend contract (shardckpt.testing.contract, shipped for third-party backends) on each of ours, plus what
+is particular to each; results checked on the underlying storage."""
 
 from __future__ import annotations
 
@@ -13,89 +14,15 @@ import torch
 
 import shardckpt
 import shardckpt.write.writer
-from shardckpt.errors import AlreadyExistsError, NotFoundError, TruncatedError
+from shardckpt.errors import AlreadyExistsError, NotFoundError
 from shardckpt.storage import FsspecStorage, LocalStorage, Storage, local, open_storage
 from shardckpt.storage.base import SingleCoordinatorCommitWarning
 from shardckpt.storage.s3 import S3Storage
+from shardckpt.testing.contract import StorageContract
 from tests.helpers.checkpoints import S3_BUCKET
 
 
-class BackendContract:
-    def make(self, tmp_path) -> Storage:
-        raise NotImplementedError
-
-    def raw_read(self, storage: Storage, path: str) -> bytes:
-        raise NotImplementedError
-
-    def test_create_only_write_and_exact_reads(self, tmp_path) -> None:
-        storage = self.make(tmp_path)
-        storage.write_new("data/a.bin", b"0123456789")
-        assert self.raw_read(storage, "data/a.bin") == b"0123456789"
-        with pytest.raises(AlreadyExistsError):
-            storage.write_new("data/a.bin", b"x")
-        assert self.raw_read(storage, "data/a.bin") == b"0123456789"
-        assert storage.read_range("data/a.bin", 2, 5) == b"234"
-        assert storage.read_ranges([("data/a.bin", 0, 1), ("data/a.bin", 9, 10)]) == [b"0", b"9"]
-        assert storage.size("data/a.bin") == 10
-
-    def test_short_read_is_an_error(self, tmp_path) -> None:
-        storage = self.make(tmp_path)
-        storage.write_new("a.bin", b"abc")
-        with pytest.raises(TruncatedError):
-            storage.read_range("a.bin", 1, 10)
-
-    def test_reads_into_caller_buffers(self, tmp_path) -> None:
-        storage = self.make(tmp_path)
-        storage.write_new("data/a.bin", b"0123456789")
-        out = bytearray(b"xxxxx")
-        storage.read_range_into("data/a.bin", 3, memoryview(out)[1:4])
-        assert out == b"x345x"
-        outs = [bytearray(2), bytearray(1), bytearray(10)]
-        storage.read_ranges_into(
-            [("data/a.bin", 0), ("data/a.bin", 9), ("data/a.bin", 0)], [memoryview(o) for o in outs]
-        )
-        assert outs == [b"01", b"9", b"0123456789"]
-        with pytest.raises(TruncatedError):
-            storage.read_range_into("data/a.bin", 8, memoryview(bytearray(5)))
-        with pytest.raises(TruncatedError):
-            storage.read_ranges_into([("data/a.bin", 0), ("data/a.bin", 9)], [memoryview(bytearray(2))] * 2)
-        with pytest.raises(NotFoundError):
-            storage.read_range_into("nope", 0, memoryview(bytearray(1)))
-        with storage.reader() as reader:  # many reads in a row, through handles the backend may keep open
-            for start in (7, 0, 4):
-                reader.read_into("data/a.bin", start, memoryview(out)[:3])
-                assert out[:3] == b"0123456789"[start : start + 3]
-            with pytest.raises(TruncatedError):
-                reader.read_into("data/a.bin", 8, memoryview(bytearray(5)))
-            with pytest.raises(NotFoundError):
-                reader.read_into("nope", 0, memoryview(bytearray(1)))
-
-    def test_missing_objects(self, tmp_path) -> None:
-        storage = self.make(tmp_path)
-        with pytest.raises(NotFoundError):
-            storage.read_range("nope", 0, 1)
-        with pytest.raises(NotFoundError):
-            storage.size("nope")
-        assert not storage.exists("nope")
-        assert storage.list("nothing-here") == []
-
-    def test_commit_marker_is_create_once(self, tmp_path) -> None:
-        storage = self.make(tmp_path)
-        storage.commit_marker("COMMITTED", b"first")
-        with pytest.raises(AlreadyExistsError):
-            storage.commit_marker("COMMITTED", b"second")
-        assert self.raw_read(storage, "COMMITTED") == b"first"
-
-    def test_list_and_child(self, tmp_path) -> None:
-        storage = self.make(tmp_path)
-        storage.write_new("ck1/a", b"1")
-        storage.write_new("ck2/b/c", b"2")
-        assert storage.list() == ["ck1", "ck2"]
-        assert storage.child("ck2").list("b") == ["c"]
-        assert storage.child("ck2").read_range("b/c", 0, 1) == b"2"
-
-
-class TestLocalBackend(BackendContract):
+class TestLocalBackend(StorageContract):
     def make(self, tmp_path) -> Storage:
         return LocalStorage(str(tmp_path / "root"))
 
@@ -175,7 +102,7 @@ class TestLocalBackend(BackendContract):
         assert all(torch.equal(loaded[name], state[name]) for name in state)
 
 
-class TestMemoryBackend(BackendContract):
+class TestMemoryBackend(StorageContract):
     def make(self, tmp_path) -> Storage:
         fs = fsspec.filesystem("memory")
         return FsspecStorage(fs, f"/contract-{uuid.uuid4().hex}")
@@ -183,10 +110,6 @@ class TestMemoryBackend(BackendContract):
     def raw_read(self, storage: Storage, path: str) -> bytes:
         assert isinstance(storage, FsspecStorage)
         return bytes(storage.fs.cat_file(storage.full(path)))
-
-    def test_commit_marker_is_create_once(self, tmp_path) -> None:
-        with pytest.warns(SingleCoordinatorCommitWarning):
-            super().test_commit_marker_is_create_once(tmp_path)
 
     def test_a_store_without_atomic_create_says_so_and_warns_at_commit(self, tmp_path) -> None:
         """memory:// checks for the name, then creates it: two committers can both pass the check. It is marked
@@ -203,7 +126,7 @@ class TestMemoryBackend(BackendContract):
         assert declared.atomic_create and declared.child("x").atomic_create
 
 
-class TestS3Backend(BackendContract):
+class TestS3Backend(StorageContract):
     """The same contract on a real S3 server; results read back with a separate, uncached s3fs client."""
 
     @pytest.fixture(autouse=True)
@@ -254,3 +177,33 @@ class TestS3Backend(BackendContract):
         storage.delete("a")  # deleting what is gone is not an error
         assert not self.raw.exists(f"{storage.root}/a")
         assert storage.list() == []
+
+
+class _OverwritingCommit(LocalStorage):
+    """A backend that commits like `rename` does: it silently replaces an existing marker."""
+
+    def commit_marker(self, path: str, data: bytes) -> None:
+        full = self.full(path)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        with open(full, "wb") as handle:
+            handle.write(data)
+
+
+class _ShortReads(LocalStorage):
+    """A backend that returns what it has past the end, like fsspec's cat_file does."""
+
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        with open(self.full(path), "rb") as handle:
+            handle.seek(start)
+            return handle.read(end - start)
+
+
+def test_the_shipped_contract_fails_backends_that_break_its_rules(tmp_path) -> None:
+    for broken, test in (
+        (_OverwritingCommit, StorageContract.test_commit_marker_is_create_once),
+        (_ShortReads, StorageContract.test_short_read_is_an_error),
+    ):
+        suite = TestLocalBackend()
+        suite.make = lambda path, broken=broken: broken(str(path / broken.__name__))  # type: ignore[method-assign]
+        with pytest.raises(pytest.fail.Exception):
+            test(suite, tmp_path)

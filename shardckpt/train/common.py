@@ -11,6 +11,7 @@ import math
 import os
 import random
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -79,15 +80,20 @@ def warmup_cosine(warmup: int, total: int, floor: float = 0.1) -> Any:
     return factor
 
 
-def init_distributed(use_cuda: bool) -> tuple[int, int, torch.device]:
-    if "RANK" not in os.environ:  # a plain `python -m shardckpt.train`: one rank
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+def init_distributed(use_cuda: bool, init: Callable[[str], Any] | None = None) -> tuple[int, int, torch.device]:
+    """Start the process group (NCCL on a GPU, else gloo) through `init` (default dist.init_process_group; the
+    DeepSpeed loop passes deepspeed.init_distributed); a plain `python -m shardckpt.train` is one rank."""
+    if "RANK" not in os.environ:
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+        )
+    start = init or dist.init_process_group
     if use_cuda:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl")
+        start("nccl")
         return dist.get_rank(), dist.get_world_size(), torch.device("cuda", local_rank)
-    dist.init_process_group("gloo")
+    start("gloo")
     return dist.get_rank(), dist.get_world_size(), torch.device("cpu")
 
 

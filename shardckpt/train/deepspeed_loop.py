@@ -6,17 +6,15 @@ the FSDP2 loop, and the other way round (see shardckpt/statedict/deepspeed.py).
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
 from shardckpt.statedict.deepspeed import OPTIONAL_ON_LOAD, DeepSpeedZero3
 from shardckpt.statedict.leaves import PerRank
-from shardckpt.train.common import ADAMW_BETAS, ADAMW_WEIGHT_DECAY, free_port, rng_state, warmup_cosine
+from shardckpt.train.common import ADAMW_BETAS, ADAMW_WEIGHT_DECAY, init_distributed, rng_state, warmup_cosine
 from shardckpt.train.fsdp2 import Trainer
 from shardckpt.train.model import GPT, next_token_loss
 
@@ -24,17 +22,7 @@ from shardckpt.train.model import GPT, next_token_loss
 def init_deepspeed(use_cuda: bool) -> tuple[int, int, torch.device]:
     import deepspeed
 
-    if "RANK" not in os.environ:  # a plain `python -m shardckpt.train --engine deepspeed`: one rank
-        os.environ.update(
-            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
-        )
-    if use_cuda:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        deepspeed.init_distributed("nccl")
-        return dist.get_rank(), dist.get_world_size(), torch.device("cuda", local_rank)
-    deepspeed.init_distributed("gloo")
-    return dist.get_rank(), dist.get_world_size(), torch.device("cpu")
+    return init_distributed(use_cuda, deepspeed.init_distributed)
 
 
 def deepspeed_config(global_batch: int, world: int, lr: float, *, bf16: bool = False) -> dict[str, Any]:

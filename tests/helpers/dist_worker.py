@@ -226,7 +226,7 @@ def _protocol_case(case: str, url: str, rank: int, world: int) -> dict:
     """One case of scenario_protocol_faults; the injected fault (if any) is armed on one rank only."""
     from unittest import mock
 
-    from shardckpt import protocol
+    from shardckpt.distributed import protocol
     from shardckpt.storage.local import LocalStorage
 
     def fail(error: BaseException):

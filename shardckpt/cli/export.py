@@ -6,7 +6,6 @@ The command line over shardckpt.tools.export; see `shardckpt export --help`.
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from rich.console import Console
@@ -18,6 +17,7 @@ from shardckpt.cli.common import (
     new_command,
     parse_regex,
     parse_size,
+    print_json,
     progress_bar,
     storage_options,
 )
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             "dtype": args.dtype,
             "seconds": round(report.seconds, 3),
         }
-        print(json.dumps(summary))
+        print_json(summary)
         return 0
     table = Table("file", "tensors", "size", title=report.out, title_justify="left")
     for row in files:

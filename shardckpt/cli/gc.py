@@ -7,14 +7,13 @@ within the grace period or outside ROOT; --dry-run shows what would go.
 from __future__ import annotations
 
 import argparse
-import json
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress
 
 from shardckpt import knobs
-from shardckpt.cli.common import EXIT_FAILED, EXIT_OK, human_bytes, new_command, storage_options
+from shardckpt.cli.common import EXIT_FAILED, EXIT_OK, human_bytes, new_command, print_json, storage_options
 from shardckpt.storage import open_storage
 
 if TYPE_CHECKING:
@@ -60,7 +59,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     elif not args.dry_run:
         collect(plan, None if args.json or args.quiet else lambda action, doomed: _gc_progress(console, action))
     if args.json:
-        print(json.dumps(_gc_summary(plan, args.dry_run)))
+        print_json(_gc_summary(plan, args.dry_run))
         return EXIT_OK if plan.ok else EXIT_FAILED
     verb = "would delete" if args.dry_run else "deleted"
     for action in plan.actions:

@@ -140,9 +140,7 @@ def what_is(storage: Storage) -> Place:
         return Place(DCP)
     if "latest" in names or any(name.startswith("global_step") for name in names):
         return Place(DEEPSPEED)
-    found = tuple(
-        name for name in names[:MAX_CHILDREN_LOOKED_AT] if classify(storage.child(name).list(), False, False)
-    )
+    found = tuple(name for name in names[:MAX_CHILDREN_LOOKED_AT] if classify(storage.child(name).list(), False, False))
     return Place(ROOT, found) if found else Place(OTHER)
 
 

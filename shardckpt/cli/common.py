@@ -12,6 +12,7 @@ import math
 import os
 import re
 import sys
+import textwrap
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -160,12 +161,28 @@ def storage_options(pairs: Sequence[str]) -> dict[str, Any]:
 
 
 class HelpFormatter(argparse.HelpFormatter):
-    """Wraps one-paragraph descriptions to the terminal; keeps text with line breaks (the examples) as written."""
+    """Wraps one-paragraph descriptions to the terminal; text with line breaks (the examples) keeps its lines, and
+    a line too long for the terminal is broken (an example command with shell continuations)."""
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         if "\n" in text:
-            return "".join(indent + line for line in text.splitlines(keepends=True))
+            return "".join(indent + line + "\n" for raw in text.splitlines() for line in fit_line(raw, width))
         return super()._fill_text(text, width, indent)
+
+
+def fit_line(line: str, width: int) -> list[str]:
+    """`line` as lines of at most `width` columns: an example command is continued with a backslash (its
+    comment goes on the line above), prose is wrapped under its own indentation."""
+    if len(line) <= width:
+        return [line]
+    lead = line[: len(line) - len(line.lstrip())]
+    if line.lstrip().startswith("shardckpt "):
+        command, _, comment = line.partition("  # ")
+        above = fit_line(f"{lead}# {comment.strip()}", width) if comment else []
+        pieces = textwrap.wrap(command.strip(), width - len(lead) - 6, break_on_hyphens=False, break_long_words=False)
+        body = [f"{lead}{'    ' if i else ''}{piece}" for i, piece in enumerate(pieces)]
+        return above + [f"{piece} \\" for piece in body[:-1]] + body[-1:]
+    return textwrap.wrap(line, width, initial_indent=lead, subsequent_indent=lead) or [line]
 
 
 def add_memory_limit(command: argparse.ArgumentParser) -> None:

@@ -1,7 +1,7 @@
 """`shardckpt gc`: delete old committed checkpoints and leftovers of failed saves under a root (SPEC.md 14).
 
-Never the newest committed checkpoint, a file of a committed attempt, names the format does not give, anything
-within the grace period or outside ROOT; --dry-run shows what would go.
+Never the newest committed checkpoint, a file of a committed attempt, names the format does not give, an uncommitted
+checkpoint or leftover within the grace period, or anything outside ROOT; --dry-run shows what would go.
 """
 
 from __future__ import annotations
@@ -31,8 +31,11 @@ def register(subparsers: Any) -> None:
         "Delete, under ROOT: committed checkpoints beyond the newest --keep-last (COMMITTED first, so a crash "
         "leaves nothing half-deleted that looks committed), checkpoints that were never committed, and files of "
         "failed attempts inside committed checkpoints. Never deletes the newest committed checkpoint, a file of a "
-        "committed attempt, files the format does not name, anything modified within --grace seconds (a save may "
-        "be writing it), or anything outside ROOT. Exit 0 when all went well, 1 if a deletion failed.",
+        "committed attempt, files the format does not name, or anything outside ROOT. The grace period protects "
+        "what a running save may still be writing: an uncommitted checkpoint or a leftover modified within "
+        "--grace seconds stays. It does not protect committed checkpoints (a committed save is finished): "
+        "--keep-last N deletes every committed checkpoint older than the newest N, however recent. "
+        "Exit 0 when all went well, 1 if a deletion failed.",
         "examples:\n  shardckpt gc /ckpts --keep-last 3 --dry-run   # what would go\n"
         "  shardckpt gc /ckpts --keep-last 3",
     )
@@ -42,7 +45,8 @@ def register(subparsers: Any) -> None:
         "--grace",
         type=_seconds,
         default=DEFAULT_GRACE,
-        help=f"leave anything modified within this many seconds (default {DEFAULT_GRACE:g})",
+        help="keep uncommitted checkpoints and leftovers modified within this many seconds (default "
+        f"{DEFAULT_GRACE:g}); committed checkpoints beyond --keep-last go whatever their age",
     )
     command.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
 

@@ -1,14 +1,23 @@
 """The chain of trust of one checkpoint, torch-free: COMMITTED -> global manifest -> local manifests -> blocks.
 
 A checkpoint exists for readers exactly when its marker does (SPEC section 9); every later link is checked
-against the one before it (sizes and CRC32C), so a reader trusts nothing it has not checked.
+against the one before it (sizes and CRC32C), so a reader trusts nothing it has not checked. Where there is no
+marker, `what_is` says what is there instead (nothing, a root of checkpoints, a DCP checkpoint, a failed save).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
-from shardckpt.errors import FormatError, IntegrityError, NotCommittedError, NotFoundError, StorageError
+from shardckpt.errors import (
+    FormatError,
+    IntegrityError,
+    NotCommittedError,
+    NotFoundError,
+    ShardckptError,
+    StorageError,
+)
 from shardckpt.format import layout, limits
 from shardckpt.format.manifest import (
     CommitMarker,
@@ -74,10 +83,97 @@ def read_opening(storage: Storage) -> Opening:
     except StorageError as exc:
         raise StorageError(f"cannot read {storage.describe(layout.COMMITTED)}: {exc}") from exc
     if marker_raw is None or marker is None:
-        raise NotCommittedError(
-            f"{storage.url} is not committed (no {layout.COMMITTED} marker): the save is incomplete, failed, "
-            "or still running"
-        )
+        raise not_a_checkpoint(storage)
     manifest_raw = storage.read_small(marker.manifest, limits.MAX_GLOBAL_MANIFEST_BYTES)
     manifest = verify_global_manifest(manifest_raw, marker, storage.describe(marker.manifest))
     return Opening(marker_raw, marker, manifest_raw, manifest)
+
+
+# What a URL without a readable COMMITTED holds: the answers of `what_is`.
+COMMITTED, INCOMPLETE, BROKEN = "committed", "incomplete", "broken"
+MISSING, EMPTY, ROOT, DCP, DEEPSPEED, OTHER = "missing", "empty", "root", "dcp", "deepspeed", "other"
+MAX_CHILDREN_LOOKED_AT = 200  # a root with more names is still recognised by its first ones (an error path)
+
+
+def classify(names: Collection[str], committed: bool, broken: bool) -> str | None:
+    """What a directory holding `names` is, for ls and du alike: committed, broken (COMMITTED unreadable),
+    incomplete (layout files but no COMMITTED: a failed or running save), or None (not a checkpoint)."""
+    if broken:
+        return BROKEN
+    if committed:
+        return COMMITTED
+    if layout.COMMITTED in names or layout.DATA_DIR in names or layout.RANKS_DIR in names:
+        return INCOMPLETE
+    return None
+
+
+@dataclass(frozen=True)
+class Place:
+    """What is at a URL: `kind` (one of the names above) and, for a root, the checkpoints directly under it."""
+
+    kind: str
+    checkpoints: tuple[str, ...] = ()  # a root's children that are checkpoints (committed or not), sorted
+
+
+def what_is(storage: Storage) -> Place:
+    """Classify the URL behind `storage`: a checkpoint (committed, incomplete, broken) or, when it is none,
+    missing, empty, a root of checkpoints, a PyTorch DCP or DeepSpeed checkpoint, or other files.
+
+    Lists the URL (and, to recognise a root, up to MAX_CHILDREN_LOOKED_AT of its children); NotFoundError when
+    the backend says the place itself (e.g. the bucket) does not exist."""
+    try:
+        committed, broken = read_marker_bytes(storage) is not None, False
+    except ShardckptError:
+        committed, broken = False, True
+    if committed:
+        try:
+            read_commit_marker(storage)
+        except ShardckptError:
+            committed, broken = False, True
+    names = storage.list()
+    kind = classify(names, committed, broken)
+    if kind is not None:
+        return Place(kind)
+    if not names:
+        return Place(EMPTY if storage.exists("") else MISSING)
+    if ".metadata" in names and any(name.endswith(".distcp") for name in names):
+        return Place(DCP)
+    if "latest" in names or any(name.startswith("global_step") for name in names):
+        return Place(DEEPSPEED)
+    found = tuple(name for name in names[:MAX_CHILDREN_LOOKED_AT] if classify(storage.child(name).list(), False, False))
+    return Place(ROOT, found) if found else Place(OTHER)
+
+
+def not_a_checkpoint(storage: Storage) -> ShardckptError:
+    """The error for opening `storage` as a checkpoint when it has no COMMITTED marker, saying what is there
+    instead and what to do: NotFoundError when nothing is there, NotCommittedError otherwise."""
+    url = storage.url
+    place = what_is(storage)
+    if place.kind == MISSING:
+        return NotFoundError(f"{url} does not exist (check the path or URL for a typo)")
+    if place.kind == ROOT:
+        shown = ", ".join(place.checkpoints[-3:])
+        return NotCommittedError(
+            f"{url} is not a checkpoint but a root of {len(place.checkpoints)} checkpoint(s) (e.g. {shown}): "
+            f"open one of them (shardckpt.latest({url!r}) names the newest committed one; `shardckpt ls {url}` "
+            "lists them)"
+        )
+    if place.kind == DCP:
+        return NotCommittedError(
+            f"{url} is a PyTorch DCP checkpoint (.metadata and .distcp files), not a shardckpt one: convert it "
+            f"with `shardckpt import-dcp {url} NEW_URL`"
+        )
+    if place.kind == DEEPSPEED:
+        return NotCommittedError(
+            f"{url} looks like a DeepSpeed checkpoint directory (latest, global_step*), not a shardckpt one: "
+            f"convert it with `shardckpt import-deepspeed {url} NEW_URL`"
+        )
+    if place.kind == EMPTY:
+        return NotCommittedError(f"{url} exists but is empty: no checkpoint was saved here (yet)")
+    if place.kind == OTHER:
+        return NotCommittedError(f"{url} is not a checkpoint: it holds no {layout.COMMITTED}, data/ or ranks/")
+    if place.kind == BROKEN:
+        return NotCommittedError(f"{url}: its {layout.COMMITTED} marker is unreadable (run `shardckpt verify {url}`)")
+    return NotCommittedError(
+        f"{url} is not committed (no {layout.COMMITTED} marker): the save is incomplete, failed, or still running"
+    )

@@ -11,26 +11,27 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from shardckpt.catalog.chain import read_commit_marker
+from shardckpt.catalog.chain import BROKEN, COMMITTED, INCOMPLETE, classify, read_commit_marker
 from shardckpt.errors import ShardckptError, ShardckptUsageError
 from shardckpt.format import layout
 from shardckpt.format.manifest import CommitMarker
 from shardckpt.storage import LocalStorage, Storage, open_storage
 
 OrderKey = tuple[bool, int, float, str]
-COMMITTED, INCOMPLETE, BROKEN, ALIAS = "committed", "incomplete", "broken", "alias"
-
-
-def classify(names: Collection[str], committed: bool, broken: bool) -> str | None:
-    """What a directory holding `names` is, for ls and du alike: committed, broken (COMMITTED unreadable),
-    incomplete (layout files but no COMMITTED: a failed or running save), or None (not a checkpoint)."""
-    if broken:
-        return BROKEN
-    if committed:
-        return COMMITTED
-    if layout.COMMITTED in names or layout.DATA_DIR in names or layout.RANKS_DIR in names:
-        return INCOMPLETE
-    return None
+ALIAS = "alias"
+__all__ = [
+    "ALIAS",
+    "BROKEN",
+    "COMMITTED",
+    "INCOMPLETE",
+    "Entry",
+    "Listing",
+    "classify",
+    "list_root",
+    "local_path",
+    "not_owned_reason",
+    "order_key",
+]
 
 
 def order_key(marker: CommitMarker, name: str) -> OrderKey:

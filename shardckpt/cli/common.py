@@ -1,20 +1,25 @@
-"""What the subcommands share: option parsing (sizes, regexes, KEY=VALUE), byte counts for people, progress bars.
-
-Progress bars appear only on a terminal and never with --json, so pipes and scripts get clean output.
+"""What the subcommands share: option parsing (sizes, regexes, KEY=VALUE), byte counts for people, progress bars,
+strict JSON. Progress bars appear only on a terminal and never with --json, so pipes and scripts get clean output.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import datetime as dt
 import json
+import math
+import os
 import re
+import sys
+import textwrap
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+from rich.progress import BarColumn, DownloadColumn, Progress, ProgressColumn, Task, TimeRemainingColumn
+from rich.text import Text
 
 from shardckpt.errors import ShardckptUsageError
 
@@ -44,12 +49,60 @@ _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
 
 
 def human_bytes(count: int) -> str:
+    """A byte count in binary units (KiB = 1024 bytes), as every command and progress bar shows them."""
     value = float(count)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if value < 1024 or unit == "TiB":
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{count} B"
+
+
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """ "1 rank", "2 ranks", "1 entry", "3 entries"."""
+    return f"{count} {noun if count == 1 else nouns or noun + 's'}"
+
+
+JSON_ENCODING_HELP = (
+    '--json prints strict JSON (RFC 8259): tuples become arrays, bytes {"$bytes": BASE64}, NaN and infinities '
+    '{"$float": "nan" | "inf" | "-inf"}, a map with a key that is not a string {"$map": [[KEY, VALUE], ...]}.'
+)
+
+
+def to_json(value: Any) -> Any:
+    """`value` as strict JSON data, whole (JSON_ENCODING_HELP says how bytes, tuples, NaN and other keys look)."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"$float": "nan" if math.isnan(value) else f"{value:g}"}
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return {"$bytes": base64.b64encode(bytes(value)).decode("ascii")}
+    if isinstance(value, dict):
+        if all(isinstance(key, str) for key in value):
+            return {key: to_json(item) for key, item in value.items()}
+        return {"$map": [[to_json(key), to_json(item)] for key, item in value.items()]}
+    if isinstance(value, (list, tuple)):
+        return [to_json(item) for item in value]
+    if hasattr(value, "item") and callable(value.item):  # numpy scalars
+        return to_json(value.item())
+    return str(value)  # nothing else reaches here from a manifest; a readable string beats a crash
+
+
+def print_json(document: Any) -> None:
+    """The one way a command prints --json: one line of strict JSON on stdout."""
+    print(json.dumps(to_json(document), allow_nan=False))
+
+
+def output_console() -> Console:
+    """The console commands print to: the terminal's width on a terminal; for a pipe, plain text (no colour) at
+    $COLUMNS or 80 columns, so piped output stays narrow (--json is the format for full names)."""
+    if sys.stdout.isatty():
+        return Console()
+    try:
+        width = int(os.environ.get("COLUMNS", ""))
+    except ValueError:
+        width = 80
+    return Console(width=max(40, width), no_color=True, highlight=False)
 
 
 def parse_size(text: str) -> int:
@@ -108,12 +161,28 @@ def storage_options(pairs: Sequence[str]) -> dict[str, Any]:
 
 
 class HelpFormatter(argparse.HelpFormatter):
-    """Wraps one-paragraph descriptions to the terminal; keeps text with line breaks (the examples) as written."""
+    """Wraps one-paragraph descriptions to the terminal; text with line breaks (the examples) keeps its lines, and
+    a line too long for the terminal is broken (an example command with shell continuations)."""
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         if "\n" in text:
-            return "".join(indent + line for line in text.splitlines(keepends=True))
+            return "".join(indent + line + "\n" for raw in text.splitlines() for line in fit_line(raw, width))
         return super()._fill_text(text, width, indent)
+
+
+def fit_line(line: str, width: int) -> list[str]:
+    """`line` as lines of at most `width` columns: an example command is continued with a backslash (its
+    comment goes on the line above), prose is wrapped under its own indentation."""
+    if len(line) <= width:
+        return [line]
+    lead = line[: len(line) - len(line.lstrip())]
+    if line.lstrip().startswith("shardckpt "):
+        command, _, comment = line.partition("  # ")
+        above = fit_line(f"{lead}# {comment.strip()}", width) if comment else []
+        pieces = textwrap.wrap(command.strip(), width - len(lead) - 6, break_on_hyphens=False, break_long_words=False)
+        body = [f"{lead}{'    ' if i else ''}{piece}" for i, piece in enumerate(pieces)]
+        return above + [f"{piece} \\" for piece in body[:-1]] + body[-1:]
+    return textwrap.wrap(line, width, initial_indent=lead, subsequent_indent=lead) or [line]
 
 
 def add_memory_limit(command: argparse.ArgumentParser) -> None:
@@ -144,9 +213,29 @@ def new_command(subparsers: Any, name: str, help_text: str, description: str, ep
         metavar="KEY=VALUE",
         help="fsspec storage option, e.g. endpoint_url=http://127.0.0.1:8333 (repeatable)",
     )
-    command.add_argument("--json", action="store_true", help="print one JSON object for scripts (no progress bar)")
+    command.add_argument(
+        "--json", action="store_true", help="print one strict JSON object for scripts (no progress bar)"
+    )
     command.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     return command
+
+
+class BinarySpeedColumn(ProgressColumn):
+    """Transfer speed in binary units (MiB/s), so the bar and the result line count bytes alike."""
+
+    def render(self, task: Task) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text("?" if speed is None else f"{human_bytes(int(speed))}/s", style="progress.data.speed")
+
+
+def transfer_columns() -> tuple[Any, ...]:
+    """The columns of every bytes progress bar: description, bar, done/total and rate (binary units)."""
+    return (
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        BinarySpeedColumn(),
+    )
 
 
 @contextmanager
@@ -155,14 +244,6 @@ def progress_bar(console: Console, description: str, enabled: bool) -> Iterator[
     if not enabled or not console.is_terminal:
         yield lambda nbytes, total: None
         return
-    with Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        transient=True,
-    ) as bar:
+    with Progress(*transfer_columns(), TimeRemainingColumn(), console=console, transient=True) as bar:
         task = bar.add_task(description, total=None)
         yield lambda nbytes, total: bar.update(task, advance=nbytes, total=total)

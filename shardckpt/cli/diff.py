@@ -6,13 +6,12 @@ The command line over shardckpt.tools.diff; exit 0 when identical, 1 when not (l
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from shardckpt.cli.common import add_memory_limit, new_command, progress_bar, storage_options
+from shardckpt.cli.common import add_memory_limit, new_command, print_json, progress_bar, storage_options
 
 NAME = "diff"
 
@@ -76,7 +75,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
                 for o in report.objects
             ],
         }
-        print(json.dumps(summary, default=repr))
+        print_json(summary)
         return code
     console.print(f"A: {report.a} (step {report.step_a})\nB: {report.b} (step {report.step_b})", highlight=False)
     shown = [t for t in report.tensors if args.all or t.status != "equal"]

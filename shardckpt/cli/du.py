@@ -6,14 +6,14 @@ The command line over shardckpt.ops.du; see `shardckpt du --help`.
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import asdict
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
+from rich.text import Text
 
-from shardckpt.cli.common import human_bytes, new_command, storage_options
+from shardckpt.cli.common import human_bytes, new_command, plural, print_json, storage_options
+from shardckpt.cli.tables import Cell, fitted_table
 
 NAME = "du"
 
@@ -24,7 +24,8 @@ def register(subparsers: Any) -> None:
         NAME,
         "disk usage per checkpoint: committed bytes and leftovers of failed attempts",
         "Show, for every checkpoint directly under ROOT (or for ROOT itself when it is a checkpoint), the bytes "
-        "of its committed attempt, the leftovers of failed attempts (files of other attempts; every file of a "
+        "of its committed attempt (data files, manifests and COMMITTED; `ls` shows the data files alone, which "
+        "--json gives here as data_bytes), the leftovers of failed attempts (files of other attempts; every file of a "
         "checkpoint that never committed) and files the format does not name, with totals. Reads only listings "
         "and sizes, never data.",
         "examples:\n  shardckpt du /ckpts\n  shardckpt du s3://bucket/run --json | jq .total.leftover_bytes",
@@ -40,32 +41,34 @@ def run(args: argparse.Namespace, console: Console) -> int:
     totals = {name: report.total(name) for name in fields}
     if args.json:
         rows = [{**asdict(c), "total_bytes": c.total_bytes} for c in report.checkpoints]
-        print(json.dumps({"root": report.root, "checkpoints": rows, "total": totals}))
+        print_json({"root": report.root, "checkpoints": rows, "total": totals})
         return 0
-    columns = ("checkpoint", "status", "step", "committed", "leftovers", "other", "total")
-    table = Table(*columns, title=report.root, title_justify="left")
     colors = {"committed": "green", "incomplete": "yellow", "broken": "red"}
-    for c in report.checkpoints:
-        table.add_row(
+    table_rows: list[list[Cell]] = [
+        [
             c.name,
-            f"[{colors[c.status]}]{c.status}[/]",
+            Text(c.status, style=colors[c.status]),
             "-" if c.step is None else str(c.step),
             human_bytes(c.committed_bytes) if c.committed_bytes else "-",
             _leftovers(c.leftover_bytes, c.leftover_files),
             human_bytes(c.other_bytes) if c.other_bytes else "-",
             human_bytes(c.total_bytes),
-        )
-    table.add_section()
-    count = len(report.checkpoints)
-    table.add_row(
-        "total",
-        f"{count} checkpoint{'' if count == 1 else 's'}",
-        "",
-        human_bytes(totals["committed_bytes"]),
-        _leftovers(totals["leftover_bytes"], totals["leftover_files"]),
-        human_bytes(totals["other_bytes"]),
-        human_bytes(totals["total_bytes"]),
+        ]
+        for c in report.checkpoints
+    ]
+    table_rows.append(
+        [
+            "total",
+            plural(len(report.checkpoints), "checkpoint"),
+            "",
+            human_bytes(totals["committed_bytes"]),
+            _leftovers(totals["leftover_bytes"], totals["leftover_files"]),
+            human_bytes(totals["other_bytes"]),
+            human_bytes(totals["total_bytes"]),
+        ]
     )
+    headers = ("checkpoint", "status", "step", "committed", "leftovers", "other", "total")
+    table = fitted_table(console, headers, table_rows, title=report.root, right=(2, 3, 4, 5, 6))
     console.print(table)
     if totals["leftover_bytes"]:
         console.print(f"{human_bytes(totals['leftover_bytes'])} of leftovers can be reclaimed by a garbage collector")
@@ -73,4 +76,4 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
 
 def _leftovers(nbytes: int, files: int) -> str:
-    return f"{human_bytes(nbytes)} ({files} file{'' if files == 1 else 's'})" if files else "-"
+    return f"{human_bytes(nbytes)} ({plural(files, 'file')})" if files else "-"

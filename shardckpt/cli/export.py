@@ -6,7 +6,6 @@ The command line over shardckpt.tools.export; see `shardckpt export --help`.
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from rich.console import Console
@@ -18,6 +17,7 @@ from shardckpt.cli.common import (
     new_command,
     parse_regex,
     parse_size,
+    print_json,
     progress_bar,
     storage_options,
 )
@@ -66,6 +66,12 @@ def register(subparsers: Any) -> None:
     command.add_argument(
         "--max-shard-size", type=parse_size, default="5GB", metavar="SIZE", help="bytes per file (default: 5GB)"
     )
+    command.add_argument(
+        "--force",
+        action="store_true",
+        help="replace a previous export in OUT: delete its index and the files the index names first (never "
+        "other files, never a checkpoint)",
+    )
     add_memory_limit(command)
 
 
@@ -85,6 +91,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             storage_options=storage_options(args.storage_option),
             out_options=storage_options(args.storage_option),
             progress=progress,
+            force=args.force,
         )
     files: list[dict[str, Any]] = [
         {"file": shard.file, "tensors": len(shard.tensors), "bytes": shard.nbytes} for shard in report.shards
@@ -100,7 +107,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             "dtype": args.dtype,
             "seconds": round(report.seconds, 3),
         }
-        print(json.dumps(summary))
+        print_json(summary)
         return 0
     table = Table("file", "tensors", "size", title=report.out, title_justify="left")
     for row in files:

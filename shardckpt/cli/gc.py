@@ -1,20 +1,19 @@
 """`shardckpt gc`: delete old committed checkpoints and leftovers of failed saves under a root (SPEC.md 14).
 
-Never the newest committed checkpoint, a file of a committed attempt, names the format does not give, anything
-within the grace period or outside ROOT; --dry-run shows what would go.
+Never the newest committed checkpoint, a file of a committed attempt, names the format does not give, an uncommitted
+checkpoint or leftover within the grace period, or anything outside ROOT; --dry-run shows what would go.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress
 
 from shardckpt import knobs
-from shardckpt.cli.common import EXIT_FAILED, EXIT_OK, human_bytes, new_command, storage_options
+from shardckpt.cli.common import EXIT_FAILED, EXIT_OK, human_bytes, new_command, print_json, storage_options
 from shardckpt.storage import open_storage
 
 if TYPE_CHECKING:
@@ -32,8 +31,11 @@ def register(subparsers: Any) -> None:
         "Delete, under ROOT: committed checkpoints beyond the newest --keep-last (COMMITTED first, so a crash "
         "leaves nothing half-deleted that looks committed), checkpoints that were never committed, and files of "
         "failed attempts inside committed checkpoints. Never deletes the newest committed checkpoint, a file of a "
-        "committed attempt, files the format does not name, anything modified within --grace seconds (a save may "
-        "be writing it), or anything outside ROOT. Exit 0 when all went well, 1 if a deletion failed.",
+        "committed attempt, files the format does not name, or anything outside ROOT. The grace period protects "
+        "what a running save may still be writing: an uncommitted checkpoint or a leftover modified within "
+        "--grace seconds stays. It does not protect committed checkpoints (a committed save is finished): "
+        "--keep-last N deletes every committed checkpoint older than the newest N, however recent. "
+        "Exit 0 when all went well, 1 if a deletion failed.",
         "examples:\n  shardckpt gc /ckpts --keep-last 3 --dry-run   # what would go\n"
         "  shardckpt gc /ckpts --keep-last 3",
     )
@@ -43,7 +45,8 @@ def register(subparsers: Any) -> None:
         "--grace",
         type=_seconds,
         default=DEFAULT_GRACE,
-        help=f"leave anything modified within this many seconds (default {DEFAULT_GRACE:g})",
+        help="keep uncommitted checkpoints and leftovers modified within this many seconds (default "
+        f"{DEFAULT_GRACE:g}); committed checkpoints beyond --keep-last go whatever their age",
     )
     command.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
 
@@ -60,7 +63,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     elif not args.dry_run:
         collect(plan, None if args.json or args.quiet else lambda action, doomed: _gc_progress(console, action))
     if args.json:
-        print(json.dumps(_gc_summary(plan, args.dry_run)))
+        print_json(_gc_summary(plan, args.dry_run))
         return EXIT_OK if plan.ok else EXIT_FAILED
     verb = "would delete" if args.dry_run else "deleted"
     for action in plan.actions:

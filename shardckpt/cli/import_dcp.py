@@ -6,12 +6,11 @@ The command line over shardckpt.interop.import_dcp; see `shardckpt import-dcp --
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from rich.console import Console
 
-from shardckpt.cli.common import human_bytes, new_command, progress_bar, storage_options
+from shardckpt.cli.common import human_bytes, new_command, print_json, progress_bar, storage_options
 
 NAME = "import-dcp"
 
@@ -59,7 +58,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             "skipped": [{"name": name, "reason": reason} for name, reason in report.skipped],
             "seconds": round(report.seconds, 3),
         }
-        print(json.dumps(summary))
+        print_json(summary)
         return 0
     for name, reason in report.skipped:
         console.print(f"[yellow]skipped[/yellow] {name}: {reason}", highlight=False, soft_wrap=True)

@@ -6,12 +6,11 @@ The command line over shardckpt.interop.import_deepspeed; see `shardckpt import-
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from rich.console import Console
 
-from shardckpt.cli.common import new_command, progress_bar, storage_options
+from shardckpt.cli.common import new_command, print_json, progress_bar, storage_options
 
 NAME = "import-deepspeed"
 
@@ -62,7 +61,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             progress=progress,
         )
     if args.json:
-        print(json.dumps(report.summary()))
+        print_json(report.summary())
         return 0
     for line in report.lines():
         console.print(line, highlight=False, soft_wrap=True)

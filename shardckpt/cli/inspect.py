@@ -7,12 +7,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
+from rich.text import Text
 
-from shardckpt.cli.common import EXIT_FAILED, EXIT_OK, human_bytes, new_command, storage_options, when
+from shardckpt.cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    JSON_ENCODING_HELP,
+    human_bytes,
+    new_command,
+    parse_regex,
+    plural,
+    print_json,
+    storage_options,
+    to_json,
+    when,
+)
+from shardckpt.cli.tables import Cell, fitted_table, tree_rows
 from shardckpt.format import layout
 from shardckpt.ops.inspect import inspect_checkpoint
 
@@ -25,66 +39,101 @@ def register(subparsers: Any) -> None:
         NAME,
         "show a checkpoint's tensors, ranks, objects and status",
         "Show what a checkpoint holds: status, step, every tensor (dtype, shape, size, pieces, ranks), "
-        "the data file of each rank and the plain objects. Reads only the manifests.",
-        "examples:\n  shardckpt inspect /ckpts/step-00001000\n  shardckpt inspect s3://bucket/run/step-00001000 --json",
+        "the data file of each rank and the plain objects. Reads only the manifests. Tables fit the terminal "
+        "(a pipe gets plain text at $COLUMNS or 80 columns): a long name loses its middle, never its end; "
+        "--tree groups names by their dotted prefixes, --filter keeps the names that match, --json gives "
+        "everything whole. " + JSON_ENCODING_HELP,
+        "examples:\n"
+        "  shardckpt inspect /ckpts/step-00001000\n"
+        "  shardckpt inspect /ckpts/step-00001000 --tree\n"
+        "  shardckpt inspect /ckpts/step-00001000 --filter 'blocks\\.0\\.'\n"
+        "  shardckpt inspect s3://bucket/run/step-00001000 --json | jq '.objects'",
     )
     command.add_argument("url", help="checkpoint URL or path")
+    command.add_argument(
+        "--filter",
+        type=parse_regex,
+        metavar="REGEX",
+        help="only tensors and objects whose name matches (re.search)",
+    )
+    command.add_argument("--tree", action="store_true", help="group tensor names by their dotted prefixes")
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
     summary = inspect_checkpoint(args.url, storage_options=storage_options(args.storage_option))
     if summary["status"] != "committed":
         return _show_incomplete(summary, args, console)
+    if args.filter is not None:
+        pattern = re.compile(args.filter)
+        summary["tensors"] = [t for t in summary["tensors"] if pattern.search(t["name"])]
+        summary["objects"] = [o for o in summary["objects"] if pattern.search(o["name"])]
     tensors, ranks = summary["tensors"], summary["ranks"]
     if args.json:
-        print(json.dumps(summary, default=str))
+        for t in tensors:  # JSON object keys are strings
+            t["pieces_per_rank"] = {str(rank): count for rank, count in t["pieces_per_rank"].items()}
+        print_json(summary)
         return EXIT_OK
-    console.print(f"[bold]{summary['url']}[/bold]  [green]committed[/green]")
+    console.print(Text(summary["url"], style="bold"), Text("committed", style="green"))
+    matching = f" matching {args.filter!r}" if args.filter is not None else ""
     console.print(
-        f"step {summary['step']}  ·  {summary['world_size']} ranks  ·  {len(tensors)} tensors  ·  "
-        f"{human_bytes(summary['total_bytes'])}  ·  format {summary['format_version']}  ·  attempt "
-        f"{summary['attempt']}  ·  {when(summary['created'])}"
+        f"step {summary['step']}, {plural(summary['world_size'], 'rank')}, "
+        f"{plural(len(tensors), 'tensor')}{matching}, {human_bytes(summary['total_bytes'])}, "
+        f"format {summary['format_version']}, attempt {summary['attempt']}, {when(summary['created'])}",
+        highlight=False,
     )
-    table = Table(
-        "tensor", "dtype", "shape", "size", "pieces", "ranks", "layout", title="tensors", title_justify="left"
-    )
-    for t in tensors:
-        table.add_row(
+    headers = ("tensor", "dtype", "shape", "size", "pieces", "ranks", "layout")
+
+    def row(index: int) -> list[Cell]:
+        t = tensors[index]
+        shape = "[" + ", ".join(map(str, t["shape"])) + "]"
+        return [
             t["name"],
             t["dtype"],
-            "[" + ", ".join(map(str, t["shape"])) + "]",
+            shape,
             human_bytes(t["bytes"]),
             str(t["pieces"]),
             str(len(t["pieces_per_rank"])),
             t["layout"],
-        )
-    console.print(table)
-    rank_table = Table("rank", "data file", "size", "pieces", title="ranks", title_justify="left")
-    for r in ranks:
-        rank_table.add_row(str(r["rank"]), r["data"], human_bytes(r["bytes"]), str(r["pieces"]))
-    console.print(rank_table)
+        ]
+
+    def group(indices: list[int]) -> list[Cell]:
+        size = human_bytes(sum(tensors[i]["bytes"] for i in indices))
+        return ["", "", Text(plural(len(indices), "tensor"), style="dim"), size, "", "", ""]
+
+    names = [t["name"] for t in tensors]
+    rows = tree_rows(names, row, group) if args.tree else [row(i) for i in range(len(tensors))]
+    console.print(fitted_table(console, headers, rows, title="tensors", right=(3, 4, 5)))
+    rank_rows: list[list[Cell]] = [
+        [r["data"], str(r["rank"]), human_bytes(r["bytes"]), str(r["pieces"])] for r in ranks
+    ]
+    console.print(
+        fitted_table(console, ("data file", "rank", "size", "pieces"), rank_rows, title="ranks", right=(1, 2, 3))
+    )
     if summary["objects"]:
-        object_table = Table("object", "rank", "value", title="objects", title_justify="left")
-        for o in summary["objects"]:
-            object_table.add_row(o["name"], "shared" if o["rank"] is None else str(o["rank"]), _preview(o["value"]))
-        console.print(object_table)
+        object_rows: list[list[Cell]] = [
+            [o["name"], "shared" if o["rank"] is None else str(o["rank"]), _preview(o["value"])]
+            for o in summary["objects"]
+        ]
+        console.print(fitted_table(console, ("object", "rank", "value"), object_rows, title="objects", crop=2))
     return EXIT_OK
 
 
 def _preview(value: Any, limit: int = 60) -> str:
-    text = repr(value)
+    """A value for a table cell: compact JSON, cut at `limit` (--json prints it whole)."""
+    text = json.dumps(to_json(value), allow_nan=False, separators=(", ", ": "))
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _show_incomplete(summary: dict[str, Any], args: argparse.Namespace, console: Console) -> int:
     attempts, data_files = summary["attempts"], summary["data_files"]
     if args.json:
-        print(json.dumps(summary))
+        print_json(summary)
     else:
-        console.print(f"[bold]{summary['url']}[/bold]  [yellow]incomplete[/yellow] (no {layout.COMMITTED} marker)")
-        if not attempts and not data_files:
-            console.print("nothing here: not a checkpoint")
+        console.print(
+            Text(summary["url"], style="bold"),
+            Text(f"incomplete (no {layout.COMMITTED} marker: a save failed or is still running)", style="yellow"),
+        )
         for attempt, ranks in sorted(attempts.items()):
-            console.print(f"attempt {attempt}: local manifests of ranks {sorted(ranks)}")
-        console.print(f"{data_files} data files")
+            console.print(f"attempt {attempt}: local manifests of ranks {sorted(ranks)}", highlight=False)
+        console.print(plural(data_files, "data file"), highlight=False)
     return EXIT_FAILED

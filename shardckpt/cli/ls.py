@@ -6,13 +6,13 @@ Committed, incomplete (a save failed or is running) and broken checkpoints; --js
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
+from rich.text import Text
 
-from shardckpt.cli.common import EXIT_OK, human_bytes, new_command, storage_options, when
+from shardckpt.cli.common import EXIT_OK, human_bytes, new_command, print_json, storage_options, when
+from shardckpt.cli.tables import Cell, fitted_table
 from shardckpt.ops.ls import list_checkpoints
 
 NAME = "ls"
@@ -23,7 +23,9 @@ def register(subparsers: Any) -> None:
         subparsers,
         NAME,
         "list the checkpoints under a root with their status",
-        "List the checkpoints directly under ROOT: committed or incomplete, step, ranks, size, commit time.",
+        "List the checkpoints directly under ROOT: committed or incomplete, step, ranks, data (the bytes of the data "
+        "files, from COMMITTED: `du` also counts manifests and leftovers), commit time. A ROOT that does not exist "
+        "is an error (exit 1); one without checkpoints says what it is instead.",
         "examples:\n  shardckpt ls /ckpts\n"
         "  shardckpt ls s3://bucket/run --storage-option endpoint_url=http://127.0.0.1:8333",
     )
@@ -34,22 +36,27 @@ def run(args: argparse.Namespace, console: Console) -> int:
     listing = list_checkpoints(args.root, storage_options=storage_options(args.storage_option))
     rows = listing["checkpoints"]
     if args.json:
-        print(json.dumps(listing))
+        print_json(listing)
         return EXIT_OK
-    table = Table(
-        "checkpoint", "status", "step", "ranks", "size", "committed at", title=listing["root"], title_justify="left"
-    )
     colors = {"committed": "green", "incomplete": "yellow", "broken": "red", "alias": "cyan"}
+    table_rows: list[list[Cell]] = []
     for r in rows:
-        table.add_row(
-            r["name"],
-            f"[{colors[r['status']]}]{r['status']}[/]" + (f" of {r['alias_of']}" if "alias_of" in r else ""),
-            "-" if r.get("step") is None else str(r["step"]),
-            str(r.get("world_size", "-")),
-            human_bytes(r["bytes"]) if "bytes" in r else "-",
-            when(r.get("created", 0.0)),
+        status = Text(r["status"], style=colors[r["status"]])
+        if "alias_of" in r:
+            status.append(f" of {r['alias_of']}")
+        table_rows.append(
+            [
+                r["name"],
+                status,
+                "-" if r.get("step") is None else str(r["step"]),
+                str(r.get("world_size", "-")),
+                human_bytes(r["bytes"]) if "bytes" in r else "-",
+                when(r.get("created", 0.0)),
+            ]
         )
-    console.print(table)
-    if not rows:
-        console.print("no checkpoints")
+    if rows:
+        headers = ("checkpoint", "status", "step", "ranks", "data", "committed at")
+        console.print(fitted_table(console, headers, table_rows, title=listing["root"], right=(2, 3, 4)))
+    else:
+        console.print(listing["note"], highlight=False)
     return EXIT_OK

@@ -14,7 +14,7 @@ from types import ModuleType
 
 from rich.console import Console
 
-from shardckpt.cli.common import EXIT_FAILED, EXIT_USAGE, HelpFormatter
+from shardckpt.cli.common import EXIT_FAILED, EXIT_USAGE, HelpFormatter, output_console
 from shardckpt.errors import ShardckptError, ShardckptUsageError
 
 # In the order `shardckpt --help` lists them.
@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Exit codes: 0 ok, 1 check failed or checkpoint broken/incomplete (diff: they differ), 2 usage error.",
         formatter_class=HelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         _module(name).register(sub)
@@ -56,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    """The package version and the newest checkpoint format this build writes and reads."""
+    from shardckpt import __version__
+    from shardckpt.format.strict import FORMAT_VERSION
+
+    return f"shardckpt {__version__} (checkpoint format {FORMAT_VERSION[0]}.{FORMAT_VERSION[1]})"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     if arguments[:1] == ["train"]:  # the training loop parses its own options, --help included
@@ -64,10 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return train_main(arguments[1:])
     args = build_parser().parse_args(arguments)
     run = next(module.run for module in map(_module, COMMAND_MODULES) if args.command == module.NAME)
-    from rich.console import Console
-
-    # Piped output keeps full tensor names instead of folding them to a guessed 80 columns.
-    console = Console(width=None if sys.stdout.isatty() else 200)
+    console = output_console()
     try:
         return int(run(args, console))
     except ShardckptUsageError as exc:  # asked for something impossible (no tensor matches, limit too small)

@@ -6,13 +6,20 @@ Exit 0 when all is well, 1 naming each file and tensor that is not; a progress b
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+from rich.progress import Progress
 
-from shardckpt.cli.common import EXIT_FAILED, EXIT_OK, human_bytes, new_command, storage_options
+from shardckpt.cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    human_bytes,
+    new_command,
+    print_json,
+    storage_options,
+    transfer_columns,
+)
 from shardckpt.errors import ShardckptError
 from shardckpt.storage import Storage, open_storage
 
@@ -38,32 +45,23 @@ def run(args: argparse.Namespace, console: Console) -> int:
     storage = open_storage(args.url, storage_options(args.storage_option))
     show_progress = not args.json and not args.quiet and console.is_terminal
     if show_progress:
-        with Progress(
-            "[progress.description]{task.description}",
-            BarColumn(),
-            DownloadColumn(),
-            TransferSpeedColumn(),
-            console=console,
-            transient=True,
-        ) as bar:
+        with Progress(*transfer_columns(), console=console, transient=True) as bar:
             task = bar.add_task("verifying", total=_total_bytes(storage))
             report = verify(storage, progress=lambda n: bar.advance(task, n))
     else:
         report = verify(storage)
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "url": report.url,
-                    "ok": report.ok,
-                    "committed": report.committed,
-                    "tensors": report.tensors,
-                    "files": report.files,
-                    "bytes_checked": report.bytes_checked,
-                    "blocks_checked": report.blocks_checked,
-                    "problems": [{"path": p.path, "tensor": p.tensor, "message": p.message} for p in report.problems],
-                }
-            )
+        print_json(
+            {
+                "url": report.url,
+                "ok": report.ok,
+                "committed": report.committed,
+                "tensors": report.tensors,
+                "files": report.files,
+                "bytes_checked": report.bytes_checked,
+                "blocks_checked": report.blocks_checked,
+                "problems": [{"path": p.path, "tensor": p.tensor, "message": p.message} for p in report.problems],
+            }
         )
     else:
         for problem in report.problems:

@@ -27,6 +27,7 @@ class CheckpointUsage:
     step: int | None = None
     attempt: str | None = None
     committed_bytes: int = 0  # files of the committed attempt, COMMITTED included
+    data_bytes: int = 0  # the committed attempt's data files alone: what ls (COMMITTED's total_bytes) shows
     leftover_bytes: int = 0  # files of other attempts (all layout files when nothing committed)
     leftover_files: int = 0
     other_bytes: int = 0  # files the layout does not name (and, when broken, everything)
@@ -77,6 +78,8 @@ def checkpoint_usage(storage: Storage, name: str) -> CheckpointUsage:
         kind = "other" if usage.status == BROKEN else _classify(path, usage.attempt)
         if kind == "committed":
             usage.committed_bytes += size
+            if path.startswith(f"{layout.DATA_DIR}/"):
+                usage.data_bytes += size
         elif kind == "leftover":
             usage.leftover_bytes += size
             usage.leftover_files += 1

@@ -1,7 +1,8 @@
 """Garbage collection under a root: committed checkpoints beyond keep_last, and leftovers of failed attempts.
 
 Never deletes the newest committed checkpoint, a file of a committed attempt, a name the layout does not give,
-anything modified within the grace period (it may belong to a save running now), or anything behind a link or
+an uncommitted checkpoint or leftover modified within the grace period (it may belong to a save running now; a
+committed checkpoint is finished, so the grace period does not apply to pruning), or anything behind a link or
 outside ROOT. The listing, the order and the deletion itself are catalog's, shared with Checkpointer retention.
 """
 

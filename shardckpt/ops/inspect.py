@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from shardckpt.catalog.chain import read_commit_marker, read_opening
+from shardckpt.catalog.chain import INCOMPLETE, not_a_checkpoint, read_commit_marker, read_opening, what_is
 from shardckpt.errors import ShardckptError
 from shardckpt.format import layout
 from shardckpt.storage import Storage, open_storage
@@ -16,9 +16,12 @@ from shardckpt.storage import Storage, open_storage
 
 def inspect_checkpoint(url: str | Storage, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """A summary of the checkpoint at `url`: "status" committed (with everything the manifest says) or incomplete
-    (the attempts whose local manifests are there, and the data files)."""
+    (the attempts whose local manifests are there, and the data files). Anything else raises the error of
+    catalog.chain.not_a_checkpoint (NotFoundError when nothing is there)."""
     storage = open_storage(url, storage_options)
     if read_commit_marker(storage) is None:
+        if what_is(storage).kind != INCOMPLETE:
+            raise not_a_checkpoint(storage)  # nothing there, a root, a DCP checkpoint...: say which, and what to do
         return _incomplete(storage)
     manifest = read_opening(storage).manifest
     tensors: list[dict[str, Any]] = []

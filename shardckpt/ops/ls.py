@@ -7,15 +7,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardckpt.catalog.chain import DCP, DEEPSPEED, EMPTY, MISSING, what_is
 from shardckpt.catalog.listing import ALIAS, BROKEN, COMMITTED, INCOMPLETE, list_root
-from shardckpt.errors import ShardckptError
+from shardckpt.errors import NotFoundError, ShardckptError
 from shardckpt.format import layout
 from shardckpt.storage import Storage
 
 
 def list_checkpoints(root_url: str | Storage, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """{"root": url, "checkpoints": [row, ...]}, oldest first in the one newest order (committed ones by step,
-    commit time and name; the others after them by name). Rows: name, url, status and what the status tells."""
+    commit time and name; the others after them by name). Rows: name, url, status and what the status tells.
+    With no checkpoint under the root, "note" says what the root is instead; NotFoundError when nothing is there."""
     listing = list_root(root_url, storage_options=storage_options)
     rows = []
     for entry in listing.entries:
@@ -40,7 +42,27 @@ def list_checkpoints(root_url: str | Storage, *, storage_options: dict[str, Any]
         return (0, keys[target], row["name"]) if target in keys else (1, (), row["name"])
 
     rows.sort(key=order)
-    return {"root": listing.root.url, "checkpoints": rows}
+    result: dict[str, Any] = {"root": listing.root.url, "checkpoints": rows}
+    if not rows:
+        result["note"] = _why_empty(listing.root)
+    return result
+
+
+def _why_empty(root: Storage) -> str:
+    """What a root without checkpoints is, and what to do instead (NotFoundError when it does not exist)."""
+    place = what_is(root)
+    url = root.url
+    if place.kind == MISSING:
+        raise NotFoundError(f"{url} does not exist (check the path or URL for a typo)")
+    if place.kind == EMPTY:
+        return f"no checkpoints: {url} is empty"
+    if place.kind == DCP:
+        return f"no checkpoints: {url} is a PyTorch DCP checkpoint (convert it with `shardckpt import-dcp`)"
+    if place.kind == DEEPSPEED:
+        return f"no checkpoints: {url} is a DeepSpeed save directory (convert it with `shardckpt import-deepspeed`)"
+    if place.kind in (COMMITTED, INCOMPLETE, BROKEN):
+        return f"no checkpoints under {url}: it is a checkpoint itself ({place.kind}; see `shardckpt inspect {url}`)"
+    return f"no checkpoints under {url}"
 
 
 def _data_bytes(checkpoint: Storage) -> int:

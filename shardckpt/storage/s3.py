@@ -8,8 +8,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import difflib
+import inspect
 import posixpath
 import secrets
+import socket
 import threading
 import warnings
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -78,6 +81,25 @@ def error_status(exc: BaseException) -> tuple[int | None, str]:
     return (int(status) if status is not None else None), str(response.get("Error", {}).get("Code", ""))
 
 
+def is_unreachable(exc: BaseException) -> bool:
+    """True when nothing listens at the endpoint: connection refused, or a host name that does not resolve (not a
+    connection reset or a timeout, which a busy server also causes)."""
+    if not isinstance(exc, botocore.exceptions.EndpointConnectionError):
+        return False
+    seen: list[BaseException] = []
+    cause: BaseException | None = exc
+    while cause is not None and cause not in seen and len(seen) < 16:
+        seen.append(cause)
+        if isinstance(cause, (ConnectionRefusedError, socket.gaierror)):
+            return True
+        os_error = getattr(cause, "os_error", None)  # aiohttp's ClientConnectorError
+        if isinstance(os_error, (ConnectionRefusedError, socket.gaierror)):
+            return True
+        inner = getattr(cause, "kwargs", {}).get("error") if isinstance(getattr(cause, "kwargs", None), dict) else None
+        cause = inner if isinstance(inner, BaseException) else (cause.__cause__ or cause.__context__)
+    return False
+
+
 def is_transient(exc: BaseException) -> bool:
     """True for errors a retry may cure: 5xx, 429, throttling codes, dropped connections, timeouts."""
     status, code = error_status(exc)
@@ -114,6 +136,9 @@ class _Shared:
 
     conditional: bool | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Whether the endpoint ever answered: until it has, an endpoint that cannot be reached is a wrong URL or
+    # host (fail at once); after, it is a server restarting or a network blip (retry).
+    reached: bool = False
 
 
 class S3Storage(Storage):
@@ -189,8 +214,22 @@ class S3Storage(Storage):
     async def retried(
         self, call: Callable[[int], Awaitable[T]], what: str, path: str, policy: RetryPolicy | None = None
     ) -> T:
+        shared = self._shared
+
+        def transient(exc: BaseException) -> bool:
+            if is_unreachable(exc) and not shared.reached:
+                return False
+            if error_status(exc)[0] is not None:
+                shared.reached = True  # an HTTP answer, even an error, comes from the endpoint
+            return is_transient(exc)
+
+        async def attempt(number: int) -> T:
+            result = await call(number)
+            shared.reached = True
+            return result
+
         try:
-            return await retrying(policy or self.retry, what, call, is_transient)
+            return await retrying(policy or self.retry, what, attempt, transient)
         except StorageError:
             raise
         except Exception as exc:
@@ -207,6 +246,12 @@ class S3Storage(Storage):
             return AlreadyExistsError(f"{self.describe(path)} already exists; nothing is ever overwritten")
         if status == 416 or code == "InvalidRange":
             return TruncatedError(f"{what}: the range lies past the end of the object (file truncated?)")
+        if is_unreachable(exc):
+            endpoint = getattr(self.fs, "endpoint_url", None) or "the default AWS endpoint"
+            return StorageError(
+                f"{what} failed: cannot connect to {endpoint} ({exc}); check endpoint_url (storage option or "
+                "AWS_ENDPOINT_URL) for a typo and that the server is running (not retried: nothing answered yet)"
+            )
         detail = f"HTTP {status} {code}: " if status is not None else f"{type(exc).__name__}: "
         return StorageError(f"{what} failed: {detail}{exc}")
 
@@ -439,9 +484,37 @@ def open_s3(url: str, storage_options: dict[str, Any] | None = None, **tuning: A
     a product of nested ones) and its connection pool is sized for concurrent parts and ranges.
     """
     options = dict(storage_options or {})
+    check_options(options)
     config = dict(options.get("config_kwargs") or {})
     config.setdefault("retries", {"total_max_attempts": 1})
     config.setdefault("max_pool_connections", 2 * max(tuning.get("max_requests") or DEFAULT_MAX_REQUESTS, 16))
     options["config_kwargs"] = config
     fs, path = fsspec.core.url_to_fs(url, **options)
     return S3Storage(fs, path, url, **tuning)
+
+
+def valid_options() -> frozenset[str]:
+    """The storage options s3fs accepts: S3FileSystem's own, fsspec's caching ones, and botocore session ones
+    (s3fs hands unknown options to the session, which fails late with a TypeError)."""
+    import aiobotocore.session
+    import s3fs
+
+    names = {"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths"}
+    for function in (s3fs.S3FileSystem.__init__, aiobotocore.session.AioSession.__init__):
+        for name, parameter in inspect.signature(function).parameters.items():
+            if name != "self" and parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL):
+                names.add(name)
+    return frozenset(names)
+
+
+def check_options(options: dict[str, Any]) -> None:
+    """ShardckptUsageError for a storage option s3fs does not know, naming the closest valid one and listing all."""
+    valid = valid_options()
+    for name in options:
+        if name in valid:
+            continue
+        close = difflib.get_close_matches(name, valid, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ShardckptUsageError(
+            f"unknown S3 storage option {name!r}{hint}; valid options: {', '.join(sorted(valid))}"
+        )

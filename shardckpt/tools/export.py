@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from shardckpt import knobs
-from shardckpt.errors import AlreadyExistsError, ShardckptUsageError
+from shardckpt.errors import AlreadyExistsError, FormatError, ShardckptUsageError
+from shardckpt.format import layout
 from shardckpt.format.dtypes import itemsize
 from shardckpt.read.checkpoint import Checkpoint
 from shardckpt.read.streaming import arena_view, chunk_arena, chunk_elements, open_streaming, read_chunks
@@ -169,8 +170,12 @@ def export_hf_safetensors(
     storage_options: dict[str, Any] | None = None,
     out_options: dict[str, Any] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    force: bool = False,
 ) -> ExportReport:
     """Export the selected tensors of the checkpoint at `url` into the directory `out` (which must hold no export).
+
+    force=True first deletes a previous export in `out`: its index and the files that index names, nothing else
+    (a file it does not name, or a checkpoint in `out`, is refused before anything is deleted).
 
     Tensor data in memory stays under `memory_limit` bytes (manifests and the interpreter come on top).
     `progress(nbytes, total)` is called as output bytes are written.
@@ -183,8 +188,13 @@ def export_hf_safetensors(
     )
     target = open_storage(out, out_options)
     existing = [name for name in target.list() if name.endswith(".safetensors") or name == INDEX_FILE]
-    if existing:
-        raise AlreadyExistsError(f"{target.url} already holds an export ({existing[0]}); export into a new directory")
+    if force:
+        _delete_previous_export(target, existing)
+    elif existing:
+        raise AlreadyExistsError(
+            f"{target.url} already holds an export ({existing[0]}); export into a new directory, or pass "
+            "force=True (--force) to replace that export"
+        )
     total = sum(shard.nbytes for shard in shards)
     report = ExportReport(checkpoint.url, target.url)
     arena = chunk_arena(memory_limit)
@@ -197,6 +207,43 @@ def export_hf_safetensors(
     target.write_new(INDEX_FILE, index_document(shards))
     report.seconds = time.perf_counter() - began
     return report
+
+
+MAX_INDEX_BYTES = 256 << 20  # a previous index is read whole to learn what --force may delete
+
+
+def _delete_previous_export(target: Storage, existing: list[str]) -> None:
+    """Delete the previous export in `target`: INDEX_FILE first (so a crash never leaves an index naming missing
+    files), then the shards it names. Refuse, deleting nothing, when `target` holds a checkpoint or a file the
+    index does not name."""
+    names = set(target.list())
+    if names & {layout.COMMITTED, layout.DATA_DIR, layout.RANKS_DIR}:
+        raise AlreadyExistsError(f"{target.url} holds a shardckpt checkpoint: --force never replaces one")
+    if not existing:
+        return
+    where = target.describe(INDEX_FILE)
+    if INDEX_FILE not in names:
+        raise AlreadyExistsError(
+            f"{target.url} holds {existing[0]} but no {INDEX_FILE}: --force replaces only "
+            "files a previous export's index names; remove them yourself"
+        )
+    try:
+        index = json.loads(target.read_small(INDEX_FILE, MAX_INDEX_BYTES))
+        files = set(index["weight_map"].values())
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise FormatError(f"{where} is not an export index ({exc}): --force replaces nothing") from None
+    bad = sorted(str(f) for f in files if not isinstance(f, str) or "/" in f or "\\" in f or f in ("", ".", ".."))
+    if bad:
+        raise FormatError(f"{where} names {bad[0]!r}, not a file of this directory: --force replaces nothing")
+    unnamed = sorted(name for name in existing if name != INDEX_FILE and name not in files)
+    if unnamed:
+        raise AlreadyExistsError(
+            f"{target.url} holds {unnamed[0]}, which {INDEX_FILE} does not name: --force "
+            "replaces only a previous export's files; remove it yourself"
+        )
+    target.delete(INDEX_FILE)
+    for name in sorted(files & names):
+        target.delete(name)
 
 
 def _write_tensor(

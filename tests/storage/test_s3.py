@@ -12,6 +12,7 @@ import time
 import uuid
 import warnings
 
+import botocore.exceptions
 import pytest
 import s3fs
 import torch
@@ -392,3 +393,51 @@ def test_real_network_faults_are_retried(s3_server, raw, mode: str) -> None:
         assert raw.exists(f"{storage.root}/COMMITTED")
     finally:
         proxy.close()
+
+
+# ------------------------------------------------------------------------------ mistakes of a newcomer
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]  # closed again when the block ends: connections are refused
+
+
+@pytest.mark.parametrize("endpoint", ["refused", "http://no-such-host.invalid:9000"])
+def test_an_endpoint_that_never_answered_fails_at_once(s3_server, endpoint: str) -> None:
+    if endpoint == "refused":
+        endpoint = f"http://127.0.0.1:{_closed_port()}"
+    options = {**s3_server.storage_options(), "endpoint_url": endpoint}
+    storage, requests = open_storage(f"s3://{S3_BUCKET}/p", options, retry=FAST), None
+    storage.requests = requests = FaultyRequests(storage.requests, ())
+    with pytest.raises(StorageError, match=r"cannot connect to .*endpoint_url.*not retried"):
+        storage.list()
+    assert requests.count("list_objects_v2") == 1
+
+
+class _GoneAfterFirst:
+    """Requests that reach the server once, then find nothing listening (a server restarting)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, 0
+
+    async def call(self, operation: str, **params):
+        self.calls += 1
+        if self.calls > 1:
+            raise botocore.exceptions.EndpointConnectionError(endpoint_url="http://127.0.0.1:9")
+        return await self.inner.call(operation, **params)
+
+
+def test_an_endpoint_that_answered_before_is_retried_when_it_goes_away(s3_server) -> None:
+    storage = open_storage(f"s3://{S3_BUCKET}/{uuid.uuid4().hex}", s3_server.storage_options(), retry=FAST)
+    storage.requests = requests = _GoneAfterFirst(storage.requests)
+    storage.list()  # the endpoint answered once
+    with pytest.raises(StorageError, match="failed 4 times"):
+        storage.child("x").list()  # children share what their parent learnt
+    assert requests.calls == 1 + 4
+
+
+def test_a_misspelt_storage_option_names_the_valid_ones(s3_server) -> None:
+    with pytest.raises(ShardckptUsageError, match=r"'endpoint' \(did you mean 'endpoint_url'\?\); valid.*anon"):
+        open_storage(f"s3://{S3_BUCKET}/p", {**s3_server.storage_options(), "endpoint": "http://x"})

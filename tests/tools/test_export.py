@@ -83,7 +83,7 @@ def test_export_refuses_what_it_cannot_do(tmp_path, capsys) -> None:
         cli_main(["export", url, str(tmp_path / "d"), "--max-shard-size", "5 parsecs"])
     assert exit_info.value.code == 2
     assert cli_main(["export", str(tmp_path / "missing"), str(tmp_path / "e")]) == 1
-    assert "not committed" in capsys.readouterr().err
+    assert "does not exist" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "b") and not os.path.exists(tmp_path / "e")
 
 

@@ -20,6 +20,7 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "shardckpt.cli", *args], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_inspect_json_and_table(tmp_path) -> None:
     url = str(tmp_path / "ck")
     save_sharded(sample_state(), url, 2)
@@ -34,6 +35,7 @@ def test_inspect_json_and_table(tmp_path) -> None:
     assert table.returncode == 0 and "committed" in table.stdout and "rank_info" in table.stdout
 
 
+@pytest.mark.slow
 def test_verify_exit_codes(tmp_path) -> None:
     url = str(tmp_path / "ck")
     save_sharded(sample_state(), url, 2)
@@ -50,6 +52,7 @@ def test_verify_exit_codes(tmp_path) -> None:
     assert run("frobnicate", url).returncode == 2
 
 
+@pytest.mark.slow
 def test_inspect_incomplete_and_ls(tmp_path) -> None:
     root = tmp_path / "root"
     shardckpt.save({"a": torch.ones(3)}, str(root / "step-1"), step=1)
@@ -73,6 +76,7 @@ def test_errors_are_one_line(tmp_path) -> None:
     assert result.returncode == 1 and "Traceback" not in result.stderr + result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["inspect", "verify", "ls"])
 def test_help_for_every_command(command: str) -> None:
     result = run(command, "--help")

@@ -33,6 +33,7 @@ def _strict(text: str) -> object:
     return json.loads(text, parse_constant=refuse)
 
 
+@pytest.mark.slow
 def test_each_wrong_place_says_what_it_is_and_what_to_do(tmp_path) -> None:
     root = tmp_path / "run"
     shardckpt.save({"w": torch.ones(2)}, str(root / "step-00000001"), step=1)
@@ -97,6 +98,7 @@ def test_inspect_fits_80_columns_keeping_the_ends_of_names(tmp_path) -> None:
     assert "        exp_avg_sq  " in tree.stdout  # leaves under their prefix, whole
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["", *COMMANDS])
 def test_help_fits_80_columns(command: str) -> None:
     result = cli(*([command] if command else []), "--help")
@@ -135,6 +137,7 @@ def test_gc_grace_protects_unfinished_saves_only_as_documented(tmp_path) -> None
     assert sorted(os.listdir(root)) == ["step-2", "step-3"]  # the committed step-1 went, the running save stayed
 
 
+@pytest.mark.slow
 def test_version_counts_and_ls_agrees_with_du(tmp_path) -> None:
     version = cli("--version")
     assert version.returncode == 0 and version.stdout.startswith(f"shardckpt {shardckpt.__version__} (checkpoint")
@@ -148,6 +151,7 @@ def test_version_counts_and_ls_agrees_with_du(tmp_path) -> None:
     assert "data files" in " ".join(cli("ls", "--help").stdout.split())
 
 
+@pytest.mark.slow
 def test_export_force_replaces_only_a_previous_export(tmp_path) -> None:
     url, out = str(tmp_path / "ck"), tmp_path / "hf"
     shardckpt.save({"model.w": torch.ones(4, 2), "model.b": torch.ones(3)}, url, step=1)

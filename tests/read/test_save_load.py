@@ -75,6 +75,7 @@ def test_load_refuses_wrong_shape_or_dtype(root_url: str) -> None:
 _SMALL_SHAPES = st.lists(st.integers(0, 4), min_size=0, max_size=3).map(tuple)
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(stored=_SMALL_SHAPES, wanted=_SMALL_SHAPES, flat=st.booleans())
 def test_load_destination_must_have_the_stored_shape(tmp_path_factory, stored, wanted, flat: bool) -> None:

@@ -199,6 +199,7 @@ _STEPS = st.sampled_from([None, 1, 2])
 _METADATA = st.sampled_from([None, {}, {"run": "a"}, {"run": "b"}])
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(first_step=_STEPS, first_meta=_METADATA, completed=st.booleans(), step=_STEPS, meta=_METADATA)
 def test_a_retried_commit_commits_what_it_reports_or_raises(

@@ -7,6 +7,7 @@ manifest once -> (all) receive them, plan and read only their own boxes -> (all)
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -46,13 +47,32 @@ class _Solo:
 
 
 def resolve_group(process_group: Any) -> Group | _Solo:
-    """The caller's group, else the default group when torch.distributed is initialized, else one process."""
+    """The caller's group, else the default group when torch.distributed is initialized, else one process.
+
+    ShardckptUsageError when the environment says this process is one rank of many (torchrun's WORLD_SIZE > 1)
+    but there is no group: each rank would save a one-rank checkpoint to the same URL, or load whole tensors.
+    """
     if process_group is None and dist.is_available() and dist.is_initialized():
         process_group = dist.group.WORLD
     if process_group is None:
+        world = _launcher_world_size()
+        if world > 1:
+            raise ShardckptUsageError(
+                f"this process is rank {os.environ.get('RANK', '?')} of {world} (WORLD_SIZE={world}, as torchrun "
+                "sets it) but torch.distributed is not initialized: call torch.distributed.init_process_group() "
+                "before shardckpt.save/load/Checkpointer, or pass process_group="
+            )
         return _Solo()
     group = Group.of(process_group)
     return _Solo() if group.size == 1 else group
+
+
+def _launcher_world_size() -> int:
+    """WORLD_SIZE as a launcher (torchrun, mpirun wrappers, SLURM scripts) exported it; 1 when unset or unreadable."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
 
 
 def _broadcast(group: Group | _Solo, data: bytes | None, src: int) -> bytes:

@@ -30,6 +30,7 @@ from shardckpt.format.values import check_plain
 from shardckpt.read.checkpoint import Checkpoint, PendingRead, ReadStats, open_checkpoint
 from shardckpt.statedict.flatten import Leaf, flatten
 from shardckpt.statedict.leaves import PerRank, destination_shapes, load_items, per_rank_value, save_items
+from shardckpt.statedict.optimizer import optimizer_hint
 from shardckpt.statedict.replicas import Digest, replica_digest, replica_disagreements
 from shardckpt.storage import Storage, open_storage
 from shardckpt.write.commit import commit
@@ -373,6 +374,7 @@ def _prepare_fill(
         raise ShardckptUsageError(
             f"{checkpoint.url} lacks {len(missing)} entries of the state dict: {missing[:10]}"
             + (" ..." if len(missing) > 10 else "")
+            + optimizer_hint(state_dict)
         )
     for name, shape, kind in destination_shapes(leaves):
         if name in stored and shape != tuple(stored[name].shape):

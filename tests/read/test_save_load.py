@@ -66,8 +66,9 @@ def test_load_strict_names_missing_entries(root_url: str) -> None:
 
 def test_load_refuses_wrong_shape_or_dtype(root_url: str) -> None:
     shardckpt.save({"a": torch.ones(2, 3)}, f"{root_url}/shape")
-    with pytest.raises(shardckpt.ShardckptUsageError, match="shape"):
+    with pytest.raises(shardckpt.ShardckptUsageError, match="shape") as caught:
         shardckpt.load({"a": torch.zeros(3, 2)}, f"{root_url}/shape")
+    assert str(caught.value).count("[2, 3]") == 1 and "[3, 2]" in str(caught.value)  # each shape once
     with pytest.raises(shardckpt.ShardckptUsageError, match="float64"):
         shardckpt.load({"a": torch.zeros(2, 3, dtype=torch.float64)}, f"{root_url}/shape")
 
@@ -191,3 +192,33 @@ def test_large_rank_file_written_by_parallel_streams(tmp_path) -> None:
     fresh = {k: torch.empty_like(v) for k, v in state.items()}
     shardckpt.load(fresh, url)
     assert all(torch.equal(fresh[k], state[k]) for k in state)
+
+
+def _trained_model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh-optimizer", "trained-optimizer"])
+def test_positional_optimizer_state_is_explained(tmp_path, fresh: bool) -> None:
+    """opt.state_dict() (a fresh one: one plain value; a trained one: state keyed 0, 1, ...) instead of the FQN-keyed
+    state of get_state_dict: the missing-entries error says which entry and what to call instead."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optimizer = _trained_model_and_optimizer()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    url = str(tmp_path / "ck")
+    shardckpt.save({"model": model_sd, "optim": optim_sd}, url)
+    other = torch.optim.AdamW(model.parameters(), lr=0.01)
+    if not fresh:
+        model(torch.ones(1, 3)).sum().backward()
+        other.step()
+    with pytest.raises(shardckpt.ShardckptUsageError) as caught:
+        shardckpt.load({"model": model.state_dict(), "optim": other.state_dict()}, url)
+    message = str(caught.value)
+    assert "'optim' looks like optimizer.state_dict()" in message, message
+    assert "torch.distributed.checkpoint.state_dict.get_state_dict" in message

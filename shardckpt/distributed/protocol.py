@@ -29,7 +29,14 @@ from shardckpt.format.manifest import (
 from shardckpt.format.values import check_plain
 from shardckpt.read.checkpoint import Checkpoint, PendingRead, ReadStats, open_checkpoint
 from shardckpt.statedict.flatten import Leaf, flatten
-from shardckpt.statedict.leaves import PerRank, destination_shapes, load_items, per_rank_value, save_items
+from shardckpt.statedict.leaves import (
+    PerRank,
+    check_savable,
+    destination_shapes,
+    load_items,
+    per_rank_value,
+    save_items,
+)
 from shardckpt.statedict.optimizer import optimizer_hint
 from shardckpt.statedict.replicas import Digest, replica_digest, replica_disagreements
 from shardckpt.storage import Storage, open_storage
@@ -157,6 +164,7 @@ def save(
             check_plain(metadata, "metadata")  # before any rank writes a byte, not at commit
         # A callable state is built here, so that its failure on one rank reaches every rank like any other.
         leaves = flatten(state_dict() if callable(state_dict) else state_dict)
+        check_savable(leaves, step)  # every entry checked before any rank writes a byte
         digest = [] if solo else replica_digest(leaves)
     except Exception as exc:
         if solo:

@@ -222,3 +222,22 @@ def test_positional_optimizer_state_is_explained(tmp_path, fresh: bool) -> None:
     message = str(caught.value)
     assert "'optim' looks like optimizer.state_dict()" in message, message
     assert "torch.distributed.checkpoint.state_dict.get_state_dict" in message
+
+
+@pytest.mark.parametrize(
+    "state, step, named",
+    [
+        ({"w": torch.ones(2), "emb": torch.ones(2, 2).to_sparse()}, None, "'emb'"),
+        ({"w": torch.ones(2), "emb": torch.ones(2, 2).to_sparse_csr()}, None, "'emb'"),
+        ({"w": torch.ones(2), "emb": torch.empty(2, 2, device="meta")}, None, "'emb'"),
+        ({"w": torch.ones(2), "rng": shardckpt.PerRank({"t": torch.empty(2, device="meta")})}, None, "'rng'"),
+        ({"w": torch.ones(2)}, "10", "step"),
+        ({"w": torch.ones(2)}, True, "step"),
+    ],
+    ids=["sparse-coo", "sparse-csr", "meta", "per-rank-meta", "str-step", "bool-step"],
+)
+def test_bad_input_is_refused_by_name_before_a_byte_is_written(tmp_path, state, step, named) -> None:
+    url = tmp_path / "ck"
+    with pytest.raises(shardckpt.ShardckptUsageError, match=named):
+        shardckpt.save(state, str(url), step=step)
+    assert not url.exists()  # no incomplete directory left behind

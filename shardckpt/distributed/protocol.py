@@ -270,6 +270,7 @@ def load(
     verify_first: bool = False,
     optional: Sequence[str] = (),
     max_gap: int = knobs.MAX_GAP,
+    cast: bool = False,
 ) -> ReadStats:
     """Fill the tensors of `state_dict` in place from the checkpoint at `url`, on any world size and sharding.
 
@@ -292,11 +293,15 @@ def load(
     optional: entry names (or prefixes before a '.') that strict lets the checkpoint lack; such entries keep
     their values (e.g. another engine's counters when a checkpoint crosses from FSDP2 to DeepSpeed).
     max_gap: bytes between two needed ranges of a file read through rather than split into two requests.
+    cast: fill floating-point destinations of another dtype (fp32 stored, a bf16 model) by converting, rounding to
+    nearest even (values beyond the destination's range become inf); without it a dtype mismatch is refused.
+    Destinations of the stored dtype stay bit-exact. Costs host memory: each converted box is read into staging
+    of the stored dtype first.
     """
     group = resolve_group(process_group)
     if isinstance(group, _Solo):
         checkpoint = open_checkpoint(open_storage(url, storage_options), max_in_flight=max_in_flight, max_gap=max_gap)
-        pending, assign = _prepare_fill(checkpoint, state_dict, group.rank, strict, optional)
+        pending, assign = _prepare_fill(checkpoint, state_dict, group.rank, strict, optional, cast)
         if verify_first:
             pending.fetch()
         stats = pending.apply()
@@ -336,7 +341,7 @@ def load(
             marker = decode_commit_marker(message["marker"], storage.describe(layout.COMMITTED))
             manifest = verify_global_manifest(message["manifest"], marker, storage.describe(marker.manifest))
         checkpoint = Checkpoint(storage, marker, manifest, max_in_flight=max_in_flight, max_gap=max_gap)
-        prepared = pending, assign = _prepare_fill(checkpoint, state_dict, group.rank, strict, optional)
+        prepared = pending, assign = _prepare_fill(checkpoint, state_dict, group.rank, strict, optional, cast)
         if verify_first:
             pending.fetch()  # every rank verifies all its bytes; the destinations are written after the vote
         else:
@@ -359,7 +364,12 @@ def load(
 
 
 def _prepare_fill(
-    checkpoint: Checkpoint, state_dict: Mapping[str, Any], rank: int, strict: bool, optional: Sequence[str] = ()
+    checkpoint: Checkpoint,
+    state_dict: Mapping[str, Any],
+    rank: int,
+    strict: bool,
+    optional: Sequence[str] = (),
+    cast: bool = False,
 ) -> tuple[PendingRead, Callable[[], None]]:
     """Check and plan this rank's part of a load (writing nothing); returns the read and what sets plain values.
 
@@ -398,7 +408,7 @@ def _prepare_fill(
                 f"tensor {name!r}: the state dict wants box {box}, outside the tensor's shape "
                 f"{list(stored[name].shape)} in the checkpoint"
             )
-    pending = checkpoint.prepare(present)
+    pending = checkpoint.prepare(present, cast=cast)
     where = checkpoint.url
     mine = {
         leaf.name: per_rank_value(own[leaf.name], f"{where}: per-rank object {leaf.name!r} of rank {rank}")

@@ -241,3 +241,24 @@ def test_bad_input_is_refused_by_name_before_a_byte_is_written(tmp_path, state, 
     with pytest.raises(shardckpt.ShardckptUsageError, match=named):
         shardckpt.save(state, str(url), step=step)
     assert not url.exists()  # no incomplete directory left behind
+
+
+def test_load_cast_converts_floating_point_dtypes_only_when_asked(tmp_path) -> None:
+    """fp32 into a bf16 model: refused with a pointer to cast=True; with it, rounded as torch rounds (nearest even),
+    while destinations of the stored dtype stay bit-exact."""
+    url = str(tmp_path / "ck")
+    weight = torch.randn(5, 7, generator=torch.Generator().manual_seed(0))
+    exact = torch.randn(3, generator=torch.Generator().manual_seed(1)).double()
+    shardckpt.save({"w": weight, "exact": exact, "count": torch.arange(4)}, url)
+    state = {"w": torch.zeros(5, 7, dtype=torch.bfloat16), "exact": torch.zeros(3, dtype=torch.float64)}
+    with pytest.raises(shardckpt.ShardckptUsageError, match=r"'w'.*bfloat16.*float32.*cast=True"):
+        shardckpt.load(state, url, strict=False)
+    assert torch.equal(state["w"], torch.zeros(5, 7, dtype=torch.bfloat16))  # nothing written
+    shardckpt.load(state, url, strict=False, cast=True)
+    assert torch.equal(state["w"], weight.to(torch.bfloat16))
+    assert torch.equal(state["exact"].view(torch.int64), exact.view(torch.int64))
+    transposed = torch.zeros(7, 5, dtype=torch.float16).t()  # a non-contiguous destination converts too
+    shardckpt.load({"w": transposed}, url, cast=True)
+    assert torch.equal(transposed, weight.half())
+    with pytest.raises(shardckpt.ShardckptUsageError, match=r"'count'.*floating-point dtypes only"):
+        shardckpt.load({"count": torch.zeros(4, dtype=torch.int32)}, url, cast=True)

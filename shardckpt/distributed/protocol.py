@@ -377,16 +377,32 @@ def _prepare_fill(
     name, or a prefix before a '.'), which are left as they are when the checkpoint lacks them.
     """
     stored = checkpoint.manifest.tensor_index()
+    saved_world = checkpoint.manifest.world_size
     shared, own = checkpoint.objects, checkpoint.rank_objects(rank)
     leaves = flatten(state_dict)
     items = load_items(leaves)
     missing = sorted({name for name, _, _ in items if name not in stored})
+    # Per-rank values come from this rank's own; a rank the saving job did not have follows its PerRank's choice.
+    sources = {}
     for leaf in leaves:
         if leaf.is_plain and leaf.name not in shared:
             missing.append(leaf.name)
-        # A rank that did not exist when the checkpoint was saved has no per-rank values to restore.
-        if isinstance(leaf.value, PerRank) and leaf.name not in own and rank < checkpoint.manifest.world_size:
-            missing.append(leaf.name)
+        if not isinstance(leaf.value, PerRank):
+            continue
+        if rank < saved_world:
+            sources[leaf.name] = (own, rank)
+            if leaf.name not in own:
+                missing.append(leaf.name)
+        elif leaf.value.missing == "error":
+            raise ShardckptUsageError(
+                f"{checkpoint.url}: per-rank entry {leaf.name!r} was saved by {saved_world} ranks, none of them rank "
+                f"{rank}; PerRank(missing='keep') keeps this rank's own value, missing='wrap' gives it rank "
+                f"{rank % saved_world}'s"
+            )
+        elif leaf.value.missing == "wrap":
+            sources[leaf.name] = (checkpoint.rank_objects(rank % saved_world), rank % saved_world)
+            if leaf.name not in sources[leaf.name][0]:
+                missing.append(leaf.name)
     missing = [name for name in missing if not _is_optional(name, optional)]
     if missing and strict:
         raise ShardckptUsageError(
@@ -411,9 +427,9 @@ def _prepare_fill(
     pending = checkpoint.prepare(present, cast=cast)
     where = checkpoint.url
     mine = {
-        leaf.name: per_rank_value(own[leaf.name], f"{where}: per-rank object {leaf.name!r} of rank {rank}")
-        for leaf in leaves
-        if isinstance(leaf.value, PerRank) and leaf.name in own
+        name: per_rank_value(source[name], f"{where}: per-rank object {name!r} of rank {source_rank}")
+        for name, (source, source_rank) in sources.items()
+        if name in source
     }
 
     def assign() -> None:

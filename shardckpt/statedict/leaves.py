@@ -20,17 +20,30 @@ from shardckpt.statedict.flat import FlatPartition
 from shardckpt.statedict.flatten import Leaf
 from shardckpt.torch_bytes import FORMAT_TO_TORCH, TORCH_TO_FORMAT, format_dtype, host_bytes
 
+# What a load gives a rank that did not exist when the checkpoint was saved (a resume on more ranks).
+MISSING_CHOICES = ("keep", "error", "wrap")
+
 
 @dataclass
 class PerRank:
     """A value that each rank saves for itself (its RNG state, its data-loader worker position).
 
     Plain values, and tensors anywhere inside them (torch.get_rng_state()), stored as per-rank objects; a load
-    sets `value` to this rank's (tensors come back on the CPU).
+    sets `value` to this rank's (tensors come back on the CPU). Rank r of a load gets what rank r saved; for a rank
+    the checkpoint has none of (saved on fewer ranks), `missing` of the PerRank passed to load chooses:
+    "keep" (default): `value` stays what the caller put there (e.g. a fresh, rank-seeded RNG state);
+    "error": the load raises ShardckptUsageError, before anything is written;
+    "wrap": rank r gets saved rank r % W's value (W: ranks at save), so some ranks repeat another's stream.
+    Values of saved ranks that the loading job lacks (saved on more ranks) are not restored anywhere.
     """
 
     value: Any
+    missing: str = "keep"
     shardckpt_leaf = True
+
+    def __post_init__(self) -> None:
+        if self.missing not in MISSING_CHOICES:
+            raise ShardckptUsageError(f"PerRank(missing={self.missing!r}): choose one of {list(MISSING_CHOICES)}")
 
 
 # A tensor inside a PerRank value is stored as the plain map {TENSOR_TAG: [dtype, shape, bytes]} (SPEC section 7

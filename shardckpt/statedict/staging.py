@@ -54,7 +54,7 @@ def stage(state: Mapping[str, Any], buffers: StagingBuffers) -> dict[str, Any]:
         elif isinstance(value, FlatPartition):
             staged[leaf.name] = FlatPartition(buffers.copy(leaf.name, value.buffer), value.params, value.start)
         elif isinstance(value, PerRank):
-            staged[leaf.name] = PerRank(copy.deepcopy(value.value))
+            staged[leaf.name] = PerRank(copy.deepcopy(value.value), value.missing)
         else:
             staged[leaf.name] = copy.deepcopy(value)
     return staged

@@ -99,11 +99,17 @@ class Checkpointer:
     # ----------------------------------------------------------------------------------------------- resume
 
     def restore_latest(
-        self, state: Mapping[str, Any], *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, optional: Sequence[str] = ()
+        self,
+        state: Mapping[str, Any],
+        *,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        optional: Sequence[str] = (),
+        cast: bool = False,
     ) -> int | None:
-        """Fill `state` from the newest committed checkpoint under root (chosen once, by the coordinator).
+        """Fill `state` from the newest committed checkpoint under root (chosen once, by the coordinator); its step,
+        or None when the root holds no committed checkpoint (`state` untouched: start from scratch).
 
-        optional: entries the checkpoint may lack (see shardckpt.load).
+        optional: entries the checkpoint may lack; cast: convert floating-point dtypes (both: see shardckpt.load).
         """
         url = self.latest_url()
         if url is None:
@@ -116,6 +122,7 @@ class Checkpointer:
             max_in_flight=max_in_flight,
             strict=True,
             optional=optional,
+            cast=cast,
         )
         manifest_step = self._step_of(url)
         self.last_saved_step = manifest_step

@@ -7,6 +7,7 @@ manifest once -> (all) receive them, plan and read only their own boxes -> (all)
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -28,7 +29,15 @@ from shardckpt.format.manifest import (
 from shardckpt.format.values import check_plain
 from shardckpt.read.checkpoint import Checkpoint, PendingRead, ReadStats, open_checkpoint
 from shardckpt.statedict.flatten import Leaf, flatten
-from shardckpt.statedict.leaves import PerRank, destination_shapes, load_items, per_rank_value, save_items
+from shardckpt.statedict.leaves import (
+    PerRank,
+    check_savable,
+    destination_shapes,
+    load_items,
+    per_rank_value,
+    save_items,
+)
+from shardckpt.statedict.optimizer import optimizer_hint
 from shardckpt.statedict.replicas import Digest, replica_digest, replica_disagreements
 from shardckpt.storage import Storage, open_storage
 from shardckpt.write.commit import commit
@@ -46,13 +55,32 @@ class _Solo:
 
 
 def resolve_group(process_group: Any) -> Group | _Solo:
-    """The caller's group, else the default group when torch.distributed is initialized, else one process."""
+    """The caller's group, else the default group when torch.distributed is initialized, else one process.
+
+    ShardckptUsageError when the environment says this process is one rank of many (torchrun's WORLD_SIZE > 1)
+    but there is no group: each rank would save a one-rank checkpoint to the same URL, or load whole tensors.
+    """
     if process_group is None and dist.is_available() and dist.is_initialized():
         process_group = dist.group.WORLD
     if process_group is None:
+        world = _launcher_world_size()
+        if world > 1:
+            raise ShardckptUsageError(
+                f"this process is rank {os.environ.get('RANK', '?')} of {world} (WORLD_SIZE={world}, as torchrun "
+                "sets it) but torch.distributed is not initialized: call torch.distributed.init_process_group() "
+                "before shardckpt.save/load/Checkpointer, or pass process_group="
+            )
         return _Solo()
     group = Group.of(process_group)
     return _Solo() if group.size == 1 else group
+
+
+def _launcher_world_size() -> int:
+    """WORLD_SIZE as a launcher (torchrun, mpirun wrappers, SLURM scripts) exported it; 1 when unset or unreadable."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
 
 
 def _broadcast(group: Group | _Solo, data: bytes | None, src: int) -> bytes:
@@ -136,6 +164,7 @@ def save(
             check_plain(metadata, "metadata")  # before any rank writes a byte, not at commit
         # A callable state is built here, so that its failure on one rank reaches every rank like any other.
         leaves = flatten(state_dict() if callable(state_dict) else state_dict)
+        check_savable(leaves, step)  # every entry checked before any rank writes a byte
         digest = [] if solo else replica_digest(leaves)
     except Exception as exc:
         if solo:
@@ -241,6 +270,7 @@ def load(
     verify_first: bool = False,
     optional: Sequence[str] = (),
     max_gap: int = knobs.MAX_GAP,
+    cast: bool = False,
 ) -> ReadStats:
     """Fill the tensors of `state_dict` in place from the checkpoint at `url`, on any world size and sharding.
 
@@ -263,11 +293,15 @@ def load(
     optional: entry names (or prefixes before a '.') that strict lets the checkpoint lack; such entries keep
     their values (e.g. another engine's counters when a checkpoint crosses from FSDP2 to DeepSpeed).
     max_gap: bytes between two needed ranges of a file read through rather than split into two requests.
+    cast: fill floating-point destinations of another dtype (fp32 stored, a bf16 model) by converting, rounding to
+    nearest even (values beyond the destination's range become inf); without it a dtype mismatch is refused.
+    Destinations of the stored dtype stay bit-exact. Costs host memory: each converted box is read into staging
+    of the stored dtype first.
     """
     group = resolve_group(process_group)
     if isinstance(group, _Solo):
         checkpoint = open_checkpoint(open_storage(url, storage_options), max_in_flight=max_in_flight, max_gap=max_gap)
-        pending, assign = _prepare_fill(checkpoint, state_dict, group.rank, strict, optional)
+        pending, assign = _prepare_fill(checkpoint, state_dict, group.rank, strict, optional, cast)
         if verify_first:
             pending.fetch()
         stats = pending.apply()
@@ -307,7 +341,7 @@ def load(
             marker = decode_commit_marker(message["marker"], storage.describe(layout.COMMITTED))
             manifest = verify_global_manifest(message["manifest"], marker, storage.describe(marker.manifest))
         checkpoint = Checkpoint(storage, marker, manifest, max_in_flight=max_in_flight, max_gap=max_gap)
-        prepared = pending, assign = _prepare_fill(checkpoint, state_dict, group.rank, strict, optional)
+        prepared = pending, assign = _prepare_fill(checkpoint, state_dict, group.rank, strict, optional, cast)
         if verify_first:
             pending.fetch()  # every rank verifies all its bytes; the destinations are written after the vote
         else:
@@ -330,7 +364,12 @@ def load(
 
 
 def _prepare_fill(
-    checkpoint: Checkpoint, state_dict: Mapping[str, Any], rank: int, strict: bool, optional: Sequence[str] = ()
+    checkpoint: Checkpoint,
+    state_dict: Mapping[str, Any],
+    rank: int,
+    strict: bool,
+    optional: Sequence[str] = (),
+    cast: bool = False,
 ) -> tuple[PendingRead, Callable[[], None]]:
     """Check and plan this rank's part of a load (writing nothing); returns the read and what sets plain values.
 
@@ -338,21 +377,38 @@ def _prepare_fill(
     name, or a prefix before a '.'), which are left as they are when the checkpoint lacks them.
     """
     stored = checkpoint.manifest.tensor_index()
+    saved_world = checkpoint.manifest.world_size
     shared, own = checkpoint.objects, checkpoint.rank_objects(rank)
     leaves = flatten(state_dict)
     items = load_items(leaves)
     missing = sorted({name for name, _, _ in items if name not in stored})
+    # Per-rank values come from this rank's own; a rank the saving job did not have follows its PerRank's choice.
+    sources = {}
     for leaf in leaves:
         if leaf.is_plain and leaf.name not in shared:
             missing.append(leaf.name)
-        # A rank that did not exist when the checkpoint was saved has no per-rank values to restore.
-        if isinstance(leaf.value, PerRank) and leaf.name not in own and rank < checkpoint.manifest.world_size:
-            missing.append(leaf.name)
+        if not isinstance(leaf.value, PerRank):
+            continue
+        if rank < saved_world:
+            sources[leaf.name] = (own, rank)
+            if leaf.name not in own:
+                missing.append(leaf.name)
+        elif leaf.value.missing == "error":
+            raise ShardckptUsageError(
+                f"{checkpoint.url}: per-rank entry {leaf.name!r} was saved by {saved_world} ranks, none of them rank "
+                f"{rank}; PerRank(missing='keep') keeps this rank's own value, missing='wrap' gives it rank "
+                f"{rank % saved_world}'s"
+            )
+        elif leaf.value.missing == "wrap":
+            sources[leaf.name] = (checkpoint.rank_objects(rank % saved_world), rank % saved_world)
+            if leaf.name not in sources[leaf.name][0]:
+                missing.append(leaf.name)
     missing = [name for name in missing if not _is_optional(name, optional)]
     if missing and strict:
         raise ShardckptUsageError(
             f"{checkpoint.url} lacks {len(missing)} entries of the state dict: {missing[:10]}"
             + (" ..." if len(missing) > 10 else "")
+            + optimizer_hint(state_dict)
         )
     for name, shape, kind in destination_shapes(leaves):
         if name in stored and shape != tuple(stored[name].shape):
@@ -368,12 +424,12 @@ def _prepare_fill(
                 f"tensor {name!r}: the state dict wants box {box}, outside the tensor's shape "
                 f"{list(stored[name].shape)} in the checkpoint"
             )
-    pending = checkpoint.prepare(present)
+    pending = checkpoint.prepare(present, cast=cast)
     where = checkpoint.url
     mine = {
-        leaf.name: per_rank_value(own[leaf.name], f"{where}: per-rank object {leaf.name!r} of rank {rank}")
-        for leaf in leaves
-        if isinstance(leaf.value, PerRank) and leaf.name in own
+        name: per_rank_value(source[name], f"{where}: per-rank object {name!r} of rank {source_rank}")
+        for name, (source, source_rank) in sources.items()
+        if name in source
     }
 
     def assign() -> None:

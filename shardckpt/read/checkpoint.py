@@ -178,20 +178,37 @@ class Checkpoint(StoredCheckpoint):
             pending.fetch()
         return pending.apply()
 
-    def prepare(self, items: Sequence[tuple[str, Box, torch.Tensor]]) -> PendingRead:
-        """Plan a read into destination tensors and check everything but the data bytes; writes nothing."""
+    def prepare(self, items: Sequence[tuple[str, Box, torch.Tensor]], *, cast: bool = False) -> PendingRead:
+        """Plan a read into destination tensors and check everything but the data bytes; writes nothing.
+
+        cast: a floating-point destination of another floating-point dtype than the stored one is filled by reading
+        the stored values into host staging of their own dtype (extra memory: that box) and converting them with
+        torch's copy_ (round to nearest even; values beyond the range become inf). Destinations whose dtype matches
+        are read as without cast, bit-exact.
+        """
         began = time.perf_counter()
         targets, buffers, fixups = [], [], []
         for name, box, tensor in items:
             entry = self.entry(name)
-            if tuple(tensor.shape) != box.shape or tensor.dtype != torch_dtype(entry.dtype):
+            stored = torch_dtype(entry.dtype)
+            if tuple(tensor.shape) != box.shape:
                 raise ShardckptUsageError(
-                    f"tensor {name!r}: destination is {tensor.dtype} {list(tensor.shape)}, the checkpoint holds "
-                    f"{torch_dtype(entry.dtype)} and the box {box} has shape {list(box.shape)}"
+                    f"tensor {name!r}: destination has shape {list(tensor.shape)}, the box {box} it is to hold has "
+                    f"shape {list(box.shape)}"
                 )
-            view = writable_bytes(tensor)
-            if view is None:  # GPU (pinned staging), non-contiguous or empty: read into host memory, copy once
-                staging = host_staging(box.shape, tensor.dtype, tensor.device)
+            converts = tensor.dtype != stored
+            if converts and not (cast and tensor.dtype.is_floating_point and stored.is_floating_point):
+                hint = (
+                    "; load(..., cast=True) converts between floating-point dtypes"
+                    if tensor.dtype.is_floating_point and stored.is_floating_point
+                    else " (cast=True converts floating-point dtypes only)"
+                )
+                raise ShardckptUsageError(
+                    f"tensor {name!r}: destination is {tensor.dtype}, the checkpoint holds {stored}{hint}"
+                )
+            view = None if converts else writable_bytes(tensor)
+            if view is None:  # GPU (pinned staging), non-contiguous, empty or cast: read into host memory, copy once
+                staging = host_staging(box.shape, stored, tensor.device)
                 view = writable_bytes(staging)
                 fixups.append((tensor, staging))
             targets.append(Target(name, box))

@@ -12,12 +12,16 @@ from typing import Any
 
 import torch
 
-from shardckpt.errors import FormatError
+from shardckpt.errors import FormatError, ShardckptUsageError
+from shardckpt.format.values import check_plain
 from shardckpt.planner.box import Box
 from shardckpt.statedict.dtensor import is_dtensor, local_box
 from shardckpt.statedict.flat import FlatPartition
 from shardckpt.statedict.flatten import Leaf
-from shardckpt.torch_bytes import FORMAT_TO_TORCH, format_dtype, host_bytes
+from shardckpt.torch_bytes import FORMAT_TO_TORCH, TORCH_TO_FORMAT, format_dtype, host_bytes
+
+# What a load gives a rank that did not exist when the checkpoint was saved (a resume on more ranks).
+MISSING_CHOICES = ("keep", "error", "wrap")
 
 
 @dataclass
@@ -25,11 +29,21 @@ class PerRank:
     """A value that each rank saves for itself (its RNG state, its data-loader worker position).
 
     Plain values, and tensors anywhere inside them (torch.get_rng_state()), stored as per-rank objects; a load
-    sets `value` to this rank's (tensors come back on the CPU).
+    sets `value` to this rank's (tensors come back on the CPU). Rank r of a load gets what rank r saved; for a rank
+    the checkpoint has none of (saved on fewer ranks), `missing` of the PerRank passed to load chooses:
+    "keep" (default): `value` stays what the caller put there (e.g. a fresh, rank-seeded RNG state);
+    "error": the load raises ShardckptUsageError, before anything is written;
+    "wrap": rank r gets saved rank r % W's value (W: ranks at save), so some ranks repeat another's stream.
+    Values of saved ranks that the loading job lacks (saved on more ranks) are not restored anywhere.
     """
 
     value: Any
+    missing: str = "keep"
     shardckpt_leaf = True
+
+    def __post_init__(self) -> None:
+        if self.missing not in MISSING_CHOICES:
+            raise ShardckptUsageError(f"PerRank(missing={self.missing!r}): choose one of {list(MISSING_CHOICES)}")
 
 
 # A tensor inside a PerRank value is stored as the plain map {TENSOR_TAG: [dtype, shape, bytes]} (SPEC section 7
@@ -129,6 +143,68 @@ def save_items(leaves: list[Leaf], rank: int, world_size: int) -> SaveItems:
         if writer == rank:
             items.pieces.append((name, tensor, {}))
     return items
+
+
+def check_savable(leaves: list[Leaf], step: object = None) -> None:
+    """Refuse, naming the entry, what a save could not store, before any byte is written: a step that is not an
+    integer, tensors without dense data (sparse, nested, meta) or of a dtype the format lacks, values that are
+    not plain data (PerRank values: tensors allowed)."""
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or not -(1 << 63) <= step < 1 << 63):
+        raise ShardckptUsageError(f"step must be an integer (64-bit) or None, got {type(step).__name__} {step!r}")
+    for leaf in leaves:
+        value = leaf.value
+        if is_dtensor(value):
+            check_tensor(leaf.name, value.to_local(), "DTensor whose local shard is ")
+        elif isinstance(value, StagedShard):
+            check_tensor(leaf.name, value.local)
+        elif isinstance(value, torch.Tensor):
+            check_tensor(leaf.name, value)
+        elif isinstance(value, FlatPartition):
+            check_tensor(leaf.name, value.buffer, "flat partition whose buffer is ")
+        elif isinstance(value, PerRank):
+            _check_per_rank(leaf.name, value.value)
+        else:
+            check_plain(value, f"object {leaf.name!r}")
+
+
+def check_tensor(name: str, tensor: torch.Tensor, kind: str = "") -> None:
+    """ShardckptUsageError naming `name` unless `tensor` has dense, readable elements of a storable dtype."""
+    if tensor.is_nested:
+        raise ShardckptUsageError(f"tensor {name!r}: a {kind}nested tensor cannot be saved (store its components)")
+    if tensor.layout != torch.strided:
+        raise ShardckptUsageError(
+            f"tensor {name!r}: a {kind}{tensor.layout} tensor cannot be saved (dense tensors only: .to_dense())"
+        )
+    if tensor.device.type == "meta":
+        raise ShardckptUsageError(
+            f"tensor {name!r}: a {kind}tensor on the meta device has no data to save (materialise it first, e.g. "
+            "model.to_empty(device=...) and initialise, or load into it)"
+        )
+    if tensor.dtype not in TORCH_TO_FORMAT:
+        raise ShardckptUsageError(
+            f"tensor {name!r}: dtype {tensor.dtype} cannot be stored (supported: "
+            f"{sorted(str(d).removeprefix('torch.') for d in TORCH_TO_FORMAT)})"
+        )
+
+
+def _check_per_rank(name: str, value: Any) -> None:
+    """Tensors inside a PerRank value are checked as tensors; everything else must be plain data."""
+    tensors: list[torch.Tensor] = []
+
+    def without_tensors(item: Any) -> Any:
+        if isinstance(item, torch.Tensor):
+            tensors.append(item)
+            return None
+        if isinstance(item, dict):
+            return {key: without_tensors(part) for key, part in item.items()}
+        if isinstance(item, (list, tuple)):
+            return [without_tensors(part) for part in item]
+        return item
+
+    plain = without_tensors(value)
+    for tensor in tensors:
+        check_tensor(name, tensor, "per-rank ")
+    check_plain(plain, f"per-rank object {name!r}")
 
 
 def destination_shapes(leaves: list[Leaf]) -> list[tuple[str, tuple[int, ...], str]]:

@@ -14,7 +14,7 @@ import torch
 from shardckpt.statedict.dtensor import is_dtensor, local_box
 from shardckpt.statedict.flat import FlatPartition
 from shardckpt.statedict.flatten import flatten
-from shardckpt.statedict.leaves import PerRank, StagedShard
+from shardckpt.statedict.leaves import PerRank, StagedShard, check_savable
 from shardckpt.torch_bytes import host_staging
 
 
@@ -41,7 +41,9 @@ class StagingBuffers:
 def stage(state: Mapping[str, Any], buffers: StagingBuffers) -> dict[str, Any]:
     """A flat state dict (same names as `state` flattens to) whose tensors are host copies in `buffers`."""
     staged: dict[str, Any] = {}
-    for leaf in flatten(state):
+    leaves = flatten(state)
+    check_savable(leaves)  # a tensor that cannot be stored is named here, not by a failing staging copy
+    for leaf in leaves:
         value = leaf.value
         if is_dtensor(value):
             box = local_box(leaf.name, value)
@@ -52,7 +54,7 @@ def stage(state: Mapping[str, Any], buffers: StagingBuffers) -> dict[str, Any]:
         elif isinstance(value, FlatPartition):
             staged[leaf.name] = FlatPartition(buffers.copy(leaf.name, value.buffer), value.params, value.start)
         elif isinstance(value, PerRank):
-            staged[leaf.name] = PerRank(copy.deepcopy(value.value))
+            staged[leaf.name] = PerRank(copy.deepcopy(value.value), value.missing)
         else:
             staged[leaf.name] = copy.deepcopy(value)
     return staged

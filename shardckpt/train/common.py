@@ -40,6 +40,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--global-batch", type=int, default=12, help="samples per step over all ranks")
     parser.add_argument("--lr", type=float, default=1e-2, help="peak learning rate")
     parser.add_argument("--warmup", type=int, default=5, help="linear warmup steps")
+    parser.add_argument(
+        "--schedule-steps",
+        type=int,
+        help="length of the warmup + cosine schedule (default: --steps of a fresh run; a resume keeps the "
+        "checkpoint's, so a larger --steps trains on at the final lr; pass this to stretch the decay instead)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=32)
@@ -70,14 +76,26 @@ ADAMW_BETAS = (0.9, 0.95)
 ADAMW_WEIGHT_DECAY = 0.01
 
 
-def warmup_cosine(warmup: int, total: int, floor: float = 0.1) -> Any:
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+class WarmupCosine:
+    """The learning-rate factor: linear warmup, then cosine decay to `floor` at step `total`, `floor` after it.
 
-    return factor
+    A callable object, not a closure: LambdaLR's state_dict saves its fields with the checkpoint, so a resume with a
+    larger --steps keeps the schedule's length instead of silently stretching the decay (Trainer.keep_schedule).
+    """
+
+    def __init__(self, warmup: int, total: int, floor: float = 0.1) -> None:
+        self.warmup, self.total, self.floor = warmup, total, floor
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        return self.floor + (1 - self.floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def schedule_steps(args: argparse.Namespace) -> int:
+    """The schedule's length for a fresh run: --schedule-steps, else --steps."""
+    return int(args.schedule_steps) if args.schedule_steps is not None else int(args.steps)
 
 
 def init_distributed(use_cuda: bool, init: Callable[[str], Any] | None = None) -> tuple[int, int, torch.device]:

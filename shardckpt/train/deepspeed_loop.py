@@ -14,7 +14,14 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from shardckpt.statedict.deepspeed import OPTIONAL_ON_LOAD, DeepSpeedZero3
 from shardckpt.statedict.leaves import PerRank
-from shardckpt.train.common import ADAMW_BETAS, ADAMW_WEIGHT_DECAY, init_distributed, rng_state, warmup_cosine
+from shardckpt.train.common import (
+    ADAMW_BETAS,
+    ADAMW_WEIGHT_DECAY,
+    WarmupCosine,
+    init_distributed,
+    rng_state,
+    schedule_steps,
+)
 from shardckpt.train.fsdp2 import Trainer
 from shardckpt.train.model import GPT, next_token_loss
 
@@ -60,7 +67,7 @@ class DeepSpeedTrainer(Trainer):
             model=model,
             model_parameters=model.parameters(),
             config=deepspeed_config(args.global_batch, self.world, args.lr, bf16=args.bf16),
-            lr_scheduler=lambda base: LambdaLR(base, warmup_cosine(args.warmup, args.steps)),
+            lr_scheduler=lambda base: LambdaLR(base, WarmupCosine(args.warmup, schedule_steps(args))),
         )
         self.engine, self.model, self.optimizer, self.scheduler = engine, engine, optimizer, scheduler
         self.adapter = DeepSpeedZero3(engine)

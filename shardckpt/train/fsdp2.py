@@ -21,7 +21,14 @@ from torch.distributed.fsdp import fully_shard
 from torch.optim.lr_scheduler import LambdaLR
 
 import shardckpt
-from shardckpt.train.common import ADAMW_BETAS, ADAMW_WEIGHT_DECAY, rng_state, set_rng_state, warmup_cosine
+from shardckpt.train.common import (
+    ADAMW_BETAS,
+    ADAMW_WEIGHT_DECAY,
+    WarmupCosine,
+    rng_state,
+    schedule_steps,
+    set_rng_state,
+)
 from shardckpt.train.data import TokenStream
 from shardckpt.train.model import GPT, GPTConfig, next_token_loss
 
@@ -56,7 +63,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=self.args.lr, betas=ADAMW_BETAS, weight_decay=ADAMW_WEIGHT_DECAY
         )
-        self.scheduler = LambdaLR(self.optimizer, warmup_cosine(self.args.warmup, self.args.steps))
+        self.scheduler = LambdaLR(self.optimizer, WarmupCosine(self.args.warmup, schedule_steps(self.args)))
 
     def state(self) -> dict[str, Any]:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
@@ -98,8 +105,25 @@ class Trainer:
     def _resumed(self, state: dict[str, Any], step: int, began: float) -> int:
         if state["rng"].value is not None:
             set_rng_state(state["rng"].value, self.device)
+        self.keep_schedule()
         self._say(f"resumed at step {self.step} on {self.world} ranks in {time.perf_counter() - began:.2f} s")
         return step
+
+    def keep_schedule(self) -> None:
+        """After a resume: the schedule's length is the checkpoint's (restored with the scheduler's state), unless
+        --schedule-steps asks for another; either way the log says so when --steps goes past it."""
+        schedule = self.scheduler.lr_lambdas[0]
+        if not isinstance(schedule, WarmupCosine):
+            return
+        wanted = self.args.schedule_steps
+        if wanted is not None and wanted != schedule.total:
+            self._say(f"WARNING: --schedule-steps {wanted} re-stretches the schedule of {schedule.total} steps")
+            schedule.total = wanted
+        elif self.args.steps > schedule.total:
+            self._say(
+                f"the lr schedule ends at step {schedule.total} (from the checkpoint); steps after it run at the final "
+                "lr (pass --schedule-steps to stretch the decay instead)"
+            )
 
     def batch(self) -> torch.Tensor:
         """This rank's samples of the current step: a fixed global batch, split evenly over the ranks."""

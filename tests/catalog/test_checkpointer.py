@@ -76,11 +76,13 @@ def test_the_stall_counts_all_the_training_thread_waits_for(tmp_path, monkeypatc
 
 
 def test_async_save_errors_surface_on_wait(tmp_path) -> None:
+    # A failure only the background save meets (the URL is taken); what staging can check fails at once (below).
+    shardckpt.save({"w": torch.zeros(2)}, str(tmp_path / "ck" / "step-00000001"), step=0)
     checkpointer = shardckpt.Checkpointer(str(tmp_path / "ck"), every_steps=1, async_save=True, preemption_signals=())
-    checkpointer.maybe_save(1, {"bad": object()})
-    with pytest.raises(shardckpt.FormatError):
+    checkpointer.maybe_save(1, {"w": torch.ones(2)})
+    with pytest.raises(shardckpt.AlreadyExistsError):
         checkpointer.wait()
-    assert shardckpt.latest(str(tmp_path / "ck")) is None
+    assert shardckpt.open(shardckpt.latest(str(tmp_path / "ck"))).manifest.step == 0
 
 
 def test_preemption_signal_saves_once_more_and_stops(tmp_path) -> None:
@@ -95,3 +97,11 @@ def test_preemption_signal_saves_once_more_and_stops(tmp_path) -> None:
     finally:
         signal.signal(signal.SIGUSR1, previous)
     assert shardckpt.latest(root).endswith("step-00000004")
+
+
+def test_async_save_names_a_tensor_it_cannot_stage(tmp_path) -> None:
+    """The staging copy runs before the save's own checks: a sparse tensor is named there, not by torch."""
+    checkpointer = shardckpt.Checkpointer(str(tmp_path / "ck"), every_steps=1, async_save=True, preemption_signals=())
+    with pytest.raises(shardckpt.ShardckptUsageError, match="'emb'.*sparse"):
+        checkpointer.maybe_save(1, {"w": torch.ones(2), "emb": torch.ones(2, 2).to_sparse()})
+    assert not (tmp_path / "ck").exists()

@@ -354,6 +354,46 @@ def scenario_protocol_faults(args: dict, rank: int, world: int) -> dict:
     return outcomes
 
 
+def _seeded_rng(seed: int) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return torch.get_rng_state()
+
+
+def scenario_per_rank_save(args: dict, rank: int, world: int) -> dict:
+    """Each rank saves its own RNG state (the README's fill-in) at the top level and nested in a dict."""
+    state = {
+        "w": torch.arange(6.0),
+        "rng": shardckpt.PerRank({"torch": _seeded_rng(100 + rank)}),
+        "loop": {"position": shardckpt.PerRank({"t": torch.full((2,), rank), "n": rank})},
+    }
+    shardckpt.save(state, args["url"], step=1)
+    return {}
+
+
+def scenario_per_rank_load(args: dict, rank: int, world: int) -> dict:
+    """For each PerRank(missing=...) choice: which saved rank's values this rank got, or the error it raised."""
+    outcomes = {}
+    for missing in ("keep", "wrap", "error"):
+        rng = shardckpt.PerRank("mine", missing=missing)
+        position = shardckpt.PerRank("mine", missing=missing)
+        state = {"w": torch.zeros(6), "rng": rng, "loop": {"position": position}}
+        try:
+            shardckpt.load(state, args["url"])
+        except shardckpt.ShardckptError as exc:
+            outcomes[missing] = {"raised": type(exc).__name__, "message": str(exc)}
+            continue
+        got = {}
+        if rng.value != "mine":
+            got["rng"] = next(r for r in range(8) if torch.equal(rng.value["torch"], _seeded_rng(100 + r)))
+        else:
+            got["rng"] = "mine"
+        got["position"] = position.value if position.value == "mine" else position.value["n"]
+        if position.value != "mine":
+            assert torch.equal(position.value["t"], torch.full((2,), got["position"]))
+        outcomes[missing] = got
+    return outcomes
+
+
 def main() -> None:
     scenario, args = sys.argv[1], json.loads(sys.argv[2])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

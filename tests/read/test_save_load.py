@@ -66,8 +66,9 @@ def test_load_strict_names_missing_entries(root_url: str) -> None:
 
 def test_load_refuses_wrong_shape_or_dtype(root_url: str) -> None:
     shardckpt.save({"a": torch.ones(2, 3)}, f"{root_url}/shape")
-    with pytest.raises(shardckpt.ShardckptUsageError, match="shape"):
+    with pytest.raises(shardckpt.ShardckptUsageError, match="shape") as caught:
         shardckpt.load({"a": torch.zeros(3, 2)}, f"{root_url}/shape")
+    assert str(caught.value).count("[2, 3]") == 1 and "[3, 2]" in str(caught.value)  # each shape once
     with pytest.raises(shardckpt.ShardckptUsageError, match="float64"):
         shardckpt.load({"a": torch.zeros(2, 3, dtype=torch.float64)}, f"{root_url}/shape")
 
@@ -192,3 +193,73 @@ def test_large_rank_file_written_by_parallel_streams(tmp_path) -> None:
     fresh = {k: torch.empty_like(v) for k, v in state.items()}
     shardckpt.load(fresh, url)
     assert all(torch.equal(fresh[k], state[k]) for k in state)
+
+
+def _trained_model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh-optimizer", "trained-optimizer"])
+def test_positional_optimizer_state_is_explained(tmp_path, fresh: bool) -> None:
+    """opt.state_dict() (a fresh one: one plain value; a trained one: state keyed 0, 1, ...) instead of the FQN-keyed
+    state of get_state_dict: the missing-entries error says which entry and what to call instead."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optimizer = _trained_model_and_optimizer()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    url = str(tmp_path / "ck")
+    shardckpt.save({"model": model_sd, "optim": optim_sd}, url)
+    other = torch.optim.AdamW(model.parameters(), lr=0.01)
+    if not fresh:
+        model(torch.ones(1, 3)).sum().backward()
+        other.step()
+    with pytest.raises(shardckpt.ShardckptUsageError) as caught:
+        shardckpt.load({"model": model.state_dict(), "optim": other.state_dict()}, url)
+    message = str(caught.value)
+    assert "'optim' looks like optimizer.state_dict()" in message, message
+    assert "torch.distributed.checkpoint.state_dict.get_state_dict" in message
+
+
+@pytest.mark.parametrize(
+    "state, step, named",
+    [
+        ({"w": torch.ones(2), "emb": torch.ones(2, 2).to_sparse()}, None, "'emb'"),
+        ({"w": torch.ones(2), "emb": torch.ones(2, 2).to_sparse_csr()}, None, "'emb'"),
+        ({"w": torch.ones(2), "emb": torch.empty(2, 2, device="meta")}, None, "'emb'"),
+        ({"w": torch.ones(2), "rng": shardckpt.PerRank({"t": torch.empty(2, device="meta")})}, None, "'rng'"),
+        ({"w": torch.ones(2)}, "10", "step"),
+        ({"w": torch.ones(2)}, True, "step"),
+    ],
+    ids=["sparse-coo", "sparse-csr", "meta", "per-rank-meta", "str-step", "bool-step"],
+)
+def test_bad_input_is_refused_by_name_before_a_byte_is_written(tmp_path, state, step, named) -> None:
+    url = tmp_path / "ck"
+    with pytest.raises(shardckpt.ShardckptUsageError, match=named):
+        shardckpt.save(state, str(url), step=step)
+    assert not url.exists()  # no incomplete directory left behind
+
+
+def test_load_cast_converts_floating_point_dtypes_only_when_asked(tmp_path) -> None:
+    """fp32 into a bf16 model: refused with a pointer to cast=True; with it, rounded as torch rounds (nearest even),
+    while destinations of the stored dtype stay bit-exact."""
+    url = str(tmp_path / "ck")
+    weight = torch.randn(5, 7, generator=torch.Generator().manual_seed(0))
+    exact = torch.randn(3, generator=torch.Generator().manual_seed(1)).double()
+    shardckpt.save({"w": weight, "exact": exact, "count": torch.arange(4)}, url)
+    state = {"w": torch.zeros(5, 7, dtype=torch.bfloat16), "exact": torch.zeros(3, dtype=torch.float64)}
+    with pytest.raises(shardckpt.ShardckptUsageError, match=r"'w'.*bfloat16.*float32.*cast=True"):
+        shardckpt.load(state, url, strict=False)
+    assert torch.equal(state["w"], torch.zeros(5, 7, dtype=torch.bfloat16))  # nothing written
+    shardckpt.load(state, url, strict=False, cast=True)
+    assert torch.equal(state["w"], weight.to(torch.bfloat16))
+    assert torch.equal(state["exact"].view(torch.int64), exact.view(torch.int64))
+    transposed = torch.zeros(7, 5, dtype=torch.float16).t()  # a non-contiguous destination converts too
+    shardckpt.load({"w": transposed}, url, cast=True)
+    assert torch.equal(transposed, weight.half())
+    with pytest.raises(shardckpt.ShardckptUsageError, match=r"'count'.*floating-point dtypes only"):
+        shardckpt.load({"count": torch.zeros(4, dtype=torch.int32)}, url, cast=True)

@@ -117,3 +117,17 @@ def test_sigterm_writes_a_last_checkpoint_and_the_job_resumes(tmp_path) -> None:
         str(tmp_path / "resumed.jsonl"),
     )
     assert sorted(losses(str(tmp_path / "resumed.jsonl"))) == [step + 1, step + 2]
+
+
+def test_resume_with_more_steps_keeps_the_schedule_length(tmp_path, uninterrupted) -> None:
+    """The schedule's length is saved with the scheduler: resuming the 8-step run with --steps 10 follows the same
+    lr to step 8 and the final lr after it (it used to re-stretch the decay over 10 steps, raising the lr)."""
+    checkpoints, reference = uninterrupted
+    checkpoint = os.path.join(checkpoints, f"step-{EVERY:08d}")
+    resumed = resume(tmp_path / "longer", checkpoint, 2, STEPS + 2, EVERY)
+    for step in range(EVERY + 1, STEPS + 1):
+        assert resumed[step]["lr"] == reference[step]["lr"], (step, resumed[step]["lr"], reference[step]["lr"])
+    final = reference[STEPS]["lr"]
+    assert resumed[STEPS + 1]["lr"] == resumed[STEPS + 2]["lr"] == final
+    stretched = resume(tmp_path / "stretched", checkpoint, 2, STEPS + 2, EVERY, "--schedule-steps", str(STEPS + 2))
+    assert stretched[STEPS]["lr"] > reference[STEPS]["lr"]  # asked for: the decay now ends at step 10

@@ -18,7 +18,8 @@ import pickletools
 import re
 
 from shardckpt.errors import FormatError
-from shardckpt.interop.pickle_stack import StackModel
+from shardckpt.interop.pickle_bounds import proven_within
+from shardckpt.interop.pickle_stack import StackModel, hash_budget
 
 _STOP, _PUT, _BINPUT, _LONG_BINPUT, _MEMOIZE = b".pqr\x94"
 _ONE_BYTE_LENGTH = pickletools.TAKEN_FROM_ARGUMENT1  # SHORT_BINUNICODE, SHORT_BINBYTES, LONG1, ...
@@ -87,9 +88,11 @@ _TOKEN = re.compile(b"(?=([hq].|[jr]....|[gp][^\n]*+\n|.))" + _one_opcode({_STOP
 def check_pickle(data: bytes | memoryview, where: str) -> None:
     """Refuse a pickle whose opcodes do not parse, run past its end, name a memo index out of order, nest deeper
     than MAX_TREE_DEPTH or make the unpickler hash more than pickle_stack's budget."""
-    if not _scan(data, where, counting=False):
-        _scan(data, where, counting=True)
-    _model(bytes(data), where)
+    stop = _scan(data, where, counting=False)
+    if stop < 0:
+        stop = _scan(data, where, counting=True)
+    if not proven_within(data, stop, hash_budget(len(data))):  # numpy speed; the model where that cannot tell
+        _model(bytes(data), where)
 
 
 def _model(data: bytes, where: str) -> None:
@@ -108,8 +111,8 @@ def _model(data: bytes, where: str) -> None:
             model.feed((b"X",))
 
 
-def _scan(data: bytes | memoryview, where: str, *, counting: bool) -> bool:
-    """False when a numbered memo store needs the counting pass; True when the pickle is fine to unpickle."""
+def _scan(data: bytes | memoryview, where: str, *, counting: bool) -> int:
+    """-1 when a numbered memo store needs the counting pass; else the position of the STOP (all fine up to it)."""
     run = (_COUNTING if counting else _ONE_PASS).match
     end, position, assigned = len(data), 0, 0
     while True:
@@ -119,7 +122,7 @@ def _scan(data: bytes | memoryview, where: str, *, counting: bool) -> bool:
             raise FormatError(f"{where}: not a readable pickle (it ends before its STOP opcode)")
         code = data[position]
         if code == _STOP:
-            return True
+            return position
         if code in _PREFIXED:
             size, signed = _PREFIXED[code]
             length = int.from_bytes(_take(data, position + 1, size, where), "little", signed=signed)
@@ -133,7 +136,7 @@ def _scan(data: bytes | memoryview, where: str, *, counting: bool) -> bool:
             assigned += 1
         elif code in (_LONG_BINPUT, _PUT):
             if not counting:
-                return False
+                return -1
             index, position = _memo_index(data, position, where)
             if index > assigned:
                 raise FormatError(f"{where}: memo index {index} out of order (at most {assigned})")

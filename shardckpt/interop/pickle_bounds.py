@@ -60,6 +60,7 @@ _CHARGES = _byte_set(b"sbR\x81\x92ud\x90\x91oi")  # hashes or walks what it cons
 _NESTS = _byte_set(b"\x85\x86\x87sabR\x81\x92")  # +1 depth over the span of the slots it consumes
 _EMPTY = _byte_set(b"}]\x8f)")  # a container of depth 1
 _LEAF_PUSH = _byte_set(_LEAF + b"\x93Q")  # what leaves a leaf on top: a memo store of it is a leaf
+_IS_STORE, _IS_FETCH = _byte_set(_STORE), _byte_set(_FETCH)
 _FINISHED = _byte_set(b"\x85\x86\x87t)\x91")  # what leaves a tuple or frozenset on top: only a store can change it
 
 
@@ -88,11 +89,20 @@ _FIXED, _PREFIXED, _LINES, _SHORT = _length_table()
 
 def _little(a: npt.NDArray[np.uint8], at: Ints, width: int) -> Ints:
     """The little-endian unsigned integers of `width` bytes at each of `at` (bytes past the end read as 0)."""
-    padded = a[np.minimum(at[:, None] + np.arange(width), len(a) - 1)].astype(np.uint64)
-    padded[at[:, None] + np.arange(width) >= len(a)] = 0
-    value = (padded << (8 * np.arange(width, dtype=np.uint64))).sum(axis=1, dtype=np.uint64)
-    clipped: Ints = np.minimum(value, np.uint64(1 << 62)).astype(np.int64)
-    return clipped
+    if width > 4:
+        padded = a[np.minimum(at[:, None] + np.arange(width), len(a) - 1)].astype(np.uint64)
+        padded[at[:, None] + np.arange(width) >= len(a)] = 0
+        value = (padded << (8 * np.arange(width, dtype=np.uint64))).sum(axis=1, dtype=np.uint64)
+        clipped: Ints = np.minimum(value, np.uint64(1 << 62)).astype(np.int64)
+        return clipped
+    total = np.zeros(len(at), dtype=np.int64)
+    for offset in range(width):
+        where = at + offset
+        byte = a[np.minimum(where, len(a) - 1)].astype(np.int64)
+        if len(where) and where[-1] >= len(a):  # `at` rises: only the last few can run past the end
+            byte[where >= len(a)] = 0
+        total |= byte << (8 * offset)
+    return total
 
 
 def _lengths(a: npt.NDArray[np.uint8]) -> Ints:
@@ -114,7 +124,9 @@ def _lengths(a: npt.NDArray[np.uint8]) -> Ints:
         after = np.searchsorted(newlines, at + 1) + (count - 1)
         ends = newlines[np.minimum(after, len(newlines) - 1)] + 1
         lengths[at] = ends - at
-    return np.minimum(lengths, n - np.arange(n))
+    tail = np.arange(max(n - 16, 0), n)
+    lengths[tail] = np.minimum(lengths[tail], n - tail)  # only the last opcode lengths can reach past the end
+    return np.minimum(lengths, n)
 
 
 def opcode_starts(data: bytes | memoryview, stop: int) -> Ints | None:
@@ -234,7 +246,8 @@ class _Bounds:
             return False
         fetches, sources, leafy = entries
         # The first opcode of the value now in slot k: the last push into an empty slot k.
-        fresh = np.flatnonzero((_PUSHES[ops] == 1) & (stack.pops == 0))
+        fresh_at = np.flatnonzero((_PUSHES[ops] == 1) & (stack.pops == 0))
+        fresh = _FreshPushes(fresh_at, stack.before[fresh_at], n)
         lowest = stack.before - stack.pops
         spanned = np.flatnonzero(_NESTS[ops] & ~_MARK_CONSUMER[ops])  # TUPLE1/2/3, stores, calls: their slots
         mutators = np.flatnonzero(_MUTATES[ops])
@@ -244,8 +257,8 @@ class _Bounds:
         mark_of = np.zeros(n, dtype=np.int64)
         mark_of[stack.consumers] = stack.marks
         target[is_consumer[mutators]] = stack.after[mark_of[mutators[is_consumer[mutators]]]] - 1
-        begun = _last_fresh(fresh, stack.before[fresh], lowest[spanned], spanned - 1)
-        targets = _last_fresh(fresh, stack.before[fresh], target, mutators - 1)
+        begun = fresh.last(lowest[spanned], spanned - 1)
+        targets = fresh.last(target, mutators - 1)
         if begun is None or targets is None:
             return False
         heavy = fetches[~leafy[sources]]  # fetches of values that are not leaves
@@ -282,25 +295,21 @@ class _Bounds:
     def _memo(self) -> tuple[Ints, Ints, npt.NDArray[np.bool_]] | None:
         """Each fetch, the store it fetches, and which stores hold a leaf (None: not proven)."""
         ops, a, positions = self.ops, self.a, self.positions
-        stores = np.flatnonzero(np.isin(ops, list(_STORE)))
+        stores = np.flatnonzero(_IS_STORE[ops])
         if (self.stack.after[stores] < 1).any():
             return None
         memoize = ops[stores] == 0x94
         if memoize.all():
             index = np.arange(len(stores), dtype=np.int64)
         elif not memoize.any():
-            index = np.where(
-                ops[stores] == ord("q"), _little(a, positions[stores] + 1, 1), _little(a, positions[stores] + 1, 4)
-            )
+            index = _memo_index(a, positions[stores], ops[stores] == ord("q"))
             if len(np.unique(index)) != len(index):  # an index stored twice: which value a fetch gets depends on when
                 return None
         else:
             return None
-        fetches = np.flatnonzero(np.isin(ops, list(_FETCH)))
-        wanted = np.where(
-            ops[fetches] == ord("h"), _little(a, positions[fetches] + 1, 1), _little(a, positions[fetches] + 1, 4)
-        )
-        order = np.argsort(index, kind="stable")
+        fetches = np.flatnonzero(_IS_FETCH[ops])
+        wanted = _memo_index(a, positions[fetches], ops[fetches] == ord("h"))
+        order = np.arange(len(index)) if memoize.all() else np.argsort(index, kind="stable")
         slot = np.minimum(np.searchsorted(index[order], wanted), max(len(stores) - 1, 0))
         if len(fetches) and (not len(stores) or (index[order][slot] != wanted).any()):
             return None
@@ -321,7 +330,7 @@ class _Bounds:
         heavy: Ints,
         source: Ints,
         lowest: Ints,
-        fresh: Ints,
+        fresh: _FreshPushes,
         pushed: Ints,
         cover: Ints,
         budget: int,
@@ -331,7 +340,7 @@ class _Bounds:
         stack = self.stack
         entries, which = np.unique(source, return_inverse=True)
         slot = stack.after[entries] - 1
-        begin = _last_fresh(fresh, stack.before[fresh], slot, entries)
+        begin = fresh.last(slot, entries)
         if begin is None:
             return None
         end = np.empty(len(entries), dtype=np.int64)
@@ -381,22 +390,37 @@ class _Bounds:
         return np.array(weight, dtype=np.int64)[which] - 1, np.array(depth, dtype=np.int64)[which]
 
 
+def _memo_index(a: npt.NDArray[np.uint8], at: Ints, one_byte: npt.NDArray[np.bool_]) -> Ints:
+    """The memo index a BINGET/BINPUT (one byte) or LONG_BINGET/LONG_BINPUT (four) names."""
+    index = np.empty(len(at), dtype=np.int64)
+    index[one_byte] = _little(a, at[one_byte] + 1, 1)
+    index[~one_byte] = _little(a, at[~one_byte] + 1, 4)
+    return index
+
+
 _NESTS_MARKED = _byte_set(b"tld\x91oiue\x90")  # every MARK consumer nests what it takes: +1 from its MARK
 
 
-def _last_fresh(fresh: Ints, fresh_slot: Ints, slot: Ints, at: Ints) -> Ints | None:
-    """For each (slot, at): the last opcode up to `at` that pushed into slot `slot` while it was empty."""
-    if len(slot) == 0:
-        return np.zeros(0, dtype=np.int64)
-    if len(fresh) == 0 or (slot < 0).any() or max(int(fresh_slot.max()), int(slot.max())) >= 1 << 15:
-        return None
-    scale = int(max(int(fresh.max()), int(at.max()))) + 2
-    order = np.argsort(fresh_slot.astype(np.int16), kind="stable")
-    keys = fresh_slot[order] * scale + fresh[order]
-    asked = np.argsort(slot.astype(np.int16), kind="stable")  # `at` rises with the query order: keys stay sorted
-    found = np.searchsorted(keys, slot[asked] * scale + at[asked], side="right") - 1
-    if (found < 0).any() or (keys[np.maximum(found, 0)] // scale != slot[asked]).any():
-        return None
-    result = np.empty(len(slot), dtype=np.int64)
-    result[asked] = fresh[order][found]
-    return result
+class _FreshPushes:
+    """The opcodes that push into an empty slot, by slot: the first opcode of the value a slot holds."""
+
+    def __init__(self, fresh: Ints, slot: Ints, n: int) -> None:
+        self.usable = len(fresh) > 0 and int(slot.max()) < 1 << 15
+        self.scale = n + 2
+        order = np.argsort(slot.astype(np.int16), kind="stable") if self.usable else np.zeros(0, dtype=np.int64)
+        self.fresh, self.keys = fresh[order], slot[order] * self.scale + fresh[order]
+
+    def last(self, slot: Ints, at: Ints) -> Ints | None:
+        """For each (slot, at): the last fresh push into `slot` at or before `at` (None: one has none)."""
+        if len(slot) == 0:
+            return np.zeros(0, dtype=np.int64)
+        if not self.usable or (slot < 0).any() or int(slot.max()) >= 1 << 15:
+            return None
+        asked = np.argsort(slot.astype(np.int16), kind="stable")  # `at` rises with the query order: keys stay sorted
+        wanted = slot[asked] * self.scale + at[asked]
+        found = np.searchsorted(self.keys, wanted, side="right") - 1
+        if (found < 0).any() or (self.keys[np.maximum(found, 0)] // self.scale != slot[asked]).any():
+            return None
+        result = np.empty(len(slot), dtype=np.int64)
+        result[asked] = self.fresh[found]
+        return result

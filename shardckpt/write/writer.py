@@ -22,6 +22,7 @@ from shardckpt import knobs
 from shardckpt.crashpoints import crash_point
 from shardckpt.errors import IntegrityError, ShardckptError, ShardckptUsageError
 from shardckpt.format import layout
+from shardckpt.format.bulk import gc_paused
 from shardckpt.format.limits import MAX_BLOCK_SIZE, MAX_LOCAL_MANIFEST_BYTES, MIN_BLOCK_SIZE
 from shardckpt.format.local_manifest import LocalManifest, LocalPieces, TensorSpec, encode_local_manifest
 from shardckpt.format.strict import FORMAT_VERSION, ObjectEntry, check_name, check_shape
@@ -170,6 +171,7 @@ class ShardWriter:
 
     # ----------------------------------------------------------------------------------------- writing
 
+    @gc_paused()
     def close(self) -> LocalManifest:
         """Write the data file, make it durable, then write the local manifest; returns the manifest."""
         self._check_open()

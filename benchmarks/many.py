@@ -129,9 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             save, load = float(row[f"{name}_save_s"]), float(row[f"{name}_load_s"])  # type: ignore[arg-type]
             count = int(row["tensors"])  # type: ignore[call-overload]
-            print(
-                f"{count:8d} {name:12} {save:8.3f} {load:8.3f} {save / count * 1e6:15.1f} {load / count * 1e6:15.1f}"
-            )
+            print(f"{count:8d} {name:12} {save:8.3f} {load:8.3f} {save / count * 1e6:15.1f} {load / count * 1e6:15.1f}")
         ratios = ", ".join(
             f"{kind} / {name} = {float(row[f'{kind}_ratio_to_{name}']):.2f}"  # type: ignore[arg-type]
             for kind in ("save", "load")

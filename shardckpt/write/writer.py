@@ -60,6 +60,39 @@ class WriteStats:
     seconds: float
 
 
+class _SmallPieces:
+    """Pieces of one block or less (a MoE model has 100,000+ of them): checksummed one by one, written as one
+    buffer of up to HOT_CHUNK bytes, so the backend sees a few large writes rather than one call per tensor."""
+
+    def __init__(self, handle: Any, block_size: int) -> None:
+        self.handle, self.limit = handle, max(HOT_CHUNK, block_size)
+        self.parts: list[bytes] = []
+        self.crcs: list[int] = []
+        self.size = 0
+
+    def add(self, piece: _Piece) -> None:
+        data = host_bytes(piece.tensor)
+        if data.size != piece.nbytes:
+            raise ShardckptError(f"tensor {piece.name!r}: changed size while being saved")
+        part = data.tobytes()  # a copy: the buffer is written after later pieces are taken
+        self.crcs.append(int(crc32c.crc32c(part)))
+        self.parts.append(part)
+        self.size += len(part)
+        if self.size >= self.limit:
+            self._write()
+
+    def flush(self) -> list[np.ndarray]:
+        """Write what is buffered; the checksums of every piece added since the last flush, in order."""
+        self._write()
+        crcs, self.crcs = self.crcs, []
+        return [np.array(crcs, dtype=np.uint32)] if crcs else []
+
+    def _write(self) -> None:
+        if self.parts:
+            self.handle.write(b"".join(self.parts))
+            self.parts, self.size = [], 0
+
+
 class ShardWriter:
     """Writes one rank's pieces of a checkpoint at `url`.
 
@@ -192,11 +225,17 @@ class ShardWriter:
                 position += total
             else:
                 handle.write(header)
+                small = _SmallPieces(handle, self.block_size)
                 for piece in self._pieces:
                     offsets.append(position)
-                    crcs.append(self._write_piece(handle, piece))
+                    if piece.nbytes <= self.block_size and piece.tensor.device.type == "cpu":
+                        small.add(piece)
+                    else:
+                        crcs.extend(small.flush())
+                        crcs.append(self._write_piece(handle, piece))
                     position += piece.nbytes
                     crash_point("writing_data", self.rank)
+                crcs.extend(small.flush())
         stored = self.storage.size(data_path)
         if stored != position:  # a backend that lost bytes without an error must not get this far
             raise IntegrityError(f"{self.storage.describe(data_path)} holds {stored} bytes after writing {position}")

@@ -89,14 +89,33 @@ def decode_int_column(column: object, where: str, expected_n: int | None = None)
     return np.cumsum(np.frombuffer(raw, dtype="<i8"), dtype=np.int64)
 
 
-def decode_int_list(column: object, where: str, expected_n: int | None = None) -> list[int]:
+def decode_int_list(column: object, where: str, expected_n: int | None = None) -> tuple[int, ...]:
     """decode_int_column as Python ints (the same values, int64 wrap-around included): for short columns."""
-    n, raw = _inflate(column, where, expected_n)
-    values = list(itertools.accumulate(struct.unpack(f"<{n}q", raw)))
+    n, data = _header(column, where, DELTA_ZLIB, expected_n)
+    if n <= SMALL_COLUMN:
+        known = _small_values(data, n)
+        if known is not None:
+            return known
+    n, raw = _inflate(column, where, expected_n)  # raises the error, naming `where`, or decodes a longer column
+    values = tuple(itertools.accumulate(struct.unpack(f"<{n}q", raw)))
     if all(_INT64_MIN <= value <= _INT64_MAX for value in values):
         return values
-    wrapped: list[int] = np.cumsum(np.frombuffer(raw, dtype="<i8"), dtype=np.int64).tolist()
-    return wrapped
+    return tuple(np.cumsum(np.frombuffer(raw, dtype="<i8"), dtype=np.int64).tolist())
+
+
+@functools.lru_cache(maxsize=4096)
+def _small_values(data: bytes, n: int) -> tuple[int, ...] | None:
+    """The values of a short column, or None when it is not exactly n int64 values without wrap-around. Cached:
+    most tensors share their file, start and length columns (same shape, one piece), only offsets differ."""
+    inflater = zlib.decompressobj()
+    try:
+        raw = inflater.decompress(data, 8 * n + 1)
+    except zlib.error:
+        return None
+    if len(raw) != 8 * n or inflater.unconsumed_tail or inflater.unused_data or not inflater.eof:
+        return None
+    values = tuple(itertools.accumulate(struct.unpack(f"<{n}q", raw)))
+    return values if all(_INT64_MIN <= value <= _INT64_MAX for value in values) else None
 
 
 def _inflate(column: object, where: str, expected_n: int | None) -> tuple[int, bytes]:

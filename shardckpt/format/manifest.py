@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +48,7 @@ from shardckpt.format.values import check_depth, pack_value, unique_map
 
 LAYOUTS = ("box", "flat")
 # (file, offset, start, length) of a few pieces as Python ints; start/length hold one list per piece.
-PieceLists = tuple[list[int], list[int], list[list[int]], list[list[int]]]
+PieceLists = tuple[Sequence[int], Sequence[int], list[list[int]], list[list[int]]]
 
 
 # ----------------------------------------------------------------------------------------------- types
@@ -234,7 +235,7 @@ def _decode_piece_lists(raw: dict[str, Any], count: int, k: int, where: str) -> 
     start = decode_int_list(raw.get("start"), f"{where} pieces.start", count * k)
     length = decode_int_list(raw.get("length"), f"{where} pieces.length", count * k)
     # Stored dimension-major (all dim-0 values first): piece i's values are i, i + count, ...
-    return file, offset, [start[i::count] for i in range(count)], [length[i::count] for i in range(count)]
+    return file, offset, [list(start[i::count]) for i in range(count)], [list(length[i::count]) for i in range(count)]
 
 
 def _decode_piece_columns(
@@ -288,7 +289,13 @@ class _PieceCheck:
         if offset.size and (offset.min() < 0 or (offset > sizes).any() or (offset + nbytes > sizes).any()):
             raise FormatError(f"{where}: a piece's bytes lie outside its data file")
 
-    def check_lists(self, file: list[int], offset: list[int], start: list[list[int]], length: list[list[int]]) -> None:
+    def check_lists(
+        self,
+        file: Sequence[int],
+        offset: Sequence[int],
+        start: Sequence[Sequence[int]],
+        length: Sequence[Sequence[int]],
+    ) -> None:
         """__call__ for a handful of pieces, in plain integers (no overflow to reason about)."""
         where = self.where
         if any(f < 0 or f >= len(self.file_sizes) for f in file):

@@ -217,25 +217,28 @@ class ShardWriter:
         position = len(header)
         with self.storage.open_new(data_path) as handle:
             total = sum(piece.nbytes for piece in self._pieces)
+            small = sum(piece.nbytes for piece in self._pieces if piece.nbytes <= self.block_size)
             # Host tensors only: device tensors would all need host copies at once (the sequential path stages one).
-            parallel = getattr(handle, "supports_write_at", False) and self.write_threads > 1
+            # Mostly small pieces (a MoE state) go the sequential way, which writes them in buffers: a thread-pool
+            # job per piece would cost more than its bytes.
+            parallel = getattr(handle, "supports_write_at", False) and self.write_threads > 1 and 2 * small < total
             if parallel and total >= PARALLEL_MIN_BYTES and all(p.tensor.device.type == "cpu" for p in self._pieces):
                 handle.write_at(header, 0)
                 offsets, crcs = self._write_parallel(handle, len(header))
                 position += total
             else:
                 handle.write(header)
-                small = _SmallPieces(handle, self.block_size)
+                buffered = _SmallPieces(handle, self.block_size)
                 for piece in self._pieces:
                     offsets.append(position)
                     if piece.nbytes <= self.block_size and piece.tensor.device.type == "cpu":
-                        small.add(piece)
+                        buffered.add(piece)
                     else:
-                        crcs.extend(small.flush())
+                        crcs.extend(buffered.flush())
                         crcs.append(self._write_piece(handle, piece))
                     position += piece.nbytes
                     crash_point("writing_data", self.rank)
-                crcs.extend(small.flush())
+                crcs.extend(buffered.flush())
         stored = self.storage.size(data_path)
         if stored != position:  # a backend that lost bytes without an error must not get this far
             raise IntegrityError(f"{self.storage.describe(data_path)} holds {stored} bytes after writing {position}")

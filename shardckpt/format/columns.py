@@ -6,6 +6,9 @@ the global manifest of a 100B-parameter model on thousands of ranks in the low m
 
 from __future__ import annotations
 
+import functools
+import itertools
+import struct
 import zlib
 from typing import Any
 
@@ -21,15 +24,37 @@ DELTA_ZLIB = "delta-zlib"
 U32LE = "u32le"
 # 2^28 values decode to 2 GiB at most, whatever a hostile column claims.
 MAX_COLUMN_VALUES = 1 << 28
+# Columns this short (a tensor with a piece or two) skip numpy: its per-call cost is most of a small column's.
+SMALL_COLUMN = 8
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 def encode_int_column(values: npt.ArrayLike) -> dict[str, Any]:
+    if isinstance(values, (list, tuple)) and len(values) <= SMALL_COLUMN:
+        return encode_small_int_column(values)
     array = np.ascontiguousarray(values, dtype=np.int64).reshape(-1)
+    if array.size <= SMALL_COLUMN:
+        return encode_small_int_column(array.tolist())
     deltas = np.empty_like(array)
-    if array.size:
-        deltas[0] = array[0]
-        np.subtract(array[1:], array[:-1], out=deltas[1:])
-    return {"enc": DELTA_ZLIB, "n": int(array.size), "data": zlib.compress(deltas.astype("<i8").tobytes(), 6)}
+    deltas[0] = array[0]
+    np.subtract(array[1:], array[:-1], out=deltas[1:])
+    return {"enc": DELTA_ZLIB, "n": int(array.size), "data": _compress(deltas.astype("<i8").tobytes())}
+
+
+def encode_small_int_column(values: list[int] | tuple[int, ...]) -> dict[str, Any]:
+    """encode_int_column of a few Python ints, byte for byte, without numpy (deltas wrap in int64 as numpy's)."""
+    previous, deltas = 0, []
+    for value in values:
+        delta = (int(value) - previous + (1 << 63)) % (1 << 64) - (1 << 63)
+        deltas.append(delta)
+        previous = int(value)
+    return {"enc": DELTA_ZLIB, "n": len(deltas), "data": _compress(struct.pack(f"<{len(deltas)}q", *deltas))}
+
+
+@functools.lru_cache(maxsize=4096)
+def _compress(raw: bytes) -> bytes:
+    # Columns repeat across tensors (file 0, start 0 0, the same shapes): compress each distinct one once.
+    return zlib.compress(raw, 6)
 
 
 def encode_u32_column(values: npt.ArrayLike) -> dict[str, Any]:
@@ -54,6 +79,46 @@ def _header(column: object, where: str, expected_enc: str, expected_n: int | Non
 
 def decode_int_column(column: object, where: str, expected_n: int | None = None) -> Int64Array:
     """Decode a delta-zlib column; the output is bounded by the declared length, never by the input."""
+    n, raw = _inflate(column, where, expected_n)
+    # Overflow wraps silently in numpy's integer cumsum (no warning); every caller range-checks the decoded values,
+    # which catches it. cumsum makes a new array, so the result never aliases `raw`.
+    if n <= SMALL_COLUMN:
+        values = list(itertools.accumulate(struct.unpack(f"<{n}q", raw)))
+        if all(_INT64_MIN <= value <= _INT64_MAX for value in values):
+            return np.array(values, dtype=np.int64)
+    return np.cumsum(np.frombuffer(raw, dtype="<i8"), dtype=np.int64)
+
+
+def decode_int_list(column: object, where: str, expected_n: int | None = None) -> tuple[int, ...]:
+    """decode_int_column as Python ints (the same values, int64 wrap-around included): for short columns."""
+    n, data = _header(column, where, DELTA_ZLIB, expected_n)
+    if n <= SMALL_COLUMN:
+        known = _small_values(data, n)
+        if known is not None:
+            return known
+    n, raw = _inflate(column, where, expected_n)  # raises the error, naming `where`, or decodes a longer column
+    values = tuple(itertools.accumulate(struct.unpack(f"<{n}q", raw)))
+    if all(_INT64_MIN <= value <= _INT64_MAX for value in values):
+        return values
+    return tuple(np.cumsum(np.frombuffer(raw, dtype="<i8"), dtype=np.int64).tolist())
+
+
+@functools.lru_cache(maxsize=4096)
+def _small_values(data: bytes, n: int) -> tuple[int, ...] | None:
+    """The values of a short column, or None when it is not exactly n int64 values without wrap-around. Cached:
+    most tensors share their file, start and length columns (same shape, one piece), only offsets differ."""
+    inflater = zlib.decompressobj()
+    try:
+        raw = inflater.decompress(data, 8 * n + 1)
+    except zlib.error:
+        return None
+    if len(raw) != 8 * n or inflater.unconsumed_tail or inflater.unused_data or not inflater.eof:
+        return None
+    values = tuple(itertools.accumulate(struct.unpack(f"<{n}q", raw)))
+    return values if all(_INT64_MIN <= value <= _INT64_MAX for value in values) else None
+
+
+def _inflate(column: object, where: str, expected_n: int | None) -> tuple[int, bytes]:
     n, data = _header(column, where, DELTA_ZLIB, expected_n)
     inflater = zlib.decompressobj()
     try:
@@ -62,9 +127,7 @@ def decode_int_column(column: object, where: str, expected_n: int | None = None)
         raise FormatError(f"{where}: column data is not valid zlib ({exc})") from None
     if len(raw) != 8 * n or inflater.unconsumed_tail or inflater.unused_data or not inflater.eof:
         raise FormatError(f"{where}: column data does not decode to exactly {n} int64 values")
-    # Overflow wraps silently in numpy's integer cumsum (no warning); every caller range-checks the decoded values,
-    # which catches it. cumsum makes a new array, so the result never aliases `raw`.
-    return np.cumsum(np.frombuffer(raw, dtype="<i8"), dtype=np.int64)
+    return n, raw
 
 
 def decode_u32_column(column: object, where: str, expected_n: int | None = None) -> UInt32Array:

@@ -15,6 +15,7 @@ import numpy as np
 
 from shardckpt.errors import FormatError
 from shardckpt.format import limits
+from shardckpt.format.bulk import gc_paused
 from shardckpt.format.columns import (
     Int64Array,
     UInt32Array,
@@ -125,6 +126,7 @@ class LocalManifest:
 # ------------------------------------------------------------------------------------------- encoding
 
 
+@gc_paused()
 def encode_local_manifest(manifest: LocalManifest) -> bytes:
     specs = manifest.tensors
     document = {
@@ -164,6 +166,7 @@ def encode_local_manifest(manifest: LocalManifest) -> bytes:
 # ------------------------------------------------------------------------------------------- decoding
 
 
+@gc_paused()
 def decode_local_manifest(data: bytes, where: str = "local manifest") -> LocalManifest:
     """Strictly decode one rank's local manifest: every piece range-checked, packing and checksums counted."""
     fields = unpack_manifest(data, where, limits.MAX_LOCAL_MANIFEST_BYTES)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,9 +16,11 @@ import numpy as np
 
 from shardckpt.errors import CoverageError, FormatError
 from shardckpt.format import limits
+from shardckpt.format.bulk import gc_paused
 from shardckpt.format.columns import (
     Int64Array,
     decode_int_column,
+    decode_int_list,
     encode_int_column,
 )
 from shardckpt.format.dtypes import DTYPE_SIZES, itemsize
@@ -27,6 +30,7 @@ from shardckpt.format.layout import (
     parse_local_manifest_path,
 )
 from shardckpt.format.strict import (
+    DOCUMENT_DEPTH,
     FORMAT_NAME,
     FORMAT_VERSION,
     Fields,
@@ -40,9 +44,11 @@ from shardckpt.format.strict import (
     decode_objects,
     unpack_manifest,
 )
-from shardckpt.format.values import pack_value, unique_map
+from shardckpt.format.values import check_depth, pack_value, unique_map
 
 LAYOUTS = ("box", "flat")
+# (file, offset, start, length) of a few pieces as Python ints; start/length hold one list per piece.
+PieceLists = tuple[Sequence[int], Sequence[int], list[list[int]], list[list[int]]]
 
 
 # ----------------------------------------------------------------------------------------------- types
@@ -54,7 +60,7 @@ class PieceTable:
     start/length have shape (count, k): k = ndim for layout "box", 1 for layout "flat".
     """
 
-    __slots__ = ("_arrays", "_check", "_encoded", "count", "k")
+    __slots__ = ("_arrays", "_check", "_encoded", "_lists", "count", "k")
 
     def __init__(
         self,
@@ -74,23 +80,51 @@ class PieceTable:
         )
         self._encoded: dict[str, Any] | None = None
         self._check: Any = None
+        self._lists: PieceLists | None = None
 
     @classmethod
     def lazy(cls, encoded: dict[str, Any], count: int, k: int, check: Any) -> PieceTable:
         table = cls.__new__(cls)
         table.count, table.k = count, k
-        table._arrays, table._encoded, table._check = None, encoded, check
+        table._arrays, table._encoded, table._check, table._lists = None, encoded, check, None
         return table
 
     def arrays(self) -> tuple[Int64Array, Int64Array, Int64Array, Int64Array]:
         """(file, offset, start, length), decoding and range-checking them on first call."""
         if self._arrays is None:
-            assert self._encoded is not None
-            self._check.before_decoding(self.count)
-            decoded = _decode_piece_columns(self._encoded, self.count, self.k, self._check.where)
-            self._check(*decoded)
-            self._arrays, self._encoded = decoded, None
+            if self._lists is None and self.count > _FEW_PIECES:
+                assert self._encoded is not None
+                self._check.before_decoding(self.count)
+                decoded = _decode_piece_columns(self._encoded, self.count, self.k, self._check.where)
+                self._check(*decoded)
+                self._arrays, self._encoded = decoded, None
+                return decoded
+            file, offset, start, length = self.small_arrays()
+            self._arrays = (
+                np.array(file, dtype=np.int64),
+                np.array(offset, dtype=np.int64),
+                np.array(start, dtype=np.int64).reshape(self.count, self.k),
+                np.array(length, dtype=np.int64).reshape(self.count, self.k),
+            )
         return self._arrays
+
+    def small_arrays(self) -> PieceLists:
+        """arrays() as Python lists (start/length: a list per piece), decoded and checked without numpy when the
+        tensor has few pieces (most tensors: numpy's per-call cost would be most of the work)."""
+        if self._lists is None:
+            if self._arrays is not None:
+                file, offset, start, length = self._arrays
+                self._lists = (file.tolist(), offset.tolist(), start.tolist(), length.tolist())
+            elif self.count > _FEW_PIECES:
+                self.arrays()
+                return self.small_arrays()
+            else:
+                assert self._encoded is not None
+                self._check.before_decoding(self.count)
+                lists = _decode_piece_lists(self._encoded, self.count, self.k, self._check.where)
+                self._check.check_lists(*lists)
+                self._lists, self._encoded = lists, None
+        return self._lists
 
     @property
     def file(self) -> Int64Array:
@@ -194,6 +228,16 @@ class CommitMarker:
     version: tuple[int, int] = FORMAT_VERSION
 
 
+def _decode_piece_lists(raw: dict[str, Any], count: int, k: int, where: str) -> PieceLists:
+    """_decode_piece_columns as Python lists, for a few pieces."""
+    file = decode_int_list(raw.get("file"), f"{where} pieces.file", count)
+    offset = decode_int_list(raw.get("offset"), f"{where} pieces.offset", count)
+    start = decode_int_list(raw.get("start"), f"{where} pieces.start", count * k)
+    length = decode_int_list(raw.get("length"), f"{where} pieces.length", count * k)
+    # Stored dimension-major (all dim-0 values first): piece i's values are i, i + count, ...
+    return file, offset, [list(start[i::count]) for i in range(count)], [list(length[i::count]) for i in range(count)]
+
+
 def _decode_piece_columns(
     raw: dict[str, Any], count: int, k: int, where: str
 ) -> tuple[Int64Array, Int64Array, Int64Array, Int64Array]:
@@ -224,7 +268,7 @@ class _PieceCheck:
 
     def __call__(self, file: Int64Array, offset: Int64Array, start: Int64Array, length: Int64Array) -> None:
         if file.size <= _FEW_PIECES:  # most tensors: numpy's per-call cost would dominate; same checks, same order
-            self._check_few(file.tolist(), offset.tolist(), start.tolist(), length.tolist())
+            self.check_lists(file.tolist(), offset.tolist(), start.tolist(), length.tolist())
             return
         where = self.where
         if file.size and (file.min() < 0 or file.max() >= len(self.file_sizes)):
@@ -245,7 +289,13 @@ class _PieceCheck:
         if offset.size and (offset.min() < 0 or (offset > sizes).any() or (offset + nbytes > sizes).any()):
             raise FormatError(f"{where}: a piece's bytes lie outside its data file")
 
-    def _check_few(self, file: list[int], offset: list[int], start: list[list[int]], length: list[list[int]]) -> None:
+    def check_lists(
+        self,
+        file: Sequence[int],
+        offset: Sequence[int],
+        start: Sequence[Sequence[int]],
+        length: Sequence[Sequence[int]],
+    ) -> None:
         """__call__ for a handful of pieces, in plain integers (no overflow to reason about)."""
         where = self.where
         if any(f < 0 or f >= len(self.file_sizes) for f in file):
@@ -263,6 +313,8 @@ class _PieceCheck:
             size = self.file_sizes[f]
             if at < 0 or at > size or at + math.prod(lengths) * self.size > size:
                 raise FormatError(f"{where}: a piece's bytes lie outside its data file")
+
+    _check_few = check_lists
 
 
 _FEW_PIECES = 16
@@ -291,8 +343,69 @@ def _decode_tensor(raw: object, where: str, file_sizes: list[int]) -> TensorEntr
     return TensorEntry(name, dtype, shape, layout, PieceTable.lazy(pieces_raw.raw, count, k, check))
 
 
+_ENTRY_KEYS = frozenset({"name", "dtype", "shape", "layout", "pieces"})
+_PIECES_KEYS = frozenset({"count", "file", "offset", "start", "length"})
+_COLUMN_KEYS = frozenset({"enc", "n", "data"})
+
+
+def _plain_entry(raw: object) -> bool:
+    """Whether a tensor entry has exactly the shape a writer gives it: these keys, these types, nothing nested
+    further. Such an entry cannot nest too deep or hold a timestamp, so it needs no walk (unpack_value's shallow)."""
+    if type(raw) is not dict or raw.keys() != _ENTRY_KEYS:
+        return False
+    shape, pieces = raw["shape"], raw["pieces"]
+    if type(raw["name"]) is not str or type(raw["dtype"]) is not str or type(raw["layout"]) is not str:
+        return False
+    if type(shape) is not list or not all(type(dim) is int for dim in shape):
+        return False
+    if type(pieces) is not dict or pieces.keys() != _PIECES_KEYS or type(pieces["count"]) is not int:
+        return False
+    for key in ("file", "offset", "start", "length"):
+        column = pieces[key]
+        if type(column) is not dict or column.keys() != _COLUMN_KEYS:
+            return False
+        if type(column["enc"]) is not str or type(column["n"]) is not int or type(column["data"]) is not bytes:
+            return False
+    return True
+
+
+def _decode_plain_tensor(raw: dict[str, Any], where: str, index: int, file_sizes: list[int]) -> TensorEntry:
+    """_decode_tensor of an entry _plain_entry accepted (types known): the same checks, in the same order, with the
+    same messages, without the typed field access the general path needs."""
+    name = check_name(raw["name"], f"{where} tensors[{index}]")
+    where = f"{where} tensor {name!r}"
+    dtype, layout, pieces = raw["dtype"], raw["layout"], raw["pieces"]
+    size = DTYPE_SIZES.get(dtype)
+    if size is None:
+        raise FormatError(f"{where}: unknown dtype {dtype!r}")
+    shape = check_shape(raw["shape"], where)
+    if layout not in LAYOUTS:
+        raise FormatError(f"{where}: layout must be one of {LAYOUTS}, got {layout!r}")
+    numel = math.prod(shape)
+    if numel * size > limits.MAX_EXTENT:
+        raise FormatError(f"{where}: tensor holds more than 2^62 bytes")
+    count = pieces["count"]
+    if not 0 <= count <= limits.MAX_PIECES_PER_TENSOR:
+        raise FormatError(f"{where} pieces: field 'count' = {count} is outside 0..{limits.MAX_PIECES_PER_TENSOR}")
+    if numel == 0 and count:
+        raise FormatError(f"{where}: a tensor with no elements cannot have stored pieces")
+    check = _PieceCheck(where, shape, layout, size, file_sizes)
+    return TensorEntry(
+        name, dtype, shape, layout, PieceTable.lazy(pieces, count, 1 if layout == "flat" else len(shape), check)
+    )
+
+
 def _decode_tensors(raw: list[Any], where: str, file_sizes: list[int]) -> tuple[TensorEntry, ...]:
-    tensors = tuple(_decode_tensor(item, f"{where} tensors[{i}]", file_sizes) for i, item in enumerate(raw))
+    """Decode the tensor entries; the document was unpacked with "tensors" shallow, so entries of any other shape
+    than a writer's are checked for depth here, before anything reads them."""
+    decoded = []
+    for i, item in enumerate(raw):
+        if _plain_entry(item):
+            decoded.append(_decode_plain_tensor(item, where, i, file_sizes))
+            continue
+        check_depth(item, where, DOCUMENT_DEPTH + 2)
+        decoded.append(_decode_tensor(item, f"{where} tensors[{i}]", file_sizes))
+    tensors = tuple(decoded)
     names = [entry.name for entry in tensors]
     if len(set(names)) != len(names):
         duplicate = next(name for name in names if names.count(name) > 1)
@@ -303,6 +416,7 @@ def _decode_tensors(raw: list[Any], where: str, file_sizes: list[int]) -> tuple[
 # ------------------------------------------------------------------------------------ global manifest
 
 
+@gc_paused()
 def encode_global_manifest(manifest: GlobalManifest) -> bytes:
     document = {
         "format": FORMAT_NAME,
@@ -341,9 +455,10 @@ def _encode_tensor(entry: TensorEntry) -> dict[str, Any]:
     }
 
 
+@gc_paused()
 def decode_global_manifest(data: bytes, where: str = "manifest") -> GlobalManifest:
     """Strictly decode a global manifest. Piece columns are range-checked when first used."""
-    fields = unpack_manifest(data, where, limits.MAX_GLOBAL_MANIFEST_BYTES)
+    fields = unpack_manifest(data, where, limits.MAX_GLOBAL_MANIFEST_BYTES, shallow="tensors")
     version = check_header(fields, "global")
     attempt = attempt_field(fields)
     world_size = fields.integer("world_size", 1, limits.MAX_WORLD_SIZE)

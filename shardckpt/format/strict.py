@@ -19,6 +19,7 @@ FORMAT_VERSION = (1, 0)
 # Feature names this reader understands when a writer lists them in "must_understand".
 UNDERSTOOD_FEATURES: frozenset[str] = frozenset()
 OBJECT_VALUE_LEVEL = 3
+DOCUMENT_DEPTH = -OBJECT_VALUE_LEVEL  # the depth a manifest's root map sits at (see unpack_manifest)
 
 
 @dataclass(frozen=True)
@@ -121,12 +122,13 @@ def decode_objects(raw: list[Any], where: str, world_size: int) -> tuple[ObjectE
     return tuple(entries)
 
 
-def unpack_manifest(data: bytes, where: str, max_bytes: int) -> Fields:
+def unpack_manifest(data: bytes, where: str, max_bytes: int, *, shallow: str | None = None) -> Fields:
+    """The manifest's root map; `shallow`: a list field whose items the caller checks for depth (unpack_value)."""
     if len(data) > max_bytes:
         raise FormatError(f"{where}: manifest is {len(data)} bytes, over the {max_bytes} byte limit")
     # Object values sit three levels down (document -> "objects" -> entry -> "value") and may each nest
     # MAX_DEPTH levels, as check_plain lets a writer store: count the document's levels from -3.
-    return Fields(unpack_value(data, where, -OBJECT_VALUE_LEVEL), where)
+    return Fields(unpack_value(data, where, DOCUMENT_DEPTH, shallow=shallow), where)
 
 
 def created_field(fields: Fields) -> float:

@@ -5,6 +5,7 @@ Tuples survive the round trip as msgpack extension type 1; everything else is ms
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -99,8 +100,12 @@ def pack_value(value: object) -> bytes:
     return packed
 
 
-def unpack_value(data: bytes, where: str, depth: int = 0) -> Any:
-    """Decode msgpack with tuple extensions, bounded nesting, and any failure turned into FormatError."""
+def unpack_value(data: bytes, where: str, depth: int = 0, *, shallow: str | None = None) -> Any:
+    """Decode msgpack with tuple extensions, bounded nesting, and any failure turned into FormatError.
+
+    shallow: a key of the root map whose value, when a list, is checked for nesting without its items; the caller
+    checks each item itself (check_depth at depth + 2), or proves its depth by checking its exact shape.
+    """
     if depth > MAX_DEPTH:
         raise FormatError(f"{where}: value nested deeper than {MAX_DEPTH}")
     # A tuple's payload array stands for the tuple itself: at `depth` when the tuple is this document's root,
@@ -124,13 +129,16 @@ def unpack_value(data: bytes, where: str, depth: int = 0) -> Any:
             strict_map_key=False,
             ext_hook=ext_hook,
             use_list=True,
-            object_pairs_hook=lambda pairs: unique_map(pairs, where),
+            object_pairs_hook=functools.partial(unique_map, where=where),  # called per map: no Python frame
         )
     except FormatError:
         raise
     except Exception as exc:  # msgpack raises a zoo of types for bad input; all mean the same to a reader
         raise FormatError(f"{where}: not valid msgpack ({type(exc).__name__}: {exc})") from None
-    _check_depth(value, where, depth)
+    if shallow is not None and type(value) is dict and type(value.get(shallow)) is list:
+        _check_depth({key: [] if key == shallow else item for key, item in value.items()}, where, depth)
+    else:
+        _check_depth(value, where, depth)
     return value
 
 
@@ -142,6 +150,12 @@ def unique_map(pairs: list[tuple[Any, Any]], where: str) -> dict[Any, Any]:
         repeated = next(key for index, key in enumerate(keys) if key in keys[:index])
         raise FormatError(f"{where}: map key {repeated!r} appears twice")
     return result
+
+
+def check_depth(value: object, where: str, depth: int) -> None:
+    """FormatError when `value`, sitting at `depth`, nests deeper than MAX_DEPTH or holds what msgpack values may
+    not (a timestamp, a map key other than str or int)."""
+    _check_depth(value, where, depth)
 
 
 def _check_depth(value: object, where: str, depth: int) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shardckpt.errors import ShardckptUsageError
+from shardckpt.format.bulk import gc_paused
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import TensorEntry
 from shardckpt.planner.box import Box, intersect, linear_index, linear_range_boxes, row_major_strides
@@ -105,6 +106,7 @@ class _Unit:
     copy: Copy
 
 
+@gc_paused()
 def plan_reads(
     tensors: Mapping[str, TensorEntry],
     targets: Sequence[Target],
@@ -128,8 +130,12 @@ def plan_reads(
             raise ShardckptUsageError(f"tensor {target.name!r} is not in the checkpoint")
         if not target.box.within(entry.shape):
             raise ShardckptUsageError(f"box {target.box} lies outside tensor {target.name!r} of shape {entry.shape}")
-        needed += target.box.volume * itemsize(entry.dtype)
-        for unit in _units_for_target(entry, index, target.box, max_gap, max_request):
+        size = itemsize(entry.dtype)
+        needed += target.box.volume * size
+        whole = _whole_piece_unit(entry, index, target.box, size, max_request)
+        for unit in (
+            (whole,) if whole is not None else _units_for_target(entry, index, target.box, max_gap, max_request)
+        ):
             units[unit.file].append(unit)
             exact += unit.copy.nbytes
     requests: list[ReadRequest] = []
@@ -170,6 +176,19 @@ def _stored_boxes(entry: TensorEntry, want: Box) -> Iterator[tuple[Box, int, tup
         for box in linear_range_boxes(entry.shape, max(first, lo_lin), min(first + count, hi_lin)):
             base = int(offset[i]) + (linear_index(entry.shape, box.offsets) - first) * size
             yield box, base, strides, i, int(file[i]), int(offset[i]), count * size
+
+
+def _whole_piece_unit(entry: TensorEntry, index: int, want: Box, size: int, max_request: int) -> _Unit | None:
+    """The one unit of a target that is a whole tensor stored as one piece (most tensors of a one-process or
+    replicated save), in constant time; None for any other target. Equal to what _units_for_target yields."""
+    pieces = entry.pieces
+    if pieces.count != 1 or entry.layout != "box" or any(want.offsets) or want.shape != entry.shape:
+        return None
+    file, offset, start, length = pieces.small_arrays()
+    nbytes = want.volume * size
+    if any(start[0]) or tuple(length[0]) != entry.shape or not 0 < nbytes <= max_request:
+        return None
+    return _Unit(file[0], entry.name, 0, offset[0], nbytes, Copy(index, offset[0], 0, (nbytes,), (), ()))
 
 
 def _units_for_target(entry: TensorEntry, index: int, want: Box, max_gap: int, max_request: int) -> Iterator[_Unit]:

@@ -29,6 +29,7 @@ from shardckpt.errors import (
     ShardckptUsageError,
     TruncatedError,
 )
+from shardckpt.format.bulk import gc_paused
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import (
     CommitMarker,
@@ -178,6 +179,7 @@ class Checkpoint(StoredCheckpoint):
             pending.fetch()
         return pending.apply()
 
+    @gc_paused()  # builds and checks objects for every tensor: see format/bulk.py
     def prepare(self, items: Sequence[tuple[str, Box, torch.Tensor]], *, cast: bool = False) -> PendingRead:
         """Plan a read into destination tensors and check everything but the data bytes; writes nothing.
 
@@ -406,6 +408,7 @@ class PendingRead:
                 fetching.fetch_all(requests, slots, pool, read, checkpoint.verify, ordered=ordered)
         self._fetched = fetched
 
+    @gc_paused()
     def apply(self) -> ReadStats:
         if self._fetched is None:
             self.checkpoint.stream(self.plan, self._buffers)

@@ -25,6 +25,7 @@ from shardckpt.errors import (
     NotFoundError,
 )
 from shardckpt.format import layout, limits
+from shardckpt.format.bulk import gc_paused
 from shardckpt.format.local_manifest import LocalManifest, decode_local_manifest
 from shardckpt.format.manifest import (
     CommitMarker,
@@ -39,6 +40,7 @@ from shardckpt.storage import Storage, open_storage
 from shardckpt.write.merge import merge_objects, merge_tensors
 
 
+@gc_paused()
 def commit(
     url: str | Storage,
     *,

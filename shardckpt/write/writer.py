@@ -22,6 +22,7 @@ from shardckpt import knobs
 from shardckpt.crashpoints import crash_point
 from shardckpt.errors import IntegrityError, ShardckptError, ShardckptUsageError
 from shardckpt.format import layout
+from shardckpt.format.bulk import gc_paused
 from shardckpt.format.limits import MAX_BLOCK_SIZE, MAX_LOCAL_MANIFEST_BYTES, MIN_BLOCK_SIZE
 from shardckpt.format.local_manifest import LocalManifest, LocalPieces, TensorSpec, encode_local_manifest
 from shardckpt.format.strict import FORMAT_VERSION, ObjectEntry, check_name, check_shape
@@ -57,6 +58,39 @@ class _TensorInfo:
 class WriteStats:
     bytes_written: int
     seconds: float
+
+
+class _SmallPieces:
+    """Pieces of one block or less (a MoE model has 100,000+ of them): checksummed one by one, written as one
+    buffer of up to HOT_CHUNK bytes, so the backend sees a few large writes rather than one call per tensor."""
+
+    def __init__(self, handle: Any, block_size: int) -> None:
+        self.handle, self.limit = handle, max(HOT_CHUNK, block_size)
+        self.parts: list[bytes] = []
+        self.crcs: list[int] = []
+        self.size = 0
+
+    def add(self, piece: _Piece) -> None:
+        data = host_bytes(piece.tensor)
+        if data.size != piece.nbytes:
+            raise ShardckptError(f"tensor {piece.name!r}: changed size while being saved")
+        part = data.tobytes()  # a copy: the buffer is written after later pieces are taken
+        self.crcs.append(int(crc32c.crc32c(part)))
+        self.parts.append(part)
+        self.size += len(part)
+        if self.size >= self.limit:
+            self._write()
+
+    def flush(self) -> list[np.ndarray]:
+        """Write what is buffered; the checksums of every piece added since the last flush, in order."""
+        self._write()
+        crcs, self.crcs = self.crcs, []
+        return [np.array(crcs, dtype=np.uint32)] if crcs else []
+
+    def _write(self) -> None:
+        if self.parts:
+            self.handle.write(b"".join(self.parts))
+            self.parts, self.size = [], 0
 
 
 class ShardWriter:
@@ -170,6 +204,7 @@ class ShardWriter:
 
     # ----------------------------------------------------------------------------------------- writing
 
+    @gc_paused()
     def close(self) -> LocalManifest:
         """Write the data file, make it durable, then write the local manifest; returns the manifest."""
         self._check_open()
@@ -182,19 +217,28 @@ class ShardWriter:
         position = len(header)
         with self.storage.open_new(data_path) as handle:
             total = sum(piece.nbytes for piece in self._pieces)
+            small = sum(piece.nbytes for piece in self._pieces if piece.nbytes <= self.block_size)
             # Host tensors only: device tensors would all need host copies at once (the sequential path stages one).
-            parallel = getattr(handle, "supports_write_at", False) and self.write_threads > 1
+            # Mostly small pieces (a MoE state) go the sequential way, which writes them in buffers: a thread-pool
+            # job per piece would cost more than its bytes.
+            parallel = getattr(handle, "supports_write_at", False) and self.write_threads > 1 and 2 * small < total
             if parallel and total >= PARALLEL_MIN_BYTES and all(p.tensor.device.type == "cpu" for p in self._pieces):
                 handle.write_at(header, 0)
                 offsets, crcs = self._write_parallel(handle, len(header))
                 position += total
             else:
                 handle.write(header)
+                buffered = _SmallPieces(handle, self.block_size)
                 for piece in self._pieces:
                     offsets.append(position)
-                    crcs.append(self._write_piece(handle, piece))
+                    if piece.nbytes <= self.block_size and piece.tensor.device.type == "cpu":
+                        buffered.add(piece)
+                    else:
+                        crcs.extend(buffered.flush())
+                        crcs.append(self._write_piece(handle, piece))
                     position += piece.nbytes
                     crash_point("writing_data", self.rank)
+                crcs.extend(buffered.flush())
         stored = self.storage.size(data_path)
         if stored != position:  # a backend that lost bytes without an error must not get this far
             raise IntegrityError(f"{self.storage.describe(data_path)} holds {stored} bytes after writing {position}")

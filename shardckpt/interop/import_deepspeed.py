@@ -42,6 +42,7 @@ from shardckpt.interop.deepspeed_pickle import (
 from shardckpt.interop.import_io import ImportReport, SourceDir, with_progress
 from shardckpt.interop.torch_zip import ZipEntries, tensor_view, zip_entries
 from shardckpt.interop.unpickled import brief
+from shardckpt.statedict.names import model_entry, optimizer_entry
 from shardckpt.storage import Storage, open_storage
 from shardckpt.torch_bytes import format_dtype
 from shardckpt.write.commit import commit
@@ -347,11 +348,11 @@ def _write_rank(
             first, length = param.span(rank.rank)
             part = slice(param.offset, param.offset + length)
             for name in (param.fqn, *plan.aliases.get(param.fqn, ())):
-                add(f"model.{name}", fp32[part], param.shape, first)
+                add(model_entry(name), fp32[part], param.shape, first)
             for key, values in moments.items():
-                add(f"optim.state.{param.fqn}.{key}", values[part], param.shape, first)
+                add(optimizer_entry(param.fqn, key), values[part], param.shape, first)
             if rank.rank == 0 and plan.steps[index] is not None:  # one step per sub-group: written once
-                add(f"optim.state.{param.fqn}.step", torch.tensor(plan.steps[index], dtype=torch.float32), (), None)
+                add(optimizer_entry(param.fqn, "step"), torch.tensor(plan.steps[index], dtype=torch.float32), (), None)
     fragments = rank.model.content.get("frozen_param_fragments") or {}
     for param in plan.frozen:
         if not isinstance(fragments, dict) or param.fqn not in fragments:
@@ -363,11 +364,11 @@ def _write_rank(
                 f"{rank.model.where}: frozen {param.fqn!r} holds {values.numel()} elements, not {param.size}"
             )
         for name in (param.fqn, *plan.aliases.get(param.fqn, ())):
-            add(f"model.{name}", values[:length], param.shape, first)
+            add(model_entry(name), values[:length], param.shape, first)
     if rank.rank == 0:
         for name in plan.buffers:
             buffer = rank.model.tensor(rank.model.content["module"][name], f"buffer {name!r}")
-            add(f"model.{name}", buffer, tuple(buffer.shape), None)
+            add(model_entry(name), buffer, tuple(buffer.shape), None)
         for name, value in objects.items():
             writer.add_object(name, value)
     writer.close()
@@ -585,17 +586,17 @@ def _tensor_sizes(rank0: _Rank, plan: _Plan) -> dict[str, int]:
         for param in members:
             numel = math.prod(param.shape)
             for name in (param.fqn, *plan.aliases.get(param.fqn, ())):
-                sizes[f"model.{name}"] = numel * 4
-            sizes.update({f"optim.state.{param.fqn}.{key}": numel * 4 for key in plan.moments[index]})
+                sizes[model_entry(name)] = numel * 4
+            sizes.update({optimizer_entry(param.fqn, key): numel * 4 for key in plan.moments[index]})
             if plan.steps[index] is not None:
-                sizes[f"optim.state.{param.fqn}.step"] = 4
+                sizes[optimizer_entry(param.fqn, "step")] = 4
     fragments = rank0.model.content.get("frozen_param_fragments") or {}
     for param in plan.frozen:
         fragment = fragments.get(param.fqn) if isinstance(fragments, dict) else None
         itemsize = fragment.dtype.itemsize if isinstance(fragment, StoredTensor) else 4
         for name in (param.fqn, *plan.aliases.get(param.fqn, ())):
-            sizes[f"model.{name}"] = math.prod(param.shape) * itemsize
+            sizes[model_entry(name)] = math.prod(param.shape) * itemsize
     for name in plan.buffers:
         buffer = rank0.model.content["module"][name]
-        sizes[f"model.{name}"] = math.prod(buffer.size) * buffer.dtype.itemsize
+        sizes[model_entry(name)] = math.prod(buffer.size) * buffer.dtype.itemsize
     return sizes

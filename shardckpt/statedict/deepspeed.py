@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from shardckpt.errors import ShardckptUsageError
 from shardckpt.statedict.flat import FlatPartition
+from shardckpt.statedict.names import model_entry, optimizer_entry
 
 ENGINE_KEY = "deepspeed"
 SCHEDULER_KEY = "scheduler"
@@ -123,7 +124,7 @@ class DeepSpeedZero3:
         """This rank's part of the engine state under the FSDP2 loop's names (views of the live buffers)."""
         flats = self.optimizer.fp32_partitioned_groups_flat
         model: dict[str, Any] = {
-            slot.fqn: self._flat(flats[slot.sub_group], slot, f"model.{slot.fqn}") for slot in self.slots
+            slot.fqn: self._flat(flats[slot.sub_group], slot, model_entry(slot.fqn)) for slot in self.slots
         }
         model.update(self._frozen_views())
         model.update(self._buffers())
@@ -133,7 +134,7 @@ class DeepSpeedZero3:
             if not state:
                 continue  # no optimizer step taken yet: nothing to save but the weights
             entry: dict[str, Any] = {
-                key: self._flat(state[key], slot, f"optim.state.{slot.fqn}.{key}") for key in moments
+                key: self._flat(state[key], slot, optimizer_entry(slot.fqn, key)) for key in moments
             }
             step = state.get("step")
             if step is not None:
@@ -159,7 +160,7 @@ class DeepSpeedZero3:
             first = min(rank * size, numel)
             length = max(0, min(size, numel - first))
             views[name] = FlatPartition(
-                param.ds_tensor.view(-1)[:length], [(f"model.{name}", tuple(param.ds_shape))], first
+                param.ds_tensor.view(-1)[:length], [(model_entry(name), tuple(param.ds_shape))], first
             )
         return views
 

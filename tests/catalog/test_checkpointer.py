@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -56,9 +57,14 @@ def test_the_stall_counts_all_the_training_thread_waits_for(tmp_path, monkeypatc
         str(tmp_path / "ck"), every_steps=1, async_save=True, preemption_signals=(), on_save=records.append
     )
     real_save = checkpointer._save
+    returned = threading.Event()  # set once maybe_save gave the training thread its control back
+    writes_waited: list[bool] = []
 
     def slow_save(*args, **kwargs):
-        time.sleep(0.4)  # the background write of the first save takes a while
+        # The background write goes on only after maybe_save returned: a stall that included it would deadlock
+        # here (and time out), which no wall-clock bound is needed to see.
+        writes_waited.append(returned.wait(timeout=60))
+        time.sleep(0.3)  # and then it takes a while
         return real_save(*args, **kwargs)
 
     monkeypatch.setattr(checkpointer, "_save", slow_save)
@@ -68,11 +74,13 @@ def test_the_stall_counts_all_the_training_thread_waits_for(tmp_path, monkeypatc
         return _state(1.0)
 
     checkpointer.maybe_save(1, slow_state)
+    returned.set()
     checkpointer.maybe_save(2, _state(2.0))  # waits for the first save's write
     checkpointer.close()
     first, second = records
-    assert 0.1 <= first.stall_seconds < 0.4 <= first.save_seconds
-    assert second.stall_seconds >= 0.25  # queued behind the first
+    assert writes_waited == [True, True]  # neither stall included its own background write
+    assert first.stall_seconds >= 0.1  # building the state is counted
+    assert second.stall_seconds >= 0.25  # queued behind the first's write
 
 
 def test_async_save_errors_surface_on_wait(tmp_path) -> None:

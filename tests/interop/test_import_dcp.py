@@ -7,29 +7,24 @@ does not exist.
 from __future__ import annotations
 
 import datetime
-import io
 import os
 import pickle
 import uuid
-import zipfile
+from pathlib import Path
 
 import fsspec
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
     Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
 )
 
 import shardckpt
 from shardckpt.cli import main as cli_main
 from shardckpt.errors import FormatError
 from shardckpt.interop.import_dcp import import_dcp
+from tests.helpers.dcp_files import dcp_dir, torch_save_zip
 
 
 def test_every_dtype_and_layout_dcp_writes_imports_bit_for_bit(tmp_path) -> None:
@@ -63,44 +58,10 @@ def test_every_dtype_and_layout_dcp_writes_imports_bit_for_bit(tmp_path) -> None
     assert checkpoint.objects == {"nested.n": 4, "nested.t": (1, 2.0)}  # beside a tensor: one object each
 
 
-# ------------------------------------------------------------------------------------- hand-made DCP files
-
-
-def torch_save_zip(value: object, data_pkl: bytes | None = None) -> bytes:
-    """torch.save's bytes for `value`; with data_pkl, the same zip with its data.pkl entry replaced."""
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    if data_pkl is None:
-        return buffer.getvalue()
-    original = zipfile.ZipFile(io.BytesIO(buffer.getvalue()))
-    out = io.BytesIO()
-    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as rewritten:
-        for info in original.infolist():
-            rewritten.writestr(info.filename, data_pkl if info.filename.endswith("data.pkl") else original.read(info))
-    return out.getvalue()
-
-
-def hand_made_dcp(directory, tensors: dict[str, torch.Tensor], records: dict[str, bytes] | None = None) -> None:
-    """A DCP checkpoint written without DCP: one record per tensor (`records` overrides a record's bytes)."""
-    os.makedirs(directory, exist_ok=True)
-    entries, storage, blob = {}, {}, b""
-    for name, tensor in tensors.items():
-        record = (records or {}).get(name) or torch_save_zip(tensor)
-        offsets = torch.Size([0] * tensor.dim())
-        chunk = ChunkStorageMetadata(offsets=offsets, sizes=tensor.shape)
-        entries[name] = TensorStorageMetadata(TensorProperties(dtype=tensor.dtype), tensor.shape, [chunk])
-        storage[MetadataIndex(name, offsets, 0)] = _StorageInfo("__0_0.distcp", len(blob), len(record))
-        blob += record
-    with open(os.path.join(directory, "__0_0.distcp"), "wb") as handle:
-        handle.write(blob)
-    with open(os.path.join(directory, ".metadata"), "wb") as handle:
-        pickle.dump(Metadata(entries, storage_data=storage), handle)
-
-
 def test_a_view_with_a_storage_offset_imports_its_own_elements(tmp_path) -> None:
     base = torch.arange(30, dtype=torch.float32).reshape(6, 5)
     view = base[2:5, 1:4]  # torch.save keeps the whole storage: offset 11, strides (5, 1)
-    hand_made_dcp(tmp_path / "dcp", {"v": view, "w": base})
+    dcp_dir(Path(tmp_path / "dcp"), {"v": view, "w": base})
     import_dcp(str(tmp_path / "dcp"), str(tmp_path / "ck"))
     checkpoint = shardckpt.open(str(tmp_path / "ck"))
     assert torch.equal(checkpoint.read("v"), view) and torch.equal(checkpoint.read("w"), base)
@@ -173,7 +134,7 @@ def test_a_malicious_record_pickle_is_refused_without_running_it(tmp_path) -> No
     marker = tmp_path / "pwned"
     for label, payload in payloads(str(marker)).items():
         directory = tmp_path / label.replace(" ", "_")
-        hand_made_dcp(directory, {"w": torch.ones(3)}, {"w": torch_save_zip(torch.ones(3), payload)})
+        dcp_dir(Path(directory), {"w": torch.ones(3)}, records={"w": torch_save_zip(torch.ones(3), payload)})
         with pytest.raises(FormatError, match="refuses the pickled global|not one tensor"):
             import_dcp(str(directory), str(tmp_path / label.replace(" ", "_") / "ck"))
         assert not marker.exists(), label
@@ -190,11 +151,11 @@ def test_records_that_cannot_be_read_exactly_are_refused(tmp_path) -> None:
     }
     for label, record in cases.items():
         directory = tmp_path / label.replace(" ", "_")
-        hand_made_dcp(directory, {"w": tensor}, {"w": record})
+        dcp_dir(Path(directory), {"w": tensor}, records={"w": record})
         with pytest.raises(FormatError):
             import_dcp(str(directory), str(directory / "ck"))
         assert not (directory / "ck" / "COMMITTED").exists(), label
-    hand_made_dcp(tmp_path / "escape", {"w": tensor})
+    dcp_dir(Path(tmp_path / "escape"), {"w": tensor})
     metadata = pickle.loads((tmp_path / "escape" / ".metadata").read_bytes())
     for info in metadata.storage_data.values():
         info.relative_path = "../../etc/passwd"

@@ -20,15 +20,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
 
 import shardckpt
 from shardckpt.errors import FormatError
@@ -37,7 +28,7 @@ from shardckpt.interop.dcp_pickle import StoredTensor
 from shardckpt.interop.import_dcp import import_dcp
 from shardckpt.interop.pickle_scan import check_pickle
 from shardckpt.interop.torch_zip import tensor_view, zip_entries
-from tests.interop.test_import_dcp import torch_save_zip
+from tests.helpers.dcp_files import dcp_dir, torch_save_zip
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -104,37 +95,6 @@ def test_build_cannot_rewrite_an_admitted_object_and_later_imports_still_work(tm
     counts = result.stdout.split("\n")[0].split()
     assert counts[0] == "refused" and counts[1] == counts[3], result.stdout  # every BUILD on an admitted object
     assert "legitimate imports and dcp.save/dcp.load still work" in result.stdout
-
-
-# ------------------------------------------------------------------------------------ hand-made DCP files
-
-
-def dcp_dir(
-    directory: Path,
-    tensors: dict[str, torch.Tensor],
-    values: dict[str, bytes],
-    paths: dict[str, tuple] | None = None,
-    records: dict[str, bytes] | None = None,
-) -> Path:
-    """A DCP checkpoint written without DCP: tensors and values (data.pkl bytes), optional key paths and records."""
-    directory.mkdir(parents=True, exist_ok=True)
-    entries, storage, blob = {}, {}, b""
-    for name, tensor in tensors.items():
-        record = (records or {}).get(name) or torch_save_zip(tensor)
-        offsets = torch.Size([0] * tensor.dim())
-        chunk = ChunkStorageMetadata(offsets=offsets, sizes=tensor.shape)
-        entries[name] = TensorStorageMetadata(TensorProperties(dtype=tensor.dtype), tensor.shape, [chunk])
-        storage[MetadataIndex(name, offsets, 0)] = _StorageInfo("__0_0.distcp", len(blob), len(record))
-        blob += record
-    for name, data_pkl in values.items():
-        record = torch_save_zip(0, data_pkl)
-        entries[name] = BytesStorageMetadata()
-        storage[MetadataIndex(name)] = _StorageInfo("__0_0.distcp", len(blob), len(record))
-        blob += record
-    (directory / "__0_0.distcp").write_bytes(blob)
-    metadata = Metadata(entries, planner_data=paths or {}, storage_data=storage)
-    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
-    return directory
 
 
 def shared_lists(depth: int) -> bytes:

@@ -389,7 +389,8 @@ def test_corner_check_alone_agrees_with_brute_force_and_names_a_true_defect(shar
             assert counts[point] == 0
         else:
             pair = re.search(r"pieces (\d+) and (\d+) both cover \[([0-9:, ]+)\] \(overlap\)", message)
-            assert pair, message
+            if pair is None:
+                pytest.fail(f"the message names neither a gap nor an overlap: {message}")
             region = tuple(slice(*map(int, part.split(":"))) for part in pair.group(3).split(","))
             assert (counts[region] >= 2).all()
         return

@@ -27,7 +27,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy shardckpt
 
 unit: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 tests
 
 test: lint typecheck unit
 

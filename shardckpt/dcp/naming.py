@@ -1,4 +1,4 @@
-"""One naming for both APIs (SPEC 7.3): DCP's flattened names of plain values <-> shardckpt's objects.
+"""One naming for both APIs (SPEC 7 "Names"): DCP's flattened names of plain values <-> shardckpt's objects.
 
 DCP flattens every mapping (and lists holding one); shardckpt stores a container without tensors as one object.
 """
@@ -60,7 +60,7 @@ def value_at(value: Any, path: Path, where: str) -> Any:
 
 
 def object_names(paths: Mapping[str, Path], tensors: Collection[str], objects: Iterable[str]) -> dict[str, Path]:
-    """For each DCP entry in `objects`, the path of the shardckpt object holding it (SPEC 7.3).
+    """For each DCP entry in `objects`, the path of the shardckpt object holding it (SPEC 7 "Names").
 
     paths: DCP's flatten mapping (entry -> path in the nested state dict); tensors: every tensor entry. An
     object is the shortest prefix of the entry's path under which the state holds no tensor, as shardckpt.save's

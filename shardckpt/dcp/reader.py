@@ -157,7 +157,7 @@ def _tensor_metadata(name: str, dtype: str, shape: tuple[int, ...], layout: str,
 
 
 def _value_entries(manifest: GlobalManifest, tensors: set[str], url: str) -> dict[str, tuple[str, Path]]:
-    """DCP's names of the parts of every shared plain value (SPEC 7.3); a name used twice is a FormatError."""
+    """DCP's names of the parts of every shared plain value (SPEC 7 "Names"); a name used twice is a FormatError."""
     found: dict[str, tuple[str, Path]] = {}
     for entry in manifest.objects:
         if entry.rank is not None:

@@ -154,7 +154,7 @@ class StorageWriter(_DCPStorageWriter):
 
     def _plain_objects(self, planner: SavePlanner, written: set[str]) -> dict[str, Any]:
         """The objects this rank stores: each object one of its entries in this rank's final plan belongs to,
-        assembled from all of this rank's entries of it (SPEC 7.3)."""
+        assembled from all of this rank's entries of it (SPEC 7 "Names")."""
         lookup = getattr(planner, "lookup_object", None)
         if written and lookup is None:
             raise ShardckptUsageError(

@@ -28,7 +28,7 @@ from shardckpt.errors import (
 __version__ = "0.1.0"
 
 # public name -> (module, attribute in it); each module is imported the first time one of its names is used.
-_LAZY = {
+_LAZY: dict[str, tuple[str, str | None]] = {
     "save": ("shardckpt.api", "save"),
     "load": ("shardckpt.api", "load"),
     "latest": ("shardckpt.api", "latest"),
@@ -44,9 +44,11 @@ _LAZY = {
     "PerRank": ("shardckpt.statedict.leaves", "PerRank"),
     "Box": ("shardckpt.planner.box", "Box"),
     "ReadPlan": ("shardckpt.planner.plan", "ReadPlan"),
+    "dcp": ("shardckpt.dcp", None),  # the DCP backend: shardckpt.dcp.StorageWriter / StorageReader
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ below resolves these
+    from shardckpt import dcp
     from shardckpt.api import latest, load, load_deepspeed, save, save_deepspeed
     from shardckpt.checkpointer import Checkpointer, SaveRecord
     from shardckpt.planner.box import Box
@@ -97,6 +99,7 @@ __all__ = [
     "TruncatedError",
     "__version__",
     "commit",
+    "dcp",
     "latest",
     "load",
     "load_deepspeed",

@@ -22,7 +22,7 @@ LAYERS: list[set[str]] = [
     {"catalog", "torch_bytes"},
     {"ops", "write", "read"},
     {"statedict"},
-    {"distributed"},
+    {"distributed", "dcp"},
     {"api", "checkpointer", "__init__"},
     {"tools", "interop"},
     {"cli", "train", "testing"},

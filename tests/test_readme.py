@@ -35,6 +35,7 @@ MARKERS = {
     "deepspeed": "deepspeed.initialize(",
     "direct read": 'shardckpt.latest("/tmp/run")',
     "s3": '"s3://bucket/run',
+    "dcp": 'shardckpt.dcp.StorageWriter("/tmp/dcp-run',
 }
 
 
@@ -128,3 +129,13 @@ def test_s3_snippet_saves_to_the_bucket(tmp_path, s3_url) -> None:
     assert f"{s3_url}/step-00000100" in output
     assert shardckpt.open(f"{s3_url}/step-00000100").read("w").tolist() == list(range(8))
     assert s3_url.startswith(f"s3://{S3_BUCKET}/")
+
+
+@pytest.mark.dist
+def test_dcp_snippet_saves_and_loads_through_the_dcp_backend(tmp_path) -> None:
+    import shardckpt
+
+    root = tmp_path / "dcp-run"
+    run(snippet(MARKERS["dcp"]).replace("/tmp/dcp-run", str(root)), tmp_path, ranks=2)
+    checkpoint = shardckpt.open(str(root / "step-1"))
+    assert (checkpoint.step, checkpoint.manifest.world_size, checkpoint.objects["step"]) == (1, 2, 1)

@@ -1,0 +1,110 @@
+"""One naming for both APIs (SPEC 7 "Names"): DCP's flattened names of plain values <-> shardckpt's objects.
+
+DCP flattens every mapping (and lists holding one); shardckpt stores a container without tensors as one object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Any
+
+from shardckpt.errors import FormatError, ShardckptUsageError
+
+Path = tuple[str | int, ...]
+
+
+def _terminal(value: Any) -> bool:
+    """DCP's rule (torch/distributed/checkpoint/_traverse.py) for a value without tensors: a mapping is always
+    walked, a list only when it holds a mapping or a walked list, anything else (tuples too) is one entry."""
+    if isinstance(value, Mapping):
+        return False
+    if not isinstance(value, list):
+        return True
+    return all(not isinstance(item, (Mapping, list)) or _terminal(item) for item in value)
+
+
+def dcp_entries(name: str, value: Any) -> list[tuple[str, Path]]:
+    """The names DCP gives the parts of the plain value stored as object `name`, each with its path in the value.
+
+    An empty mapping has no entry (DCP drops it too); a value DCP does not walk is the one entry `name`.
+    """
+    found: list[tuple[str, Path]] = []
+
+    def walk(path: Path, part: Any) -> None:
+        if isinstance(part, Mapping):
+            for key, item in part.items():
+                walk((*path, str(key)), item)
+        elif _terminal(part):
+            found.append((".".join(map(str, (name, *path))), path))
+        else:
+            for index, item in enumerate(part):
+                walk((*path, index), item)
+
+    walk((), value)
+    return found
+
+
+def value_at(value: Any, path: Path, where: str) -> Any:
+    """The part of a stored plain value at a path from `dcp_entries` (map keys compared as DCP writes them)."""
+    for step in path:
+        if isinstance(value, Mapping):
+            matches = [key for key in value if str(key) == step]
+            if len(matches) != 1:
+                raise FormatError(f"{where}: no single map key {step!r} in the stored value")
+            value = value[matches[0]]
+        elif isinstance(value, list) and isinstance(step, int) and 0 <= step < len(value):
+            value = value[step]
+        else:
+            raise FormatError(f"{where}: the stored value has no part {step!r}")
+    return value
+
+
+def object_names(paths: Mapping[str, Path], tensors: Collection[str], objects: Iterable[str]) -> dict[str, Path]:
+    """For each DCP entry in `objects`, the path of the shardckpt object holding it (SPEC 7 "Names").
+
+    paths: DCP's flatten mapping (entry -> path in the nested state dict); tensors: every tensor entry. An
+    object is the shortest prefix of the entry's path under which the state holds no tensor, as shardckpt.save's
+    own flattening names it. Without a mapping (flatten_state_dict=False), each entry is its own object.
+    """
+    under_tensors: set[Path] = set()
+    for name in tensors:
+        path = tuple(paths.get(name, (name,)))
+        under_tensors.update(path[:length] for length in range(1, len(path) + 1))
+    owners: dict[str, Path] = {}
+    for name in objects:
+        path = tuple(paths.get(name, (name,)))
+        owners[name] = next((path[:n] for n in range(1, len(path) + 1) if path[:n] not in under_tensors), path)
+    return owners
+
+
+def assemble(name: str, parts: Sequence[tuple[Path, Any]]) -> Any:
+    """The plain value of object `name` from its DCP entries (paths relative to the object), as DCP flattened it.
+
+    Steps that are ints were list positions, strs map keys; a position DCP left out held an empty mapping.
+    """
+    if len(parts) == 1 and parts[0][0] == ():
+        return parts[0][1]
+    root: dict[Any, Any] = {}
+    for path, value in parts:
+        if not path:
+            raise ShardckptUsageError(f"DCP entry {name!r} is both a value and a container of other entries")
+        node = root
+        for step in path[:-1]:
+            child = node.setdefault(step, {})
+            if not isinstance(child, dict):
+                raise ShardckptUsageError(f"DCP entries under {name!r} use {step!r} as a value and as a container")
+            node = child
+        if path[-1] in node:
+            raise ShardckptUsageError(f"DCP entries under {name!r} name part {path!r} twice")
+        node[path[-1]] = value
+    return _lists(root)
+
+
+def _lists(node: Any) -> Any:
+    """Turn the mappings whose keys are all ints (list positions) back into lists."""
+    if not isinstance(node, dict):
+        return node
+    items = {key: _lists(value) for key, value in node.items()}
+    if items and all(isinstance(key, int) for key in items):
+        return [items.get(index, {}) for index in range(max(items) + 1)]
+    return items

@@ -1,0 +1,178 @@
+"""shardckpt as a torch.distributed.checkpoint StorageReader: dcp.load reads a committed shardckpt checkpoint.
+
+(all) read_metadata: COMMITTED and the manifest, once, rebuilt as DCP's Metadata (chunks = stored pieces) ->
+DCP plans the overlaps -> (all) read_data: every ReadItem a box, all planned, coalesced and verified together.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader as _DCPStorageReader
+from torch.futures import Future
+
+from shardckpt.catalog.chain import Opening, read_opening
+from shardckpt.dcp.naming import Path, dcp_entries, value_at
+from shardckpt.dcp.writer import checkpoint_url
+from shardckpt.errors import FormatError, ShardckptError
+from shardckpt.format.manifest import GlobalManifest
+from shardckpt.planner import Box
+from shardckpt.read.checkpoint import Checkpoint, ReadStats
+from shardckpt.storage import open_storage
+from shardckpt.torch_bytes import torch_dtype
+
+
+class StorageReader(_DCPStorageReader):
+    """`dcp.load(state, storage_reader=shardckpt.dcp.StorageReader(url))` fills `state` from a checkpoint at `url`.
+
+    Written by shardckpt.save or by dcp.save through StorageWriter; any world size, DCP's resharding and casts.
+    `stats` adds up what this rank's loads needed and fetched (bytes, requests).
+    """
+
+    def __init__(self, url: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.url = checkpoint_url(url)
+        self.storage_options = dict(storage_options) if storage_options else None
+        self.stats = ReadStats(0, 0, 0, 0.0)
+        self._opening: Opening | None = None
+        self._values: dict[str, tuple[str, Path]] = {}  # DCP entry -> (object, path in its value)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.url
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.url = checkpoint_url(checkpoint_id)
+        self._opening = None
+        self._values = {}
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    def read_metadata(self) -> Metadata:
+        """(all) COMMITTED and the global manifest, read and checked once, as DCP's Metadata."""
+        self._opening = opening = read_opening(open_storage(self.url, self.storage_options))
+        manifest = opening.manifest
+        entries: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {
+            entry.name: _tensor_metadata(entry.name, entry.dtype, entry.shape, entry.layout, entry.pieces)
+            for entry in manifest.tensors
+        }
+        self._values = _value_entries(manifest, set(entries), self.url)
+        entries.update({name: BytesStorageMetadata() for name in self._values})
+        return Metadata(state_dict_metadata=entries, storage_meta=StorageMeta(checkpoint_id=self.url))
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """(all) Plain values as bytes made here from the stored values; every tensor box read in one plan."""
+        storage = open_storage(self.url, self.storage_options)
+        opening = self._opening if self._opening is not None else read_opening(storage)
+        checkpoint = Checkpoint(storage, opening.marker, opening.manifest)
+        objects = checkpoint.objects
+        boxes: list[tuple[str, Box, torch.Tensor]] = []
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        targets: list[tuple[ReadItem, torch.Tensor]] = []
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, self._value_bytes(item.storage_index.fqn, objects))
+                continue
+            name = item.storage_index.fqn
+            box = _box(item)
+            target = planner.resolve_tensor(item).detach()
+            if tuple(target.shape) != box.shape:
+                raise ShardckptError(
+                    f"{self.url}: tensor {name!r}: the planner's destination has shape {list(target.shape)} for a "
+                    f"read of shape {list(box.shape)}"
+                )
+            targets.append((item, target))
+            if math.prod(box.shape) == 0:
+                continue
+            stored = torch_dtype(checkpoint.entry(name).dtype)
+            destination = target
+            if target.dtype != stored and not (target.dtype.is_floating_point and stored.is_floating_point):
+                # DCP casts any dtype with copy_; the reader casts floating-point ones itself (cast=True).
+                destination = torch.empty(box.shape, dtype=stored)
+                staged.append((target, destination))
+            boxes.append((name, box, destination))
+        stats = checkpoint.prepare(boxes, cast=True).apply()
+        for target, staging in staged:
+            target.copy_(staging)
+        for item, target in targets:
+            planner.commit_tensor(item, target)
+        previous = self.stats
+        self.stats = ReadStats(
+            previous.needed_bytes + stats.needed_bytes,
+            previous.fetched_bytes + stats.fetched_bytes,
+            previous.requests + stats.requests,
+            previous.seconds + stats.seconds,
+        )
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _value_bytes(self, entry: str, objects: dict[str, Any]) -> io.BytesIO:
+        """What DCP's planner unpickles for a plain entry: bytes this reader makes from the stored value."""
+        if entry not in self._values:
+            raise ShardckptError(f"{self.url}: no plain value is stored for DCP entry {entry!r}")
+        name, path = self._values[entry]
+        value = value_at(objects[name], path, f"{self.url}: object {name!r}")
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        buffer.seek(0)
+        return buffer
+
+
+def _tensor_metadata(name: str, dtype: str, shape: tuple[int, ...], layout: str, pieces: Any) -> TensorStorageMetadata:
+    """A tensor as DCP describes it: its stored box pieces as chunks; a tensor stored flat as one chunk."""
+    if layout == "box":
+        chunks = [
+            ChunkStorageMetadata(offsets=torch.Size(start), sizes=torch.Size(length))
+            for start, length in zip(pieces.start.tolist(), pieces.length.tolist())
+        ]
+    else:  # flat ranges are not boxes: DCP asks for boxes of the whole, the planner finds the ranges
+        chunks = [ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=torch.Size(shape))]
+    return TensorStorageMetadata(TensorProperties(dtype=torch_dtype(dtype)), torch.Size(shape), chunks)
+
+
+def _value_entries(manifest: GlobalManifest, tensors: set[str], url: str) -> dict[str, tuple[str, Path]]:
+    """DCP's names of the parts of every shared plain value (SPEC 7 "Names"); a name used twice is a FormatError."""
+    found: dict[str, tuple[str, Path]] = {}
+    for entry in manifest.objects:
+        if entry.rank is not None:
+            continue  # a per-rank value (shardckpt.PerRank) has no DCP equivalent
+        for name, path in dcp_entries(entry.name, entry.value):
+            if name in tensors or name in found:
+                raise FormatError(f"{url}: DCP entry {name!r} of object {entry.name!r} names another entry too")
+            found[name] = (entry.name, path)
+    return found
+
+
+def _box(item: ReadItem) -> Box:
+    """The stored box a ReadItem asks for: its chunk's offsets plus the offsets within the chunk."""
+    chunk = item.storage_index.offset
+    if chunk is None:
+        raise ShardckptError(f"DCP read item for {item.storage_index.fqn!r} names no chunk")
+    offsets = tuple(int(c) + int(o) for c, o in zip(chunk, item.storage_offsets))
+    return Box(offsets, tuple(int(n) for n in item.lengths))

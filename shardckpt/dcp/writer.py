@@ -1,0 +1,193 @@
+"""shardckpt as a torch.distributed.checkpoint StorageWriter: dcp.save / dcp.async_save write a committed checkpoint.
+
+(all) plan as DCP does -> (coordinator) refuse a committed URL, draw the attempt, scatter it with the plans ->
+(all) ShardWriter writes own pieces and plain values, its local manifest rides back in the WriteResults ->
+(coordinator) commit: merge, check exact cover, global manifest, COMMITTED last (write/commit.py, as shardckpt.save).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter as _DCPStorageWriter
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from shardckpt import knobs
+from shardckpt.dcp.naming import Path, assemble, object_names
+from shardckpt.errors import AlreadyExistsError, ShardckptError, ShardckptUsageError
+from shardckpt.format import layout
+from shardckpt.format.values import check_plain
+from shardckpt.storage import Storage, open_storage
+from shardckpt.write.commit import commit
+from shardckpt.write.writer import ShardWriter
+
+
+def checkpoint_url(checkpoint_id: object) -> str:
+    """A checkpoint id DCP hands over (a str or os.PathLike), as the URL shardckpt opens."""
+    if isinstance(checkpoint_id, (str, os.PathLike)):
+        return os.fspath(checkpoint_id) if not isinstance(checkpoint_id, str) else checkpoint_id
+    raise ShardckptUsageError(f"a checkpoint id must be a path or URL, got {type(checkpoint_id).__name__}")
+
+
+class StorageWriter(_DCPStorageWriter):
+    """`dcp.save(state, storage_writer=shardckpt.dcp.StorageWriter(url))` saves a shardckpt checkpoint at `url`.
+
+    Picklable (async_save's process executor sends it to a child): it holds the URL, options and step only.
+    step: recorded in the manifest (shardckpt ls, latest); block_size: bytes per checksummed block.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str],
+        *,
+        storage_options: dict[str, Any] | None = None,
+        step: int | None = None,
+        block_size: int = knobs.BLOCK_SIZE,
+    ) -> None:
+        super().__init__()
+        self.url = checkpoint_url(url)
+        self.storage_options = dict(storage_options) if storage_options else None
+        self.step, self.block_size = step, block_size
+        self._attempt: str | None = None
+        self._tensors: set[str] = set()  # this rank's tensor entries, before DCP's dedup moves some away
+        self._objects: list[str] = []  # this rank's plain entries, likewise
+        self._paths: dict[str, Path] = {}  # DCP's flatten mapping: entry -> path in the nested state dict
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.url
+
+    def _storage(self) -> Storage:
+        return open_storage(self.url, self.storage_options)
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.url = checkpoint_url(checkpoint_id)
+        self._attempt = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.url)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # The local plan names every entry of this rank's state; the plan write_data gets may lack some (dedup).
+        self._tensors = {item.index.fqn for item in plan.items if item.type != WriteItemType.BYTE_IO}
+        self._objects = [item.index.fqn for item in plan.items if item.type == WriteItemType.BYTE_IO]
+        mapping = plan.planner_data if isinstance(plan.planner_data, dict) else {}
+        self._paths = {name: tuple(path) for name, path in mapping.items()}
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """(coordinator) Refuse a committed URL, draw the attempt; raising here fails dcp.save on every rank."""
+        if any(not plan.usable for plan in plans):
+            # A cached plan would carry the attempt of an earlier save to every rank.
+            raise ShardckptUsageError(
+                "DefaultSavePlanner(enable_plan_caching=True) reuses plans between saves; shardckpt draws a new "
+                "attempt for each save: use a planner without plan caching"
+            )
+        storage = self._storage()
+        if storage.exists(layout.COMMITTED):
+            raise AlreadyExistsError(f"{storage.url} already holds a committed checkpoint; save to a new URL")
+        self._attempt = layout.new_attempt()
+        return [
+            dataclasses.replace(plan, storage_data={"attempt": self._attempt, "rank": rank, "world_size": len(plans)})
+            for rank, plan in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """(all) Write this rank's pieces and plain values, then its local manifest; the manifest rides back."""
+        info = plan.storage_data
+        if not isinstance(info, dict) or set(info) != {"attempt", "rank", "world_size"}:
+            raise ShardckptUsageError("this save plan did not come through shardckpt's prepare_global_plan")
+        writer = ShardWriter(
+            self._storage(),
+            rank=info["rank"],
+            world_size=info["world_size"],
+            attempt=info["attempt"],
+            block_size=self.block_size,
+            step=self.step,
+        )
+        results: list[WriteResult] = []
+        written: set[str] = set()
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                written.add(item.index.fqn)
+                results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=None))
+                continue
+            data = item.tensor_data
+            if data is None:
+                raise ShardckptUsageError(f"DCP entry {item.index.fqn!r}: a tensor write item without tensor data")
+            tensor = planner.resolve_data(item)
+            if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(data.chunk.sizes):
+                raise ShardckptError(
+                    f"DCP entry {item.index.fqn!r}: the planner resolved {type(tensor).__name__} "
+                    f"{list(getattr(tensor, 'shape', []))} for a chunk of shape {list(data.chunk.sizes)}"
+                )
+            tensor = tensor.detach()
+            writer.add(item.index.fqn, tensor, global_shape=tuple(data.size), offsets=tuple(data.chunk.offsets))
+            size = tensor.numel() * tensor.element_size()
+            results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=None))
+        for name, value in self._plain_objects(planner, written).items():
+            writer.add_object(name, value)
+        writer.close()
+        # One result carries the local manifest to the coordinator (a rank with no item leaves it on storage only).
+        if results:
+            results[0] = dataclasses.replace(
+                results[0], storage_data={"manifest": writer.encoded_manifest, "attempt": info["attempt"]}
+            )
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def _plain_objects(self, planner: SavePlanner, written: set[str]) -> dict[str, Any]:
+        """The objects this rank stores: each object one of its entries in this rank's final plan belongs to,
+        assembled from all of this rank's entries of it (SPEC 7 "Names")."""
+        lookup = getattr(planner, "lookup_object", None)
+        if written and lookup is None:
+            raise ShardckptUsageError(
+                f"the save planner {type(planner).__name__} has no lookup_object (DefaultSavePlanner has): shardckpt "
+                "stores plain values, never the pickled bytes resolve_data makes"
+            )
+        owners = object_names(self._paths, self._tensors, self._objects or sorted(written))
+        wanted = {owners[name] for name in written}
+        parts: dict[Path, list[tuple[Path, Any]]] = defaultdict(list)
+        for name, owner in owners.items():
+            if owner not in wanted:
+                continue
+            assert lookup is not None
+            value = lookup(MetadataIndex(name))
+            check_plain(value, f"DCP entry {name!r}")
+            path = self._paths.get(name, (name,))
+            parts[owner].append((tuple(path[len(owner) :]), value))
+        return {".".join(map(str, owner)): assemble(".".join(map(str, owner)), got) for owner, got in parts.items()}
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """(coordinator) Commit: the same validation and COMMITTED-last commit as shardckpt.save."""
+        carried = [ranks[0].storage_data if ranks else None for ranks in results]
+        attempts = {data["attempt"] for data in carried if isinstance(data, dict)}
+        if self._attempt is not None:
+            attempts.add(self._attempt)
+        if len(attempts) != 1:
+            raise ShardckptError(f"{self.url}: the ranks' results name attempts {sorted(map(str, attempts))}")
+        manifests = [data.get("manifest") if isinstance(data, dict) else None for data in carried]
+        gathered = [m for m in manifests if isinstance(m, bytes)]
+        commit(
+            self._storage(),
+            world_size=len(results),
+            attempt=attempts.pop(),
+            step=self.step,
+            local_manifests=gathered if len(gathered) == len(manifests) else None,
+        )

@@ -1,0 +1,99 @@
+"""shardckpt.dcp under real ranks: FSDP2 + AdamW through dcp.save / dcp.async_save (thread and process executors)
+and dcp.load on 1, 2 and 3 ranks, against DCP's own FileSystemWriter round trip of the same state.
+
+One launched job per world size (2: every save, a failed save, a refused save, the 2-rank loads; 3: the loads).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import shardckpt
+from tests.helpers import dcp_backend_worker
+from tests.helpers.launch import run_ranks
+
+WORKER = Path(dcp_backend_worker.__file__)
+ENTRY_POINT = str(Path(sys.executable).with_name("shardckpt"))
+SAVED_BY_US = ("ours", "thread", "process")
+
+
+def _verdicts(results: list[dict | None]) -> list[dict]:
+    for rank, result in enumerate(results):
+        if result is None or not result["ok"]:
+            pytest.fail(f"rank {rank} failed: {result}", pytrace=False)
+    return [result["value"] for result in results if result is not None]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str], list[dict]]:
+    root = tmp_path_factory.mktemp("dcp-backend")
+    args = {label: str(root / label) for label in ("ours", "fs", "thread", "process", "failed")}
+    args["reference"] = str(root / "reference.safetensors")
+    return args, _verdicts(run_ranks("save", 2, args, timeout=280, worker=WORKER))
+
+
+def _check_loads(loads: dict, where: str) -> None:
+    """Every checkpoint restored the saved tensors bit for bit, with the values DCP's own round trip gives."""
+    if loads["dcp"]["wrong"]:
+        pytest.fail(f"{where}: DCP's own round trip differs from the reference in {loads['dcp']['wrong']}")
+    values = loads["dcp"]["values"]
+    blob = {"bytes": b"\x00\x01state".hex()}
+    assert values["extra"] == {"epoch": 3, "tag": "dcp", "blob": blob, "history": [1.5, 2.5]}
+    assert [group["lr"] for group in values["param_groups"]] == [0.01]
+    for label in SAVED_BY_US:
+        assert loads[label]["wrong"] == [], f"{where}: {label}"
+        assert loads[label]["values"] == values, f"{where}: {label}"
+
+
+def test_dcp_save_and_async_save_load_on_2_ranks_as_dcps_own_round_trip(saved) -> None:
+    _, verdicts = saved
+    for rank, verdict in enumerate(verdicts):
+        _check_loads(verdict["loads"], f"rank {rank} of 2")
+
+
+def test_load_on_3_ranks_matches_and_reads_at_most_5_percent_beyond_the_bytes_needed(saved) -> None:
+    args, _ = saved
+    verdicts = _verdicts(run_ranks("load", 3, args, timeout=200, worker=WORKER))
+    for rank, verdict in enumerate(verdicts):
+        _check_loads(verdict, f"rank {rank} of 3")
+        for label in SAVED_BY_US:
+            read, needed = verdict[label]["read"], verdict[label]["needed"]
+            assert needed > 300_000  # the embedding's third and its AdamW moments: data, not manifests, dominate
+            assert read <= 1.05 * needed, (rank, label, read, needed)
+
+
+def test_load_in_one_process(saved) -> None:
+    args, _ = saved
+    _check_loads(dcp_backend_worker.load_all(args), "one process")
+
+
+def test_what_dcp_wrote_is_an_ordinary_checkpoint_that_shardckpt_verify_passes(saved) -> None:
+    args, _ = saved
+    for label in SAVED_BY_US:
+        checkpoint = shardckpt.open(args[label])
+        assert (checkpoint.manifest.world_size, checkpoint.step) == (2, 7)
+        assert checkpoint.objects["extra"]["blob"] == b"\x00\x01state"  # one object, as shardckpt.save stores it
+        verify = subprocess.run(
+            [ENTRY_POINT, "verify", args[label]], capture_output=True, text=True, timeout=120, env=dict(os.environ)
+        )
+        assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_a_rank_failing_in_write_data_fails_the_save_everywhere_and_commits_nothing(saved) -> None:
+    args, verdicts = saved
+    for verdict in verdicts:
+        assert verdict["failed"] == {"raised": "CheckpointException", "causes": {"1": "RuntimeError"}}
+    assert not os.path.exists(os.path.join(args["failed"], "COMMITTED"))
+    with pytest.raises(shardckpt.NotCommittedError):
+        shardckpt.open(args["failed"])
+
+
+def test_a_save_into_a_committed_url_is_refused_on_every_rank(saved) -> None:
+    _, verdicts = saved
+    for verdict in verdicts:
+        assert verdict["refused"] == {"raised": "CheckpointException", "causes": {"0": "AlreadyExistsError"}}

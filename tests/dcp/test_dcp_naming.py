@@ -1,0 +1,119 @@
+"""shardckpt.dcp in one process: one naming for both APIs (SPEC 7 "Names"), plain values only, refusals, and S3.
+
+A checkpoint written by dcp.save loads with shardckpt.load from the same state dict, and one written by
+shardckpt.save loads with dcp.load, though DCP flattens tensor-free containers that shardckpt keeps whole.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+import shardckpt
+import shardckpt.dcp
+from shardckpt.dcp.naming import dcp_entries, value_at
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def _state(scale: float) -> dict:
+    """A training state with what DCP flattens and shardckpt keeps whole: param groups, tuples, bytes, nesting."""
+    return {
+        "model": {"w": torch.arange(12.0).reshape(3, 4) * scale, "n": torch.tensor([1, 2]) * int(scale)},
+        "optim": {
+            "state": {"w": {"step": torch.tensor(3.0 * scale), "exp_avg": torch.full((3, 4), scale)}},
+            "param_groups": [
+                {"lr": 0.1 * scale, "betas": (0.9, 0.99 * scale), "params": ["w"], "sched": {"warmup": [1, 2]}},
+                {"lr": 0.2 * scale, "betas": (0.8, 0.9), "params": [], "sched": {"warmup": []}},
+            ],
+        },
+        "loader": {"position": int(scale * 10), "blob": bytes([int(scale)] * 3), "shards": [{"a": scale}, [1, 2]]},
+        "epoch": int(scale),
+    }
+
+
+def _equal(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_dcp_entries_are_the_names_and_values_dcp_flattens_a_plain_value_into() -> None:
+    value = _state(2.0)["optim"]["param_groups"] + [{"empty": {}, 1: "int key"}, ("a", {"b": 1}), [[{"c": 1}], [2]]]
+    flattened, _ = flatten_state_dict({"optim": {"param_groups": value}})
+    entries = dcp_entries("optim.param_groups", value)
+    assert [name for name, _ in entries] == list(flattened)
+    for name, path in entries:
+        assert value_at(value, path, "test") == flattened[name]
+
+
+def test_a_dcp_save_loads_with_shardckpt_load_and_a_shardckpt_save_with_dcp_load(tmp_path) -> None:
+    saved = _state(2.0)
+    dcp.save(copy.deepcopy(saved), storage_writer=shardckpt.dcp.StorageWriter(str(tmp_path / "by-dcp"), step=4))
+    shardckpt.save(copy.deepcopy(saved), str(tmp_path / "by-shardckpt"), step=4)
+    # The same objects either way: a tensor-free container is one object (SPEC 7 "Names").
+    by_dcp, by_us = shardckpt.open(str(tmp_path / "by-dcp")), shardckpt.open(str(tmp_path / "by-shardckpt"))
+    assert by_dcp.objects == by_us.objects
+    assert sorted(by_dcp.objects) == ["epoch", "loader", "optim.param_groups"]
+    for url in (tmp_path / "by-dcp", tmp_path / "by-shardckpt"):
+        into_shardckpt, into_dcp = _state(5.0), _state(5.0)
+        shardckpt.load(into_shardckpt, str(url))
+        dcp.load(into_dcp, storage_reader=shardckpt.dcp.StorageReader(str(url)))
+        if not _equal(into_shardckpt, saved) or not _equal(into_dcp, saved):
+            pytest.fail(f"{url.name}: shardckpt.load gave {into_shardckpt}, dcp.load gave {into_dcp}")
+
+
+def test_a_value_that_is_not_plain_fails_the_save_naming_its_entry_and_type(tmp_path) -> None:
+    url = str(tmp_path / "ck")
+    state = {"w": torch.ones(2), "config": {"schedule": {"fn": object()}}}
+    with pytest.raises(CheckpointException) as raised:
+        dcp.save(state, storage_writer=shardckpt.dcp.StorageWriter(url))
+    cause = raised.value.failures[0][0]
+    assert isinstance(cause, shardckpt.ShardckptError)
+    assert "'config.schedule.fn'" in str(cause) and "type object" in str(cause)
+    assert not os.path.exists(os.path.join(url, "COMMITTED"))
+
+
+def test_dcp_load_casts_dtypes_as_dcp_does(tmp_path) -> None:
+    url = str(tmp_path / "ck")
+    dcp.save({"f": torch.linspace(-2, 2, 9), "i": torch.arange(5)}, storage_writer=shardckpt.dcp.StorageWriter(url))
+    into = {"f": torch.zeros(9, dtype=torch.bfloat16), "i": torch.zeros(5, dtype=torch.int32)}
+    dcp.load(into, storage_reader=shardckpt.dcp.StorageReader(url))
+    assert torch.equal(into["f"], torch.linspace(-2, 2, 9).to(torch.bfloat16))
+    assert torch.equal(into["i"], torch.arange(5, dtype=torch.int32))
+
+
+def test_plan_caching_is_refused_with_a_clear_error_not_a_stale_attempt(tmp_path) -> None:
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    state = {"w": torch.ones(3)}
+    dcp.save(state, storage_writer=shardckpt.dcp.StorageWriter(str(tmp_path / "a")), planner=planner)
+    with pytest.raises(CheckpointException) as raised:
+        dcp.save(state, storage_writer=shardckpt.dcp.StorageWriter(str(tmp_path / "b")), planner=planner)
+    assert "enable_plan_caching" in str(raised.value.failures[0][0])
+    assert not os.path.exists(tmp_path / "b" / "COMMITTED")
+
+
+def test_dcp_save_and_load_through_s3(s3_url) -> None:
+    saved = _state(3.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(copy.deepcopy(saved), storage_writer=shardckpt.dcp.StorageWriter(f"{s3_url}/ck", step=1))
+        into = _state(7.0)
+        reader = shardckpt.dcp.StorageReader(f"{s3_url}/ck")
+        dcp.load(into, storage_reader=reader)
+    if not _equal(into, saved):
+        pytest.fail(f"loaded from S3: {into}")
+    assert shardckpt.open(f"{s3_url}/ck").step == 1
+    assert reader.stats.fetched_bytes == reader.stats.needed_bytes  # whole small pieces: nothing beyond them

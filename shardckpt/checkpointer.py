@@ -77,8 +77,9 @@ class Checkpointer:
 
     every_steps="auto": after each save the interval becomes sqrt(2 x cost x MTBF) seconds (catalog/cadence.py),
     cost the median training stall (async) or save time (sync) of recent saves, MTBF from the failure history in
-    ROOT/events/, in steps of the median measured step time; clamped to min/max_every_steps and
-    min/max_every_seconds; `default_every_steps` until there is a failure, a cost and a step time to use.
+    ROOT/events/, in steps of the median measured step time; clamped to min/max_every_seconds, then to
+    min/max_every_steps; `default_every_steps` (within the step bounds) until there is a failure, a cost and a
+    step time to use.
     on_cadence receives each new decision (a Cadence, the same on every rank). record_failures (default: on with
     "auto"): the coordinator appends a start/restart event at the first restore_latest or save, a preemption
     event when a signal made it save, and an end event at close() (a run that crashes never writes one).
@@ -108,17 +109,16 @@ class Checkpointer:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.auto = every_steps == "auto"
-        if self.auto:
+        self.bounds = Bounds(min_every_steps, max_every_steps, min_every_seconds, max_every_seconds)
+        if self.auto and isinstance(default_every_steps, int) and default_every_steps >= 1:
+            # The default obeys the step bounds too (--ckpt-every-max 4 with the loop's default of 10 means 4).
+            every_steps = min(max(default_every_steps, self.bounds.min_steps), self.bounds.max_steps or 1 << 62)
+        elif self.auto:
             every_steps = default_every_steps
         if not isinstance(every_steps, int) or every_steps < 1 or keep_last < 1:
             raise ShardckptUsageError(
-                f"every_steps must be >= 1 or 'auto', keep_last >= 1, got {every_steps!r}, {keep_last!r}"
-            )
-        self.bounds = Bounds(min_every_steps, max_every_steps, min_every_seconds, max_every_seconds)
-        if self.auto and not self.bounds.min_steps <= every_steps <= (self.bounds.max_steps or every_steps):
-            raise ShardckptUsageError(
-                f"default_every_steps {every_steps} is outside min_every_steps..max_every_steps "
-                f"({self.bounds.min_steps}..{self.bounds.max_steps})"
+                f"every_steps (or default_every_steps with 'auto') must be >= 1, keep_last >= 1, got "
+                f"{every_steps!r}, {keep_last!r}"
             )
         if not mtbf_prior_seconds >= 0:
             raise ShardckptUsageError(f"mtbf_prior_seconds must be >= 0, got {mtbf_prior_seconds!r}")

@@ -198,3 +198,17 @@ def test_a_preemption_is_recorded_and_the_next_run_counts_it(tmp_path) -> None:
         ("preemption", 2, None),
         ("start", None, None),
     ]
+
+
+def test_auto_cadence_arguments(tmp_path) -> None:
+    root = str(tmp_path / "ck")
+    capped = shardckpt.Checkpointer(
+        root, every_steps="auto", default_every_steps=10, max_every_steps=4, preemption_signals=()
+    )
+    assert (capped.auto, capped.every_steps, capped.record_failures) == (True, 4, True)
+    fixed = shardckpt.Checkpointer(root, every_steps=7, preemption_signals=())
+    assert (fixed.auto, fixed.every_steps, fixed.record_failures) == (False, 7, False)
+    for bad in (dict(every_steps="often"), dict(every_steps="auto", default_every_steps=0), dict(min_every_steps=0)):
+        with pytest.raises(shardckpt.ShardckptUsageError):
+            shardckpt.Checkpointer(root, preemption_signals=(), **bad)
+    assert not os.path.exists(root)  # nothing is written before the run starts

@@ -2,6 +2,7 @@
 
 maybe_save(step, state) saves every `every_steps` (and once more when a preemption signal arrived), prunes to
 `keep_last`, and with async_save returns after a host staging copy while the write and commit run behind.
+every_steps="auto" chooses the interval from the save cost and the failure history under the root (Young's rule).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,21 @@ import torch.distributed as dist
 from shardckpt import knobs
 from shardckpt.api import latest
 from shardckpt.catalog import read_commit_marker
+from shardckpt.catalog.cadence import Bounds, Cadence, History, Measurements, choose, history_of
+from shardckpt.catalog.events import (
+    END,
+    EVENTS_DIR,
+    PREEMPTION,
+    RESTART,
+    START,
+    Event,
+    EventWarning,
+    new_run_id,
+    prune_events,
+    read_events,
+    record_event,
+    runs_of,
+)
 from shardckpt.catalog.retention import retain
 from shardckpt.distributed import protocol
 from shardckpt.distributed.collectives import Group, broadcast_bytes
@@ -32,6 +48,7 @@ from shardckpt.storage import open_storage
 
 State = Mapping[str, Any] | Callable[[], Mapping[str, Any]]
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_NOT_YET = "the default: no checkpoint cost measured yet"
 
 
 @dataclass(frozen=True)
@@ -57,13 +74,23 @@ class Checkpointer:
     the next maybe_save writes a checkpoint of that step and `should_stop` turns true. Retention never deletes the
     checkpoint just saved; when the root already holds a higher step (a new run pointed at an old root, a forgotten
     resume), each save warns (warnings.warn and SaveRecord.warning): the old run's steps stay the newest.
+
+    every_steps="auto": after each save the interval becomes sqrt(2 x cost x MTBF) seconds (catalog/cadence.py),
+    cost the median training stall (async) or save time (sync) of recent saves, MTBF from the failure history in
+    ROOT/events/, in steps of the median measured step time; clamped to min/max_every_seconds, then to
+    min/max_every_steps; `default_every_steps` (within the step bounds) until there is a failure, a cost and a
+    step time to use.
+    on_cadence receives each new decision (a Cadence, the same on every rank). record_failures (default: on with
+    "auto"): the coordinator appends a start/restart event at the first restore_latest or save, a preemption
+    event when a signal made it save, and an end event at close() (a run that crashes never writes one).
+    clock: Unix seconds, for event times and the cadence's measurements (tests pass a fake one).
     """
 
     def __init__(
         self,
         root: str,
         *,
-        every_steps: int = 100,
+        every_steps: int | Literal["auto"] = 100,
         keep_last: int = 3,
         async_save: bool = False,
         process_group: Any = None,
@@ -71,15 +98,46 @@ class Checkpointer:
         preemption_signals: tuple[signal.Signals, ...] = PREEMPTION_SIGNALS,
         block_size: int = knobs.BLOCK_SIZE,
         on_save: Callable[[SaveRecord], None] | None = None,
+        default_every_steps: int = 100,
+        min_every_steps: int = 1,
+        max_every_steps: int | None = None,
+        min_every_seconds: float = 0.0,
+        max_every_seconds: float | None = None,
+        mtbf_prior_seconds: float = knobs.CADENCE_MTBF_PRIOR,
+        record_failures: bool | None = None,
+        on_cadence: Callable[[Cadence], None] | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
-        if every_steps < 1 or keep_last < 1:
-            raise ShardckptUsageError(f"every_steps and keep_last must be >= 1, got {every_steps}, {keep_last}")
+        self.auto = every_steps == "auto"
+        self.bounds = Bounds(min_every_steps, max_every_steps, min_every_seconds, max_every_seconds)
+        if self.auto and isinstance(default_every_steps, int) and default_every_steps >= 1:
+            # The default obeys the step bounds too (--ckpt-every-max 4 with the loop's default of 10 means 4).
+            every_steps = min(max(default_every_steps, self.bounds.min_steps), self.bounds.max_steps or 1 << 62)
+        elif self.auto:
+            every_steps = default_every_steps
+        if not isinstance(every_steps, int) or every_steps < 1 or keep_last < 1:
+            raise ShardckptUsageError(
+                f"every_steps (or default_every_steps with 'auto') must be >= 1, keep_last >= 1, got "
+                f"{every_steps!r}, {keep_last!r}"
+            )
+        if not mtbf_prior_seconds >= 0:
+            raise ShardckptUsageError(f"mtbf_prior_seconds must be >= 0, got {mtbf_prior_seconds!r}")
         self.root, self.every_steps, self.keep_last, self.async_save = (
             root.rstrip("/"),
             every_steps,
             keep_last,
             async_save,
         )
+        self.default_every_steps, self.mtbf_prior_seconds = every_steps, mtbf_prior_seconds
+        self.record_failures = self.auto if record_failures is None else record_failures
+        self.on_cadence, self.clock = on_cadence, clock
+        self.cadence: Cadence | None = None  # the current automatic decision
+        self.run_id = new_run_id()
+        self._measured = Measurements(knobs.CADENCE_WINDOW)
+        self._events: list[Event] | None = None  # coordinator: the history read at the run's start, plus its own
+        self._events_source = f"{self.root}/{EVENTS_DIR}"
+        self._started = self._ended = self._preemption_recorded = False
+        self._anchor: int | None = None  # auto: the step the interval counts from (last save, or the run's start)
         self.storage_options, self.block_size, self.on_save = storage_options, block_size, on_save
         self.group = protocol.resolve_group(process_group)
         # Background saves run their collectives on a group of their own, so they never interleave with training's.
@@ -126,6 +184,7 @@ class Checkpointer:
         )
         manifest_step = self._step_of(url)
         self.last_saved_step = manifest_step
+        self._start_run(manifest_step, resumed=True)
         return manifest_step
 
     def latest_url(self) -> str | None:
@@ -152,13 +211,22 @@ class Checkpointer:
 
     def maybe_save(self, step: int, state: State, *, force: bool = False) -> bool:
         """Save at this step if the cadence, `force` or a preemption signal asks for it; True when it saved."""
+        self._start_run(None, resumed=False)
+        if self.auto:
+            self._measured.step_seen(step, self.clock())
+            if self._anchor is None:
+                self._anchor = self.last_saved_step if self.last_saved_step is not None else step - 1
+                self._adopt(Cadence(self.every_steps, "default", f"every {self.every_steps} steps, {_NOT_YET}"))
         preempted = self._preemption_requested()
-        if not (force or preempted or step % self.every_steps == 0) or step == self.last_saved_step:
+        due = step - self._anchor >= self.every_steps if self._anchor is not None else step % self.every_steps == 0
+        if not (force or preempted or due) or step == self.last_saved_step:
             if preempted:
+                self._record_preemption(step)
                 self.should_stop = True
             return False
         self.save(step, state, wait=preempted)
         if preempted:
+            self._record_preemption(step)
             self.should_stop = True
         return True
 
@@ -166,14 +234,16 @@ class Checkpointer:
         """Save now; with async_save the write runs in the background unless `wait`."""
         # The stall counts everything the training thread waits for: a previous save still running, building the
         # state dict, and the staging copy (or the whole save, when synchronous).
-        began = time.perf_counter()
+        self._start_run(None, resumed=False)
+        began = self.clock()
         self.wait()  # one save at a time: a second one queues behind the first
         url = f"{self.root}/step-{step:08d}"
         if not self.async_save:
             # protocol.save builds a callable state itself: a rank whose state fails tells every other rank.
             manifest, warning = self._save(state, url, step)
-            elapsed = time.perf_counter() - began
+            elapsed = self.clock() - began
             self._record(SaveRecord(step, url, elapsed, elapsed, manifest.total_bytes, warning))
+            self._saved(step, elapsed)
             return
         failed: BaseException | None = None
         try:
@@ -182,11 +252,12 @@ class Checkpointer:
             # The other ranks' background saves wait for this one: take part, failing, so that all learn it.
             failed = exc
             staged = _failing(exc)
-        stall = time.perf_counter() - began
+        stall = self.clock() - began
         self._pending = threading.Thread(target=self._background, args=(staged, url, step, stall), daemon=True)
         self._pending.start()
         if wait or failed is not None:
             self.wait()
+        self._saved(step, stall)
 
     def wait(self) -> None:
         """Block until the background save (if any) committed; re-raise its error on this rank."""
@@ -198,7 +269,12 @@ class Checkpointer:
             raise error
 
     def close(self) -> None:
+        """Wait for the last save; with record_failures, mark the run's clean end in the failure history (unless a
+        preemption signal stopped it: that was recorded when it saved)."""
         self.wait()
+        if self._started and not self._ended and not self._preemption_recorded:
+            self._ended = True
+            self._append_event(END, self.last_saved_step)
 
     # ------------------------------------------------------------------------------------------- internals
 
@@ -237,13 +313,13 @@ class Checkpointer:
         return manifest, warning
 
     def _background(self, staged: State, url: str, step: int, stall: float) -> None:
-        began = time.perf_counter()
+        began = self.clock()
         try:
             manifest, warning = self._save(staged, url, step)
         except BaseException as exc:  # surfaced by the next wait() on the training thread
             self._pending_error = exc
             return
-        self._record(SaveRecord(step, url, stall, time.perf_counter() - began, manifest.total_bytes, warning))
+        self._record(SaveRecord(step, url, stall, self.clock() - began, manifest.total_bytes, warning))
 
     def _record(self, record: SaveRecord) -> None:
         self.records.append(record)
@@ -265,6 +341,89 @@ class Checkpointer:
             raise DistributedError("the preemption check", {self.group.rank: str(exc)}) from exc
         return bool(flag.item())
 
+    # ------------------------------------------------------------------------ failure history and cadence
+
+    def _start_run(self, step: int | None, *, resumed: bool) -> None:
+        """Once per run (first restore_latest or save): the coordinator reads the root's failure history and
+        appends this run's start, or its restart with what the run before it left."""
+        if self._started:
+            return
+        self._started = True
+        if self.group.rank != 0 or not (self.auto or self.record_failures):
+            return
+        try:
+            root = open_storage(self.root, self.storage_options)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", EventWarning)
+                log = read_events(root, knobs.CADENCE_MAX_EVENTS)
+            for warning in caught:  # re-issued here, so that they point at the caller's line
+                warnings.warn(warning.message, warning.category, stacklevel=4)
+            if self.record_failures and log.listed > 2 * knobs.CADENCE_MAX_EVENTS:
+                prune_events(root, knobs.CADENCE_MAX_EVENTS)
+        except ShardckptError as exc:
+            # The history only tunes the cadence: without it the run goes on at the default interval.
+            warnings.warn(f"failure history under {self._events_source} unreadable: {exc}", EventWarning, stacklevel=3)
+            return
+        self._events = list(log.events)
+        after = _after(self._events, resumed)
+        self._append_event(START if after is None else RESTART, step, after)
+
+    def _append_event(self, kind: str, step: int | None, after: str | None = None) -> None:
+        if self.group.rank != 0 or not self.record_failures:
+            return
+        try:
+            event = Event(kind, self.run_id, int(self.clock() * 1000), step, after)
+            record_event(open_storage(self.root, self.storage_options), event)
+        except ShardckptError as exc:
+            warnings.warn(f"failure history: cannot record a {kind} event: {exc}", EventWarning, stacklevel=3)
+            return
+        if self._events is not None:
+            self._events.append(event)
+
+    def _record_preemption(self, step: int) -> None:
+        if not self._preemption_recorded:
+            self._preemption_recorded = True
+            self._append_event(PREEMPTION, step)
+
+    def _saved(self, step: int, cost: float) -> None:
+        """Auto cadence, after a save (on every rank): measure it, and choose the interval anew."""
+        if not self.auto:
+            return
+        self._anchor = step
+        self._measured.saved(step, cost, self.clock(), asynchronous=self.async_save)
+        self._adopt(self._decide())
+
+    def _decide(self) -> Cadence:
+        """The coordinator's decision, on every rank: all ranks must save at the same steps."""
+        decision = None
+        if self.group.rank == 0:
+            history: History | None = None
+            if self._events is not None:
+                history = history_of(self._events, self.run_id, int(self.clock() * 1000), self._events_source)
+            decision = choose(
+                self.default_every_steps,
+                self.bounds,
+                cost=self._measured.cost(),
+                step_seconds=self._measured.step_seconds(),
+                history=history,
+                prior_seconds=self.mtbf_prior_seconds,
+            )
+            if not isinstance(self.group, Group):
+                return decision
+        assert isinstance(self.group, Group)  # a one-process run returned above
+        payload = None if decision is None else json.dumps(asdict(decision)).encode()
+        try:
+            reply = broadcast_bytes(self.group, payload, 0)
+        except RuntimeError as exc:  # a peer died, or the group's timeout passed
+            raise DistributedError("sharing the checkpoint interval", {self.group.rank: str(exc)}) from exc
+        return Cadence(**json.loads(reply))
+
+    def _adopt(self, decision: Cadence) -> None:
+        changed = self.cadence is None or (decision.steps, decision.reason) != (self.cadence.steps, self.cadence.reason)
+        self.cadence, self.every_steps = decision, decision.steps
+        if changed and self.on_cadence is not None:
+            self.on_cadence(decision)
+
     def _step_of(self, url: str) -> int | None:
         marker = read_commit_marker(open_storage(url, self.storage_options))
         return None if marker is None else marker.step
@@ -273,6 +432,17 @@ class Checkpointer:
 def _name_of(url: str) -> str:
     """The last path segment of a checkpoint URL: its name under the root."""
     return url.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _after(events: Sequence[Event], resumed: bool) -> str | None:
+    """What the newest earlier run left: clean (an end event), preemption, crash (neither); "unknown" when this run
+    resumes a checkpoint no recorded run wrote; None for a first run."""
+    runs = runs_of(events)
+    starts = [(group[0].time_ms, run) for run, group in runs.items() if group[0].kind in (START, RESTART)]
+    if not starts:
+        return "unknown" if resumed else None
+    kinds = {event.kind for event in runs[max(starts)[1]]}
+    return "clean" if END in kinds else "preemption" if PREEMPTION in kinds else "crash"
 
 
 def _failing(error: BaseException) -> Callable[[], Mapping[str, Any]]:

@@ -60,3 +60,8 @@ GC_GRACE = float(_knob("GC_GRACE", 3600.0))  # seconds: gc leaves anything young
 # Streaming tools (tools/export.py, tools/diff.py)
 MEMORY_LIMIT = int(_knob("MEMORY_LIMIT", 1 << 30))  # bytes of tensor data export and diff hold at once
 EXPORT_SHARD_SIZE = int(_knob("EXPORT_SHARD_SIZE", 5 * 10**9))  # what transformers' save_pretrained uses
+
+# Automatic checkpoint cadence (Checkpointer(every_steps="auto"), catalog/cadence.py)
+CADENCE_MTBF_PRIOR = float(_knob("CADENCE_MTBF_PRIOR", 3600.0))  # seconds: one prior failure per this long
+CADENCE_WINDOW = int(_knob("CADENCE_WINDOW", 16))  # recent saves and steps whose median cost and step time count
+CADENCE_MAX_EVENTS = int(_knob("CADENCE_MAX_EVENTS", 256))  # newest failure-history events read (and kept x2)

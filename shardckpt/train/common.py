@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardckpt import knobs
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
@@ -26,7 +28,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--ckpt", required=True, help="root URL under which checkpoints step-XXXXXXXX are written")
     parser.add_argument("--steps", type=int, default=60, help="train until this step")
-    parser.add_argument("--ckpt-every", type=int, default=10, help="checkpoint every N steps (and at the end)")
+    parser.add_argument(
+        "--ckpt-every",
+        type=_every,
+        default=10,
+        metavar="N|auto",
+        help="checkpoint every N steps (and at the end); auto: every sqrt(2 x cost x MTBF) seconds in steps, from the "
+        "measured save cost and the failures recorded under --ckpt (logged each time it changes)",
+    )
+    cadence = parser.add_argument_group("--ckpt-every auto")
+    cadence.add_argument(
+        "--ckpt-every-default",
+        type=int,
+        default=10,
+        metavar="N",
+        help="interval until a failure is recorded and a save measured (default 10)",
+    )
+    cadence.add_argument("--ckpt-every-min", type=int, default=1, metavar="N", help="at least N steps apart")
+    cadence.add_argument("--ckpt-every-max", type=int, metavar="N", help="at most N steps apart")
+    cadence.add_argument("--ckpt-every-min-seconds", type=float, default=0.0, metavar="S", help="at least S s apart")
+    cadence.add_argument("--ckpt-every-max-seconds", type=float, metavar="S", help="at most S s apart")
+    cadence.add_argument(
+        "--ckpt-mtbf-prior",
+        type=float,
+        default=knobs.CADENCE_MTBF_PRIOR,
+        metavar="S",
+        help="counts as one more failure per S seconds while failures are few (0: none; default %(default)g)",
+    )
     parser.add_argument("--keep-last", type=int, default=3, help="committed checkpoints to keep")
     parser.add_argument("--resume", action="store_true", help="continue from the newest committed checkpoint")
     parser.add_argument(
@@ -69,6 +97,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
     return parser.parse_args(argv)
+
+
+def _every(text: str) -> int | str:
+    """--ckpt-every: a positive number of steps, or auto."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of steps or 'auto', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of steps >= 1 or 'auto', got {value}")
+    return value
 
 
 # AdamW's settings, shared with the DeepSpeed variant of the loop so that their checkpoints interchange.

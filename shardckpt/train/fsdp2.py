@@ -21,6 +21,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.optim.lr_scheduler import LambdaLR
 
 import shardckpt
+from shardckpt.catalog.cadence import Cadence
 from shardckpt.train.common import (
     ADAMW_BETAS,
     ADAMW_WEIGHT_DECAY,
@@ -51,6 +52,13 @@ class Trainer:
             async_save=args.async_save,
             storage_options=self.storage_options,
             on_save=self.on_save,
+            default_every_steps=args.ckpt_every_default,
+            min_every_steps=args.ckpt_every_min,
+            max_every_steps=args.ckpt_every_max,
+            min_every_seconds=args.ckpt_every_min_seconds,
+            max_every_seconds=args.ckpt_every_max_seconds,
+            mtbf_prior_seconds=args.ckpt_mtbf_prior,
+            on_cadence=self.on_cadence,
         )
 
     def build(self, model: GPT) -> None:
@@ -155,6 +163,10 @@ class Trainer:
         )
         if record.warning:
             self._say(f"WARNING: {record.warning}")
+
+    def on_cadence(self, cadence: Cadence) -> None:
+        """--ckpt-every auto: the interval and why, each time it changes (the same decision on every rank)."""
+        self._say(f"checkpoint interval: {cadence.why}")
 
     def run(self) -> None:
         count = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters())  # ZeRO-3: ds_numel

@@ -113,3 +113,102 @@ def test_async_save_names_a_tensor_it_cannot_stage(tmp_path) -> None:
     with pytest.raises(shardckpt.ShardckptUsageError, match="'emb'.*sparse"):
         checkpointer.maybe_save(1, {"w": torch.ones(2), "emb": torch.ones(2, 2).to_sparse()})
     assert not (tmp_path / "ck").exists()
+
+
+class _FakeClock:
+    """Unix seconds that move only when the test says so: step times and save costs without sleeping."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_auto_cadence_follows_youngs_rule_from_the_recorded_failures(tmp_path) -> None:
+    """A run that crashed (a start without an end) 1000 s before this one: after the first save at the default
+    interval, every sqrt(2 x 2 s x MTBF) seconds at 1 s per step, MTBF growing with this run's time."""
+    from shardckpt.catalog.events import EVENTS_DIR, RESTART, START, Event, read_events, record_event
+    from shardckpt.storage import LocalStorage
+
+    root = str(tmp_path / "ck")
+    t0 = 1_700_000_000.0
+    record_event(LocalStorage(root), Event(START, "earlier", int(t0 * 1000)))
+    clock = _FakeClock(t0 + 1000)
+    decisions: list = []
+    saved: list = []
+    checkpointer = shardckpt.Checkpointer(
+        root,
+        every_steps="auto",
+        default_every_steps=5,
+        mtbf_prior_seconds=0.0,
+        keep_last=1,
+        preemption_signals=(),
+        clock=clock,
+        on_cadence=decisions.append,
+        on_save=saved.append,
+    )
+
+    def state() -> dict:
+        clock.now += 2.0  # what each save costs the training thread
+        return _state(1.0)
+
+    for step in range(1, 141):
+        clock.now += 1.0
+        checkpointer.maybe_save(step, state)
+    checkpointer.close()
+    # At the first save the run that crashed ran 1001 s (until this one began), this one 6 s: MTBF 1007 s,
+    # sqrt(2 x 2 x 1007) = 63.5 s = 63 steps; at step 68 MTBF is 1072 s: sqrt(4288) = 65.5 s = 65 steps; at step
+    # 133, 1139 s: 67 steps.
+    assert [(d.reason, d.steps) for d in decisions] == [("default", 5), ("young", 63), ("young", 65), ("young", 67)]
+    assert [record.step for record in saved] == [5, 68, 133]
+    assert decisions[1].mtbf_seconds == pytest.approx(1007.0) and decisions[1].cost_seconds == 2.0
+    assert decisions[1].failures == 1 and "1 failure(s)" in decisions[1].why, decisions[1].why
+    kinds = [(e.kind, e.run == checkpointer.run_id, e.after) for e in read_events(LocalStorage(root), 10).events]
+    assert kinds == [("end", True, None), (RESTART, True, "crash"), (START, False, None)]
+    assert sorted(os.listdir(root)) == [EVENTS_DIR, "step-00000133"]
+
+
+def test_a_preemption_is_recorded_and_the_next_run_counts_it(tmp_path) -> None:
+    from shardckpt.catalog.events import read_events
+    from shardckpt.storage import LocalStorage
+
+    root = str(tmp_path / "ck")
+    clock = _FakeClock(1_700_000_000.0)
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        first = shardckpt.Checkpointer(
+            root, every_steps="auto", default_every_steps=100, clock=clock, preemption_signals=(signal.SIGUSR1,)
+        )
+        assert not first.maybe_save(1, _state(1.0))
+        os.kill(os.getpid(), signal.SIGUSR1)
+        clock.now += 50.0
+        assert first.maybe_save(2, _state(2.0)) and first.should_stop
+        first.close()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    clock.now += 10.0
+    second = shardckpt.Checkpointer(root, every_steps="auto", clock=clock, preemption_signals=())
+    assert second.restore_latest(_state(0.0)) == 2
+    second.close()
+    events = read_events(LocalStorage(root), 10).events
+    assert [(e.kind, e.step, e.after) for e in events] == [
+        ("end", 2, None),
+        ("restart", 2, "preemption"),
+        ("preemption", 2, None),
+        ("start", None, None),
+    ]
+
+
+def test_auto_cadence_arguments(tmp_path) -> None:
+    root = str(tmp_path / "ck")
+    capped = shardckpt.Checkpointer(
+        root, every_steps="auto", default_every_steps=10, max_every_steps=4, preemption_signals=()
+    )
+    assert (capped.auto, capped.every_steps, capped.record_failures) == (True, 4, True)
+    fixed = shardckpt.Checkpointer(root, every_steps=7, preemption_signals=())
+    assert (fixed.auto, fixed.every_steps, fixed.record_failures) == (False, 7, False)
+    for bad in (dict(every_steps="often"), dict(every_steps="auto", default_every_steps=0), dict(min_every_steps=0)):
+        with pytest.raises(shardckpt.ShardckptUsageError):
+            shardckpt.Checkpointer(root, preemption_signals=(), **bad)
+    assert not os.path.exists(root)  # nothing is written before the run starts

@@ -7,10 +7,13 @@ only raise FormatError (or IntegrityError where the rule is one of integrity).
 
 from __future__ import annotations
 
+import base64
 import json
 import string
+from pathlib import Path
 from typing import Any
 
+import jsonschema
 import msgpack
 import pytest
 from hypothesis import given, settings
@@ -500,3 +503,57 @@ def test_a_reference_to_other_bytes_is_an_integrity_error() -> None:
         check_target(W0, 160, DIGEST, [(160, W1, None)], [], "ref")
     with pytest.raises(IntegrityError, match="another hash"):
         check_target(W0, 160, DIGEST, [(160, W0, piece_hash(b"v"))], [], "ref")
+
+
+# ------------------------------------------------------------------------------------------ schemas
+
+VECTORS = Path(__file__).resolve().parents[2] / "spec" / "vectors"
+
+
+def _schema(name: str) -> Any:
+    schema = json.loads((VECTORS.parent / "schema" / name).read_text())
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return cls(schema)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode()
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _documents(checkpoint: Path) -> tuple[Any, list[Any], Any]:
+    def load(path: Path) -> Any:
+        return _jsonable(msgpack.unpackb(path.read_bytes(), raw=False, strict_map_key=False))
+
+    (manifest,) = checkpoint.glob("manifest-*.msgpack")
+    locals_ = [load(path) for path in sorted(checkpoint.glob("ranks/*.msgpack"))]
+    return load(manifest), locals_, json.loads((checkpoint / "COMMITTED").read_text())
+
+
+def test_the_schemas_describe_the_reference_vectors() -> None:
+    global_doc, local_docs, marker = _documents(VECTORS / "valid" / "references_basic" / "step-2")
+    _schema("global-manifest.schema.json").validate(global_doc)
+    for local in local_docs:
+        _schema("local-manifest.schema.json").validate(local)
+        assert local["referenced"]["count"] == 1
+    _schema("committed.schema.json").validate(marker)
+    assert marker["references"] == [{"checkpoint": "step-1", "attempt": "golden1"}]
+
+    global_doc["references"][0]["path"] = "../x/data/00000-golden1.safetensors"
+    with pytest.raises(jsonschema.ValidationError):
+        _schema("global-manifest.schema.json").validate(global_doc)
+    del local_docs[0]["referenced"]["crc32c"]
+    with pytest.raises(jsonschema.ValidationError):
+        _schema("local-manifest.schema.json").validate(local_docs[0])
+    local_docs[1]["piece_hash"]["alg"] = "md5"
+    with pytest.raises(jsonschema.ValidationError):
+        _schema("local-manifest.schema.json").validate(local_docs[1])
+    marker["references"][0]["checkpoint"] = ".."
+    with pytest.raises(jsonschema.ValidationError):
+        _schema("committed.schema.json").validate(marker)

@@ -20,4 +20,3 @@ def test_retention_keeps_a_referenced_checkpoint(tmp_path: Path) -> None:
         ("step-1", "golden1"),
     )
     assert listing.to_prune(1) == []  # step-1 is older, but step-2 (kept) references it
-

@@ -26,6 +26,7 @@ from shardckpt.format.manifest import (
     decode_commit_marker,
     decode_global_manifest,
 )
+from shardckpt.format.references import check_committed_references
 from shardckpt.storage import Storage
 
 
@@ -62,6 +63,7 @@ def verify_global_manifest(raw: bytes, marker: CommitMarker, where: str) -> Glob
             f"{where}: attempt {manifest.attempt}, {manifest.world_size} ranks, step {manifest.step} disagree with "
             f"COMMITTED (attempt {marker.attempt}, {marker.world_size} ranks, step {marker.step})"
         )
+    check_committed_references(marker.references, manifest.references, where)
     return manifest
 
 

@@ -103,6 +103,10 @@ class Listing:
                 f"keep_last must be >= 1 (the newest checkpoint is never deleted), got {keep_last}"
             )
         owned = [entry for entry in self.committed() if entry.owned]
+        if any(entry.marker is not None and entry.marker.references for entry in owned):
+            # SPEC 14 (format 1.1): a checkpoint that a kept one references is kept; until retention computes that
+            # set, a root with references loses no committed checkpoint.
+            return []
         return [entry for entry in owned[: max(0, len(owned) - keep_last)] if entry.name not in keep]
 
 

@@ -62,6 +62,13 @@ class StoredCheckpoint:
     whose Checkpoint adds reading into tensors)."""
 
     def __init__(self, storage: Storage, marker: CommitMarker, manifest: GlobalManifest) -> None:
+        if manifest.references:
+            # Format 1.1 documents decode (format/references.py); following their references is the next step.
+            names = sorted({entry.file.target.checkpoint for entry in manifest.references})
+            raise FormatError(
+                f"{storage.url}: stores pieces by reference to {names} (format 1.1 'references'); this version of "
+                "shardckpt decodes such checkpoints but does not read them yet"
+            )
         self.storage, self.marker, self.manifest = storage, marker, manifest
         self.url = storage.url
         self._checked: set[str] = set()

@@ -26,6 +26,7 @@ from shardckpt.format.columns import (
 )
 from shardckpt.format.dtypes import DTYPE_SIZES
 from shardckpt.format.layout import parse_data_path
+from shardckpt.format.references import LocalReferences, decode_local_references
 from shardckpt.format.strict import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -121,6 +122,7 @@ class LocalManifest:
     objects: tuple[ObjectEntry, ...] = ()
     step: int | None = None
     version: tuple[int, int] = FORMAT_VERSION
+    references: LocalReferences | None = None  # format 1.1: piece hashes, pieces stored by reference
 
 
 # ------------------------------------------------------------------------------------------- encoding
@@ -216,6 +218,18 @@ def decode_local_manifest(data: bytes, where: str = "local manifest") -> LocalMa
     objects = decode_objects(fields.get("objects", list, optional=True) or [], where, world_size)
     if any(entry.rank not in (None, rank) for entry in objects):
         raise FormatError(f"{where}: a local manifest may only hold shared objects and objects of rank {rank}")
+    references = decode_local_references(
+        fields,
+        version,
+        attempt,
+        piece_count=pieces.count,
+        extents=extents,
+        extent_position=extent_position,
+        k_of=k_of,
+        size_of=size_of,
+        names=[spec.name for spec in specs],
+        block_size=block_size,
+    )
     return LocalManifest(
         attempt=attempt,
         rank=rank,
@@ -231,6 +245,7 @@ def decode_local_manifest(data: bytes, where: str = "local manifest") -> LocalMa
         objects=objects,
         step=fields.integer("step", -(1 << 63), (1 << 63) - 1, optional=True),
         version=version,
+        references=references,
     )
 
 

@@ -30,6 +30,7 @@ from shardckpt.format.layout import (
     parse_local_manifest_path,
 )
 from shardckpt.format.local_manifest import LAYOUTS
+from shardckpt.format.references import GlobalReference, decode_committed_references, decode_global_references
 from shardckpt.format.strict import (
     DOCUMENT_DEPTH,
     FORMAT_NAME,
@@ -199,6 +200,7 @@ class GlobalManifest:
     created: float = 0.0
     metadata: dict[str, Any] = field(default_factory=dict)
     version: tuple[int, int] = FORMAT_VERSION
+    references: tuple[GlobalReference, ...] = ()  # format 1.1: piece file index len(files) + j is references[j]
 
     def tensor(self, name: str) -> TensorEntry | None:
         return self.tensor_index().get(name)
@@ -226,6 +228,7 @@ class CommitMarker:
     step: int | None = None
     created: float = 0.0
     version: tuple[int, int] = FORMAT_VERSION
+    references: tuple[tuple[str, str], ...] = ()  # format 1.1: (checkpoint, attempt) of every referenced one
 
 
 def _decode_piece_lists(raw: dict[str, Any], count: int, k: int, where: str) -> PieceLists:
@@ -469,7 +472,9 @@ def decode_global_manifest(data: bytes, where: str = "manifest") -> GlobalManife
     files = tuple(_decode_file(item, f"{where} files[{i}]", world_size, attempt) for i, item in enumerate(raw_files))
     if [f.rank for f in files] != list(range(world_size)):
         raise FormatError(f"{where}: files must list one data file per rank, in rank order 0..{world_size - 1}")
-    tensors = _decode_tensors(fields.get("tensors", list), where, [f.data_size for f in files])
+    references = decode_global_references(fields, version, attempt, world_size)
+    sizes = [f.data_size for f in files] + [entry.file.data_size for entry in references]
+    tensors = _decode_tensors(fields.get("tensors", list), where, sizes)
     metadata = fields.get("metadata", dict, optional=True) or {}
     return GlobalManifest(
         attempt=attempt,
@@ -482,6 +487,7 @@ def decode_global_manifest(data: bytes, where: str = "manifest") -> GlobalManife
         created=created_field(fields),
         metadata=metadata,
         version=version,
+        references=references,
     )
 
 
@@ -553,6 +559,7 @@ def decode_commit_marker(data: bytes, where: str = "COMMITTED") -> CommitMarker:
         step=fields.integer("step", -(1 << 63), (1 << 63) - 1, optional=True),
         created=created_field(fields),
         version=version,
+        references=decode_committed_references(fields, version),
     )
 
 

@@ -17,7 +17,7 @@ from shardckpt.format.values import check_utf8, unpack_value
 FORMAT_NAME = "shardckpt"
 FORMAT_VERSION = (1, 0)
 # Feature names this reader understands when a writer lists them in "must_understand".
-UNDERSTOOD_FEATURES: frozenset[str] = frozenset()
+UNDERSTOOD_FEATURES: frozenset[str] = frozenset({"references"})  # format 1.1: format/references.py
 OBJECT_VALUE_LEVEL = 3
 DOCUMENT_DEPTH = -OBJECT_VALUE_LEVEL  # the depth a manifest's root map sits at (see unpack_manifest)
 

@@ -48,7 +48,16 @@ DTYPES: dict[str, torch.dtype] = {
 
 # Invalid vectors that the library does not refuse as SPEC.md requires yet. Strict: once the library is fixed,
 # the test XPASSes and fails, so the entry gets removed here.
-KNOWN_LIBRARY_BUGS: dict[str, str] = {}
+# Valid cases are listed here too. The format 1.1 reference vectors decode, but the reader does not follow
+# references yet (issue 18: the read side is the next step), so they fail until it does.
+_FOLLOWS_REFERENCES = "the reader does not follow format 1.1 references yet"
+KNOWN_LIBRARY_BUGS: dict[str, str] = {
+    "references_basic": _FOLLOWS_REFERENCES,
+    "reference_uncommitted": _FOLLOWS_REFERENCES,
+    "reference_wrong_size": _FOLLOWS_REFERENCES,
+    "reference_wrong_checksum": _FOLLOWS_REFERENCES,
+    "reference_chain": _FOLLOWS_REFERENCES,
+}
 
 
 def _cases(kind: str) -> list[Path]:
@@ -65,7 +74,7 @@ INVALID = _cases("invalid")
 def _params(cases: list[Path]) -> list[Any]:
     params = []
     for case in cases:
-        reason = KNOWN_LIBRARY_BUGS.get(case.name) if case.parent.name == "invalid" else None
+        reason = KNOWN_LIBRARY_BUGS.get(case.name)
         marks = [pytest.mark.xfail(strict=True, reason=f"library bug: {reason}")] if reason else []
         params.append(pytest.param(case, id=case.name, marks=marks))
     return params
@@ -126,7 +135,7 @@ def test_vector_lists_are_not_empty() -> None:
 
 
 def test_known_bugs_name_existing_vectors() -> None:
-    names = {case.name for case in INVALID}
+    names = {case.name for case in INVALID + VALID}
     assert set(KNOWN_LIBRARY_BUGS) <= names, set(KNOWN_LIBRARY_BUGS) - names
 
 
@@ -134,6 +143,7 @@ def test_known_bugs_name_existing_vectors() -> None:
 def test_valid_vector(case: Path) -> None:
     description = json.loads((case / "description.json").read_text())
     before = _snapshot(case)
+    case = case / description.get("checkpoint", "")  # a root of several checkpoints names the one to read
     checkpoint = shardckpt.open(str(case))
     assert checkpoint.manifest.world_size == description["world_size"]
     assert checkpoint.step == description["step"]
@@ -177,7 +187,7 @@ def test_valid_vector(case: Path) -> None:
             for key in keys:
                 name = key if key in expected_tensors else key.rsplit("#", 1)[0]
                 assert handle.get_tensor(key).dtype == DTYPES[expected_tensors[name]["dtype"]], (path, key)
-    assert _snapshot(case) == before, "reading a vector changed it"
+    assert _snapshot(case.parent if "checkpoint" in description else case) == before, "reading a vector changed it"
 
 
 @pytest.mark.parametrize("case", _params(INVALID))
@@ -188,6 +198,7 @@ def test_invalid_vector(case: Path) -> None:
     operation = expected["operation"]
     assert operation in ("open", "read", "verify"), operation
     before = _snapshot(case)
+    case = case / expected.get("checkpoint", "")  # a root of several checkpoints names the one to read
 
     if operation == "open":
         with pytest.raises(error) as caught:
@@ -212,4 +223,4 @@ def test_invalid_vector(case: Path) -> None:
         assert fragments, "a verify vector must name what the report has to mention"
     for fragment in fragments:
         assert fragment in problems, f"{fragment!r} not named in the verify report: {problems}"
-    assert _snapshot(case) == before, "reading a vector changed it"
+    assert _snapshot(case.parent if "checkpoint" in expected else case) == before, "reading a vector changed it"

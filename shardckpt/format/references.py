@@ -1,0 +1,440 @@
+"""Format 1.1 references (SPEC 6.2, 6.3): pieces stored in a data file of an earlier committed checkpoint of the
+same root, the paths that name such files, the referenced piece tables and the BLAKE2b-128 piece hashes.
+
+Pure: decoding and validating untrusted documents, no I/O. Every failure is a FormatError naming file and field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from shardckpt.errors import FormatError, IntegrityError
+from shardckpt.format import limits
+from shardckpt.format.columns import Int64Array, UInt32Array, decode_int_column, decode_u32_column
+from shardckpt.format.layout import data_path, validate_attempt
+from shardckpt.format.strict import Fields
+
+FEATURE = "references"  # the must_understand entry of every document that uses references
+HASH_ALG = "blake2b-128"
+HASH_BYTES = 16
+FIRST_VERSION = (1, 1)
+
+_NAME = r"[0-9A-Za-z._-]{1,255}"
+_CHECKPOINT_NAME = re.compile(_NAME)
+_REFERENCE = re.compile(rf"({_NAME})/data/([0-9]{{5,8}})-([0-9a-z]{{1,{limits.MAX_ATTEMPT_CHARS}}})\.safetensors")
+
+
+# ------------------------------------------------------------------------------------------------- paths
+
+
+@dataclass(frozen=True)
+class ReferencePath:
+    """A data file of another checkpoint of the same root: ROOT/<checkpoint>/data/<rank>-<attempt>.safetensors."""
+
+    checkpoint: str
+    rank: int
+    attempt: str
+
+    @property
+    def path(self) -> str:
+        """Relative to the root."""
+        return f"{self.checkpoint}/{self.data}"
+
+    @property
+    def data(self) -> str:
+        """Relative to the referenced checkpoint."""
+        return data_path(self.rank, self.attempt)
+
+
+def check_checkpoint_name(name: object) -> str:
+    if not isinstance(name, str) or not _CHECKPOINT_NAME.fullmatch(name) or name in (".", ".."):
+        raise FormatError(f"checkpoint name {name!r} is not 1..255 characters of [0-9A-Za-z._-] (nor '.' or '..')")
+    return name
+
+
+def reference_path(checkpoint: str, rank: int, attempt: str) -> str:
+    return ReferencePath(check_checkpoint_name(checkpoint), rank, validate_attempt(attempt)).path
+
+
+def parse_reference_path(path: object, *, own_attempt: str, own_name: str | None = None) -> ReferencePath:
+    """The file a reference path names; FormatError for anything but a data file of another checkpoint of the
+    root (absolute paths, '..', URLs, the checkpoint itself), before anything touches storage."""
+    if not isinstance(path, str) or len(path) > limits.MAX_PATH_CHARS:
+        raise FormatError(
+            f"reference path must be a string of at most {limits.MAX_PATH_CHARS} characters, got {path!r}"
+        )
+    match = _REFERENCE.fullmatch(path)
+    # One message for traversal, absolute paths, URLs and typos alike: only <checkpoint>/data/... is legal.
+    if match is None or match.group(1) in (".", ".."):
+        raise FormatError(
+            f"reference path {path!r} does not name a data file of a checkpoint of the same root "
+            f"(expected <checkpoint name>/data/<rank>-<attempt>.safetensors)"
+        )
+    rank = int(match.group(2))
+    if match.group(2) != f"{rank:05d}":
+        raise FormatError(f"reference path {path!r} does not write its rank {rank} as exactly {rank:05d}")
+    checkpoint, attempt = match.group(1), match.group(3)
+    if attempt == own_attempt or checkpoint == own_name:
+        raise FormatError(f"reference path {path!r} names the referencing checkpoint itself, not an earlier one")
+    return ReferencePath(checkpoint, rank, attempt)
+
+
+# ------------------------------------------------------------------------------------------------ hashes
+
+
+def piece_hash(data: bytes | bytearray | memoryview) -> bytes:
+    """The content hash of a piece's stored bytes (SPEC 6.3): BLAKE2b, 16-byte digest, no key."""
+    return hashlib.blake2b(data, digest_size=HASH_BYTES).digest()
+
+
+def encode_hash_column(digests: Sequence[bytes]) -> dict[str, Any]:
+    if any(len(digest) != HASH_BYTES for digest in digests):
+        raise FormatError(f"a {HASH_ALG} digest is {HASH_BYTES} bytes")
+    return {"alg": HASH_ALG, "n": len(digests), "data": b"".join(digests)}
+
+
+def decode_hash_column(column: object, where: str, expected_n: int) -> bytes:
+    """The 16n digest bytes of a hash column; FormatError for another algorithm, count or length."""
+    fields = Fields(column, where)
+    alg = fields.get("alg", str)
+    if alg != HASH_ALG:
+        raise FormatError(f"{where}: hash algorithm {alg!r} is not {HASH_ALG!r}")
+    n = fields.integer("n", 0, limits.MAX_PIECES_PER_TENSOR)
+    if n != expected_n:
+        raise FormatError(f"{where}: {n} hashes for {expected_n} pieces")
+    data = fields.get("data", bytes)
+    if len(data) != HASH_BYTES * n:
+        raise FormatError(f"{where}: hash column holds {len(data)} bytes, expected {HASH_BYTES * n}")
+    return bytes(data)
+
+
+# ------------------------------------------------------------------------------------- referenced files
+
+
+@dataclass(frozen=True)
+class ReferencedFile:
+    """A data file of another checkpoint that pieces of this one are stored in, with its size."""
+
+    target: ReferencePath
+    data_size: int
+
+    @property
+    def path(self) -> str:
+        return self.target.path
+
+
+@dataclass(frozen=True)
+class GlobalReference:
+    """A global manifest's reference entry: rank `rank`'s local manifest carries the checksums of the pieces stored
+    in `file`. Entry j is the piece tables' file index len(files) + j."""
+
+    rank: int
+    file: ReferencedFile
+
+
+def uses_references(fields: Fields) -> bool:
+    """Whether a document lists the references feature (check_header has validated must_understand)."""
+    return FEATURE in (fields.raw.get("must_understand") or ())
+
+
+def _check_feature(fields: Fields, version: tuple[int, int], used: bool) -> None:
+    if used and not uses_references(fields):
+        raise FormatError(
+            f"{fields.where}: stores pieces by reference but does not list {FEATURE!r} in must_understand"
+        )
+    if used and version < FIRST_VERSION:
+        raise FormatError(f"{fields.where}: references need format version 1.1 or later, got {version[0]}.{version[1]}")
+
+
+def _referenced_file(raw: object, where: str, own_attempt: str) -> ReferencedFile:
+    fields = Fields(raw, where)
+    try:
+        target = parse_reference_path(fields.get("path", str), own_attempt=own_attempt)
+    except FormatError as exc:
+        raise FormatError(f"{where}: {exc}") from None
+    return ReferencedFile(target, fields.integer("data_size", 8, limits.MAX_EXTENT))
+
+
+def decode_global_references(
+    fields: Fields, version: tuple[int, int], attempt: str, world_size: int
+) -> tuple[GlobalReference, ...]:
+    """The global manifest's `references` (SPEC 6.2, appendix A); empty when absent."""
+    raw = fields.get("references", list, optional=True) or []
+    _check_feature(fields, version, bool(raw))
+    if len(raw) > limits.MAX_FILES:
+        raise FormatError(f"{fields.where}: {len(raw)} references exceed the limit of {limits.MAX_FILES}")
+    entries = []
+    for index, item in enumerate(raw):
+        where = f"{fields.where} references[{index}]"
+        rank = Fields(item, where).integer("rank", 0, world_size - 1)
+        entries.append(GlobalReference(rank, _referenced_file(item, where, attempt)))
+    ranks = [entry.rank for entry in entries]
+    if ranks != sorted(ranks):
+        raise FormatError(f"{fields.where}: references must be listed by rank, in ascending order")
+    if len({(entry.rank, entry.file.path) for entry in entries}) != len(entries):
+        raise FormatError(f"{fields.where}: a rank lists one referenced file twice")
+    return tuple(entries)
+
+
+def check_committed_references(
+    listed: Sequence[tuple[str, str]], references: Sequence[GlobalReference], where: str
+) -> None:
+    """COMMITTED's `references` must name exactly the checkpoints and attempts the manifest's references name."""
+    named = sorted({(entry.file.target.checkpoint, entry.file.target.attempt) for entry in references})
+    if list(listed) != named:
+        raise FormatError(f"{where}: COMMITTED lists referenced checkpoints {list(listed)}, the manifest {named}")
+    if len({checkpoint for checkpoint, _ in named}) != len(named):
+        raise FormatError(f"{where}: references name two attempts of one checkpoint; only one can be committed")
+
+
+def decode_committed_references(fields: Fields, version: tuple[int, int]) -> tuple[tuple[str, str], ...]:
+    """COMMITTED's `references`: (checkpoint, attempt) pairs, sorted by name, one per name; empty when absent."""
+    raw = fields.get("references", list, optional=True) or []
+    _check_feature(fields, version, bool(raw))
+    if len(raw) > limits.MAX_FILES:
+        raise FormatError(f"{fields.where}: {len(raw)} references exceed the limit of {limits.MAX_FILES}")
+    pairs = []
+    for index, item in enumerate(raw):
+        entry = Fields(item, f"{fields.where} references[{index}]")
+        try:
+            name = check_checkpoint_name(entry.get("checkpoint", str))
+            pairs.append((name, validate_attempt(entry.get("attempt", str))))
+        except FormatError as exc:
+            raise FormatError(f"{entry.where}: {exc}") from None
+    names = [name for name, _ in pairs]
+    if names != sorted(set(names)):
+        raise FormatError(f"{fields.where}: references must be sorted by checkpoint name, one entry per checkpoint")
+    if uses_references(fields) and not pairs:
+        raise FormatError(f"{fields.where}: lists {FEATURE!r} in must_understand but names no referenced checkpoint")
+    return tuple(pairs)
+
+
+# -------------------------------------------------------------------------------- referenced piece table
+
+
+class ReferencedPieces:
+    """A local manifest's referenced piece table: rows in (source, offset) order; start/length piece-major."""
+
+    __slots__ = (
+        "crc32c",
+        "first_block",
+        "hash",
+        "k",
+        "length",
+        "nbytes",
+        "offset",
+        "position",
+        "source",
+        "start",
+        "tensor",
+    )
+
+    def __init__(
+        self,
+        tensor: Int64Array,
+        source: Int64Array,
+        offset: Int64Array,
+        start: Int64Array,
+        length: Int64Array,
+        crc32c: UInt32Array,
+        digests: bytes,
+        *,
+        k_of: Int64Array,
+        size_of: Int64Array,
+        block_size: int,
+    ) -> None:
+        self.tensor, self.source, self.offset, self.start, self.length = tensor, source, offset, start, length
+        self.crc32c, self.hash = crc32c, digests
+        self.k = k_of[tensor] if tensor.size else np.zeros(0, np.int64)
+        self.position = np.concatenate([[0], np.cumsum(self.k)[:-1]]).astype(np.int64) if tensor.size else self.k
+        volume = np.ones(tensor.size, dtype=np.int64)
+        has_dims = self.k > 0
+        if length.size:
+            volume[has_dims] = np.multiply.reduceat(length, self.position[has_dims])
+        self.nbytes = volume * (size_of[tensor] if tensor.size else 0)
+        blocks = -(-self.nbytes // block_size)
+        self.first_block = np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64) if blocks.size else blocks
+
+    @property
+    def count(self) -> int:
+        return int(self.tensor.size)
+
+    def box(self, row: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        first, k = int(self.position[row]), int(self.k[row])
+        return tuple(self.start[first : first + k].tolist()), tuple(self.length[first : first + k].tolist())
+
+    def digest(self, row: int) -> bytes:
+        return self.hash[HASH_BYTES * row : HASH_BYTES * (row + 1)]
+
+    def find(self, source: int, offset: int) -> int | None:
+        """The row of the piece at byte `offset` of referenced file `source`, if any."""
+        rows = np.nonzero((self.source == source) & (self.offset == offset))[0]
+        return int(rows[0]) if rows.size else None
+
+
+@dataclass(frozen=True, eq=False)
+class LocalReferences:
+    """What format 1.1 adds to a local manifest: piece hashes, referenced files and pieces (each may be absent)."""
+
+    piece_hash: bytes | None
+    files: tuple[ReferencedFile, ...]
+    pieces: ReferencedPieces | None
+
+
+def decode_local_references(
+    fields: Fields,
+    version: tuple[int, int],
+    attempt: str,
+    *,
+    piece_count: int,
+    extents: Int64Array,
+    extent_position: Int64Array,
+    k_of: Int64Array,
+    size_of: Int64Array,
+    names: Sequence[str],
+    block_size: int,
+) -> LocalReferences:
+    """Decode a local manifest's piece_hash, references and referenced table (SPEC 6.2, 6.3) after its 1.0 fields;
+    extents/extent_position/k_of/size_of describe its tensor table as local_manifest's decoder builds them."""
+    where = fields.where
+    digests = None
+    if fields.raw.get("piece_hash") is not None:
+        digests = decode_hash_column(fields.raw["piece_hash"], f"{where} piece_hash", piece_count)
+    raw_files = fields.get("references", list, optional=True) or []
+    raw_table = fields.get("referenced", dict, optional=True)
+    _check_feature(fields, version, bool(raw_files) or raw_table is not None)
+    if raw_table is None:
+        if raw_files:
+            raise FormatError(f"{where}: lists referenced files but has no referenced piece table")
+        return LocalReferences(digests, (), None)
+    if len(raw_files) > limits.MAX_FILES:
+        raise FormatError(f"{where}: {len(raw_files)} references exceed the limit of {limits.MAX_FILES}")
+    files = tuple(_referenced_file(item, f"{where} references[{i}]", attempt) for i, item in enumerate(raw_files))
+    if len({entry.path for entry in files}) != len(files):
+        raise FormatError(f"{where}: a referenced file is listed twice")
+    table = Fields(raw_table, f"{where} referenced")
+    pieces = _referenced_pieces(table, files, extents, extent_position, k_of, size_of, names, block_size)
+    if files and set(range(len(files))) != set(pieces.source.tolist()):
+        raise FormatError(f"{where}: a referenced file holds none of the referenced pieces")
+    return LocalReferences(digests, files, pieces)
+
+
+def _referenced_pieces(
+    table: Fields,
+    files: tuple[ReferencedFile, ...],
+    extents: Int64Array,
+    extent_position: Int64Array,
+    k_of: Int64Array,
+    size_of: Int64Array,
+    names: Sequence[str],
+    block_size: int,
+) -> ReferencedPieces:
+    where = table.where
+    # Checksums first, as in the 1.0 table: stored raw, their count bounds the rows before anything inflates.
+    if table.raw.get("crc32c") is None:
+        raise FormatError(f"{where}: missing field 'crc32c' (the block checksums of the referenced bytes)")
+    crcs = decode_u32_column(table.raw["crc32c"], f"{where}.crc32c")
+    count = table.integer("count", 0, min(limits.MAX_PIECES_PER_TENSOR, int(crcs.size)))
+    if table.raw.get("hash") is None:
+        raise FormatError(f"{where}: missing field 'hash' (the content hash of every referenced piece)")
+    digests = decode_hash_column(table.raw["hash"], f"{where}.hash", count)
+    tensor = decode_int_column(table.raw.get("tensor"), f"{where}.tensor", count)
+    if tensor.size and (tensor.min() < 0 or tensor.max() >= k_of.size):
+        raise FormatError(f"{where}: a piece names a tensor outside the table of {k_of.size}")
+    source = decode_int_column(table.raw.get("source"), f"{where}.source", count)
+    if source.size and (source.min() < 0 or source.max() >= len(files)):
+        raise FormatError(f"{where}: a piece names a referenced file outside 0..{len(files) - 1}")
+    offset = decode_int_column(table.raw.get("offset"), f"{where}.offset", count)
+    k = k_of[tensor] if tensor.size else np.zeros(0, np.int64)
+    values = int(k.sum())
+    start = decode_int_column(table.raw.get("start"), f"{where}.start", values)
+    length = decode_int_column(table.raw.get("length"), f"{where}.length", values)
+    piece_of_value = np.repeat(np.arange(count, dtype=np.int64), k)
+    first_value = np.concatenate([[0], np.cumsum(k)[:-1]]).astype(np.int64) if count else k
+    within = np.arange(values, dtype=np.int64) - first_value[piece_of_value]
+    bound = extents[extent_position[tensor[piece_of_value]] + within] if values else np.zeros(0, np.int64)
+    if values:
+        bad = (start < 0) | (length < 1) | (start > bound) | (length > bound) | (start + length > bound)
+        if bad.any():
+            row = int(piece_of_value[np.argmax(bad)])
+            raise FormatError(f"{where}: piece {row} of tensor {names[int(tensor[row])]!r} lies outside it or is empty")
+    pieces = ReferencedPieces(
+        tensor, source, offset, start, length, crcs, digests, k_of=k_of, size_of=size_of, block_size=block_size
+    )
+    sizes = np.array([entry.data_size for entry in files], dtype=np.int64)[source] if count else np.zeros(0, np.int64)
+    # Each piece is < 2^62 bytes and offsets are checked against sizes < 2^62 first, so the sums cannot overflow.
+    if count and ((offset < 8).any() or (offset > sizes).any() or (offset + pieces.nbytes > sizes).any()):
+        row = int(np.argmax((offset < 8) | (offset > sizes) | (offset + pieces.nbytes > sizes)))
+        raise FormatError(
+            f"{where}: piece {row} of tensor {names[int(tensor[row])]!r} ({int(pieces.nbytes[row])} bytes at "
+            f"{int(offset[row])}) lies outside {files[int(source[row])].path} of {int(sizes[row])} bytes"
+        )
+    if count > 1:
+        same = source[1:] == source[:-1]
+        if (source[1:] < source[:-1]).any() or (same & (offset[1:] < offset[:-1] + pieces.nbytes[:-1])).any():
+            raise FormatError(f"{where}: pieces are not in (source, offset) order, or two of one file overlap")
+    blocks = int((-(-pieces.nbytes // block_size)).sum())
+    if crcs.size != blocks:
+        raise FormatError(f"{where}: {crcs.size} checksums for {blocks} blocks of the referenced pieces")
+    return pieces
+
+
+def check_local_references(
+    local: Sequence[ReferencedFile], global_entries: Sequence[GlobalReference], rank: int, where: str
+) -> None:
+    """A local manifest's referenced files must be the global manifest's entries of its rank, in order."""
+    expected = [(entry.file.path, entry.file.data_size) for entry in global_entries if entry.rank == rank]
+    found = [(entry.path, entry.data_size) for entry in local]
+    if found != expected:
+        raise FormatError(f"{where}: references {found} differ from the global manifest's for rank {rank}: {expected}")
+
+
+# ----------------------------------------------------------------------------------------------- targets
+
+
+@dataclass(frozen=True)
+class PieceIdentity:
+    """What makes two stored pieces the same piece: tensor name, dtype, global shape, layout and box."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    layout: str
+    start: tuple[int, ...]
+    length: tuple[int, ...]
+
+
+def check_target(
+    piece: PieceIdentity,
+    offset: int,
+    digest: bytes,
+    holder: Sequence[tuple[int, PieceIdentity, bytes | None]],
+    holder_referenced: Sequence[PieceIdentity],
+    where: str,
+) -> None:
+    """A referenced piece must be a piece its holder stores at `offset` itself (SPEC 6.2 "No chains").
+
+    holder: the holder's own pieces as (offset, identity, hash or None); holder_referenced: the pieces the holder
+    stores by reference. FormatError for a chain, IntegrityError for any other mismatch.
+    """
+    stored = next((item for item in holder if item[0] == offset), None)
+    if stored is not None and stored[1] == piece:
+        if stored[2] is not None and stored[2] != digest:
+            raise IntegrityError(f"{where}: the holder records another hash for {piece.name!r} at byte {offset}")
+        return
+    if piece in holder_referenced:
+        raise FormatError(
+            f"{where}: chain: {piece.name!r} start {list(piece.start)} is itself stored by reference in the file "
+            "it references; a reference must name the file that holds the bytes"
+        )
+    found = "nothing" if stored is None else f"{stored[1].name!r} start {list(stored[1].start)}"
+    raise IntegrityError(
+        f"{where}: {piece.name!r} start {list(piece.start)} length {list(piece.length)} is not stored at byte "
+        f"{offset} of the file it references ({found} is)"
+    )

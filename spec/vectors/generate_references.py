@@ -1,0 +1,380 @@
+"""Regenerate the format 1.1 vectors of pieces stored by reference (SPEC 6.2):
+`python spec/vectors/generate_references.py`.
+
+Each case is a *root* holding several checkpoints; its description.json / expected_error.json names the one to open
+("checkpoint"). Today's writer emits 1.0 only, so the referencing checkpoints are written as 1.0 by the library and
+then given their references here, at the byte level, with this script's own msgpack/CRC32C/column/hash code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from generate import (
+    BLOCK,
+    INVALID,
+    VALID,
+    column_values,
+    describe_tensor,
+    expect,
+    make_column,
+    pack,
+    pinned_clock,
+    unpack,
+    write_json,
+)
+
+import shardckpt
+
+ROOT_CASE = "references_basic"
+PARENT, CHILD = "step-1", "step-2"
+ATTEMPTS = {"step-1": "golden1", "step-2": "golden2", "step-3": "golden3"}
+Row = dict[str, Any]
+
+
+def blake2b_128(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def hash_column(digests: list[bytes]) -> dict[str, Any]:
+    return {"alg": "blake2b-128", "n": len(digests), "data": b"".join(digests)}
+
+
+def u32_column(values: list[int]) -> dict[str, Any]:
+    return {"enc": "u32le", "n": len(values), "data": b"".join(v.to_bytes(4, "little") for v in values)}
+
+
+def data_path(rank: int, attempt: str) -> str:
+    return f"data/{rank:05d}-{attempt}.safetensors"
+
+
+def local_path(rank: int, attempt: str) -> str:
+    return f"ranks/{rank:05d}-{attempt}.msgpack"
+
+
+def write_checkpoint(
+    root: Path, name: str, step: int, pieces: dict[int, list[tuple[str, torch.Tensor, slice]]]
+) -> None:
+    """A 1.0 checkpoint ROOT/name of 2 ranks, written by the library; pieces: rank -> (tensor, full, rows)."""
+    attempt = ATTEMPTS[name]
+    url = str(root / name)
+    writers = [
+        shardckpt.ShardWriter(url, rank=rank, world_size=2, attempt=attempt, block_size=BLOCK, step=step)
+        for rank in range(2)
+    ]
+    for rank, items in pieces.items():
+        for tensor, full, rows in items:
+            writers[rank].add(tensor, full[rows].clone(), global_shape=tuple(full.shape), offsets=(rows.start, 0))
+    for writer in writers:
+        writer.close()
+    with pinned_clock():
+        shardckpt.commit(url, world_size=2, attempt=attempt)
+
+
+def local_doc(root: Path, name: str, rank: int) -> dict[str, Any]:
+    document: dict[str, Any] = unpack((root / name / local_path(rank, ATTEMPTS[name])).read_bytes())
+    return document
+
+
+def physical_pieces(root: Path, name: str, rank: int) -> list[Row]:
+    """The rows of a local manifest's pieces table (every tensor here is 2-D F32): name, box, bytes, checksums."""
+    document = local_doc(root, name, rank)
+    names = document["tensors"]["names"].split("\x00")
+    table = document["pieces"]
+    tensor, offset = column_values(table["tensor"]), column_values(table["offset"])
+    start, length = column_values(table["start"]), column_values(table["length"])
+    data = (root / name / data_path(rank, ATTEMPTS[name])).read_bytes()
+    raw_crcs = document["crc32c"]["data"]
+    crcs = [int.from_bytes(raw_crcs[i : i + 4], "little") for i in range(0, len(raw_crcs), 4)]
+    rows, block_at = [], 0
+    for i in range(table["count"]):
+        size = length[2 * i] * length[2 * i + 1] * 4
+        blocks = -(-size // BLOCK)
+        rows.append(
+            {
+                "name": names[tensor[i]],
+                "offset": offset[i],
+                "start": start[2 * i : 2 * i + 2],
+                "length": length[2 * i : 2 * i + 2],
+                "bytes": data[offset[i] : offset[i] + size],
+                "crc32c": crcs[block_at : block_at + blocks],
+            }
+        )
+        block_at += blocks
+    return rows
+
+
+def w_row(root: Path, holder: str, rank: int) -> Row:
+    (row,) = [row for row in physical_pieces(root, holder, rank) if row["name"] == "w"]
+    return row
+
+
+def _declare_w(table: dict[str, Any], shape: list[int]) -> int:
+    """Add tensor w to a local tensor table (if absent); its index."""
+    names = table["names"].split("\x00") if table["count"] else []
+    if "w" not in names:
+        dtypes = table["dtypes"].split("\x00") if names else []
+        layouts = table["layouts"].split("\x00") if names else []
+        table["count"] += 1
+        table["names"] = "\x00".join([*names, "w"])
+        table["dtypes"] = "\x00".join([*dtypes, "F32"])
+        table["layouts"] = "\x00".join([*layouts, "box"])
+        table["ndim"] = make_column([*column_values(table["ndim"]), 2])
+        table["shape"] = make_column([*column_values(table["shape"]), *shape])
+        names.append("w")
+    return names.index("w")
+
+
+def add_references(root: Path, name: str, refs: dict[int, list[tuple[str, Row]]], shape: list[int]) -> None:
+    """Make ROOT/name a 1.1 checkpoint whose rank r also stores tensor w's pieces refs[r] by reference: (reference
+    path, holder row); sizes and checksums of the whole chain are set to match."""
+    attempt = ATTEMPTS[name]
+    ckpt = root / name
+    global_refs: list[dict[str, Any]] = []
+    sealed = {}
+    for rank in range(2):
+        document = local_doc(root, name, rank)
+        data = (ckpt / data_path(rank, attempt)).read_bytes()
+        w_index = _declare_w(document["tensors"], shape)
+        pieces = document["pieces"]
+        offsets, lengths = column_values(pieces["offset"]), column_values(pieces["length"])
+        document["version"] = [1, 1]
+        document["must_understand"] = ["references"]
+        document["piece_hash"] = hash_column(
+            [
+                blake2b_128(data[offsets[i] : offsets[i] + 4 * lengths[2 * i] * lengths[2 * i + 1]])
+                for i in range(pieces["count"])
+            ]
+        )
+        paths = sorted({path for path, _ in refs.get(rank, [])})
+        rows = sorted(refs.get(rank, []), key=lambda item: (paths.index(item[0]), item[1]["offset"]))
+        sizes = {path: (root / path).stat().st_size for path in paths}
+        document["references"] = [{"path": path, "data_size": sizes[path]} for path in paths]
+        document["referenced"] = {
+            "count": len(rows),
+            "tensor": make_column([w_index] * len(rows)),
+            "source": make_column([paths.index(path) for path, _ in rows]),
+            "offset": make_column([row["offset"] for _, row in rows]),
+            "start": make_column([v for _, row in rows for v in row["start"]]),
+            "length": make_column([v for _, row in rows for v in row["length"]]),
+            "crc32c": u32_column([c for _, row in rows for c in row["crc32c"]]),
+            "hash": hash_column([blake2b_128(row["bytes"]) for _, row in rows]),
+        }
+        raw = pack(document)
+        (ckpt / local_path(rank, attempt)).write_bytes(raw)
+        sealed[rank] = (len(raw), crc32c.crc32c(raw))
+        global_refs += [{"rank": rank, "path": path, "data_size": sizes[path]} for path in paths]
+
+    manifest_file = ckpt / f"manifest-{attempt}.msgpack"
+    document = unpack(manifest_file.read_bytes())
+    document["version"] = [1, 1]
+    document["must_understand"] = ["references"]
+    for entry in document["files"]:
+        entry["index_size"], entry["index_crc32c"] = sealed[entry["rank"]]
+    document["references"] = global_refs
+    stored = [
+        (len(document["files"]) + j, row)
+        for j, ref in enumerate(global_refs)
+        for path, row in refs[ref["rank"]]
+        if path == ref["path"]
+    ]
+    document["tensors"].append(
+        {
+            "name": "w",
+            "dtype": "F32",
+            "shape": shape,
+            "layout": "box",
+            "pieces": {
+                "count": len(stored),
+                "file": make_column([file for file, _ in stored]),
+                "offset": make_column([row["offset"] for _, row in stored]),
+                "start": make_column([row["start"][d] for d in range(2) for _, row in stored]),
+                "length": make_column([row["length"][d] for d in range(2) for _, row in stored]),
+            },
+        }
+    )
+    raw = pack(document)
+    manifest_file.write_bytes(raw)
+    marker = json.loads((ckpt / "COMMITTED").read_text())
+    marker["version"] = [1, 1]
+    marker["must_understand"] = ["references"]
+    marker["manifest_size"], marker["manifest_crc32c"] = len(raw), crc32c.crc32c(raw)
+    targets = sorted({ref["path"].split("/")[0] for ref in global_refs})
+    marker["references"] = [{"checkpoint": t, "attempt": ATTEMPTS[t]} for t in targets]
+    (ckpt / "COMMITTED").write_text(json.dumps(marker, indent=1) + "\n")
+
+
+def build_valid() -> None:
+    root = VALID / ROOT_CASE
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(18)
+    w = torch.randn(4, 3, generator=gen)
+    m = torch.randn(64, 1, generator=gen)
+    write_checkpoint(root, PARENT, 1, {0: [("w", w, slice(0, 2))], 1: [("w", w, slice(2, 4))]})
+    # The child changed m only: rank 0 writes m, both ranks reference their piece of w.
+    write_checkpoint(root, CHILD, 2, {0: [("m", m, slice(0, 64))]})
+    parent_files = {r: f"{PARENT}/{data_path(r, ATTEMPTS[PARENT])}" for r in range(2)}
+    add_references(root, CHILD, {r: [(parent_files[r], w_row(root, PARENT, r))] for r in range(2)}, [4, 3])
+    write_json(
+        root / "description.json",
+        {
+            "description": "A root of two checkpoints: step-1 (1.0, w on two ranks) and step-2 (1.1), in which rank 0 "
+            "wrote m and both ranks store their piece of the unchanged w by reference to step-1's data files. "
+            "Opening step-2 reads w from step-1's files, verified against the checksums step-2 carries.",
+            "checkpoint": CHILD,
+            "world_size": 2,
+            "step": 2,
+            "attempt": ATTEMPTS[CHILD],
+            "block_size": BLOCK,
+            "tensors": {"w": describe_tensor(w), "m": describe_tensor(m)},
+            "objects": {},
+            "rank_objects": {"0": {}, "1": {}},
+            "data_files": {data_path(0, ATTEMPTS[CHILD]): ["m"], data_path(1, ATTEMPTS[CHILD]): []},
+        },
+    )
+
+
+def invalid_case(name: str, expected: dict[str, Any], checkpoint: str = CHILD) -> Path:
+    root = INVALID / name
+    if root.exists():
+        shutil.rmtree(root)
+    shutil.copytree(VALID / ROOT_CASE, root, ignore=shutil.ignore_patterns("description.json"))
+    write_json(root / "expected_error.json", {**expected, "checkpoint": checkpoint, "source": ROOT_CASE})
+    return root
+
+
+def edit_child(
+    root: Path,
+    edit_local: Callable[[dict[str, Any]], None] | None = None,
+    edit_global: Callable[[dict[str, Any]], None] | None = None,
+) -> None:
+    """Edit step-2's rank-0 local manifest and/or its global manifest, re-sealing sizes and checksums above them."""
+    ckpt, attempt = root / CHILD, ATTEMPTS[CHILD]
+    manifest_file = ckpt / f"manifest-{attempt}.msgpack"
+    document = unpack(manifest_file.read_bytes())
+    if edit_local is not None:
+        local = local_doc(root, CHILD, 0)
+        edit_local(local)
+        raw_local = pack(local)
+        (ckpt / local_path(0, attempt)).write_bytes(raw_local)
+        document["files"][0]["index_size"] = len(raw_local)
+        document["files"][0]["index_crc32c"] = crc32c.crc32c(raw_local)
+    if edit_global is not None:
+        edit_global(document)
+    raw = pack(document)
+    manifest_file.write_bytes(raw)
+    marker = json.loads((ckpt / "COMMITTED").read_text())
+    marker["manifest_size"], marker["manifest_crc32c"] = len(raw), crc32c.crc32c(raw)
+    (ckpt / "COMMITTED").write_text(json.dumps(marker, indent=1) + "\n")
+
+
+def build_invalid() -> None:
+    parent_file = f"{PARENT}/{data_path(0, ATTEMPTS[PARENT])}"
+
+    root = invalid_case(
+        "reference_outside_root",
+        expect(
+            "FormatError",
+            "open",
+            "SPEC.md §6.2: a reference path names a data file of a checkpoint of the same root; no '..'",
+            "step-2's global manifest references ../references_basic/step-1/... (outside the root)",
+            ["reference path", "../"],
+        ),
+    )
+    edit_child(root, edit_global=lambda d: d["references"][0].update(path=f"../{ROOT_CASE}/{parent_file}"))
+
+    root = invalid_case(
+        "reference_uncommitted",
+        expect(
+            "NotCommittedError",
+            "open",
+            "SPEC.md §6.2/§8 step 2a: a referenced checkpoint MUST be committed, its COMMITTED naming the attempt",
+            "step-1's COMMITTED is missing; step-2 references step-1's data files",
+            ["step-1", "golden1"],
+            ["step-1"],
+        ),
+    )
+    (root / PARENT / "COMMITTED").unlink()
+
+    root = invalid_case(
+        "reference_wrong_size",
+        expect(
+            "IntegrityError",
+            "read",
+            "SPEC.md §8 step 5: a referenced file whose size differs from the reference's data_size is refused",
+            "step-2 says step-1/data/00000-golden1.safetensors has 8 bytes more than it has (in both manifests)",
+            [parent_file],
+            [parent_file],
+        ),
+    )
+    size = (root / parent_file).stat().st_size + 8
+    edit_child(
+        root,
+        edit_local=lambda d: d["references"][0].update(data_size=size),
+        edit_global=lambda d: d["references"][0].update(data_size=size),
+    )
+
+    root = invalid_case(
+        "reference_wrong_checksum",
+        expect(
+            "IntegrityError",
+            "read",
+            "SPEC.md §8 step 5: every referenced block is verified against the CRC32C the referencing manifest carries",
+            "the carried CRC32C of rank 0's referenced piece of w has its lowest bit flipped",
+            [parent_file, "w"],
+            [parent_file],
+        ),
+    )
+
+    def flip(local: dict[str, Any]) -> None:
+        data = bytearray(local["referenced"]["crc32c"]["data"])
+        data[0] ^= 1
+        local["referenced"]["crc32c"]["data"] = bytes(data)
+
+    edit_child(root, edit_local=flip)
+
+    # A chain: step-3 references w rows 0:2 in step-2's rank-0 file, which does not hold them (step-2 references
+    # them itself). The carried checksums are those of the real bytes, so a reader fails them, and a verifier,
+    # which reads step-2's local manifest, names the chain.
+    child_file = f"{CHILD}/{data_path(0, ATTEMPTS[CHILD])}"
+    root = invalid_case(
+        "reference_chain",
+        expect(
+            "IntegrityError",
+            "read",
+            "SPEC.md §6.2 'No chains': a reference names the file that holds the bytes, never one that references them",
+            "step-3 references w rows 0:2 in step-2's rank-0 file, where step-2 stores them by reference",
+            [child_file, "w"],
+            ["chain"],
+        ),
+        checkpoint="step-3",
+    )
+    gen = torch.Generator().manual_seed(3)
+    write_checkpoint(root, "step-3", 3, {0: [("m", torch.randn(64, 1, generator=gen), slice(0, 64))]})
+    chained = w_row(root, PARENT, 0)
+    refs = {0: [(child_file, chained)], 1: [(f"{PARENT}/{data_path(1, ATTEMPTS[PARENT])}", w_row(root, PARENT, 1))]}
+    add_references(root, "step-3", refs, [4, 3])
+
+
+def main() -> None:
+    torch.use_deterministic_algorithms(True)
+    build_valid()
+    build_invalid()
+    print(f"valid/{ROOT_CASE}, invalid/reference_*")
+
+
+if __name__ == "__main__":
+    main()

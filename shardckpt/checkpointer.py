@@ -372,7 +372,10 @@ class Checkpointer:
         if self.group.rank != 0 or not self.record_failures:
             return
         try:
-            event = Event(kind, self.run_id, int(self.clock() * 1000), step, after)
+            # Names sort by time: an event never shares the millisecond of one before it (a restart and a quick
+            # close, a coarse clock), so the history's order is the order things happened in.
+            newest = max((known.time_ms for known in self._events or ()), default=-1)
+            event = Event(kind, self.run_id, max(int(self.clock() * 1000), newest + 1), step, after)
             record_event(open_storage(self.root, self.storage_options), event)
         except ShardckptError as exc:
             warnings.warn(f"failure history: cannot record a {kind} event: {exc}", EventWarning, stacklevel=3)

@@ -153,7 +153,7 @@ class _Proof:
         self.pending, self.pending_slot = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         # Per memo index: 0 never stored, 1 a leaf, 2 a value with bounds, 3 attached to a live slot.
         self.state = np.zeros(1024, dtype=np.int8)
-        self.memo_weight, self.memo_depth = np.zeros(1024, dtype=np.int64), np.zeros(1024, dtype=np.int64)
+        self.memo_weight, self.memo_depth = np.zeros(1024, dtype=np.int64), np.zeros(1024, dtype=np.int16)
         self.memoized, self.indexed = 0, False
 
     def window(self, positions: Ints) -> bool:
@@ -184,7 +184,7 @@ class _Proof:
             more = max(size, 2 * len(self.state)) - len(self.state)
             self.state = np.concatenate((self.state, np.zeros(more, dtype=np.int8)))
             self.memo_weight = np.concatenate((self.memo_weight, np.zeros(more, dtype=np.int64)))
-            self.memo_depth = np.concatenate((self.memo_depth, np.zeros(more, dtype=np.int64)))
+            self.memo_depth = np.concatenate((self.memo_depth, np.zeros(more, dtype=np.int16)))
 
 
 class _Window:
@@ -405,36 +405,23 @@ class _Window:
 
 
 def _range_max(values: Ints, first: Ints, last: Ints) -> Ints:
-    """max(values[first:last]) for each pair (each range non-empty), at O(1) numpy steps per range: maxima within
-    blocks of 64 from either end, and a table of maxima over 2^j blocks."""
+    """At least max(values[first:last]) for each pair (each range non-empty): the maximum over the blocks of 64 the
+    range touches, from a table of maxima over 2^j blocks (O(1) numpy steps per range)."""
     if len(first) == 0:
         return np.zeros(0, dtype=np.int64)
     size = 64
     blocks = -(-len(values) // size)
     padded = np.zeros(blocks * size, dtype=np.int64)
     padded[: len(values)] = values
-    grid = padded.reshape(blocks, size)
-    rising = np.maximum.accumulate(grid, axis=1).ravel()  # max from the block's start to here
-    falling = np.maximum.accumulate(grid[:, ::-1], axis=1)[:, ::-1].ravel()  # max from here to the block's end
-    table = [grid.max(axis=1)]
+    table = [padded.reshape(blocks, size).max(axis=1)]
     while 2 ** len(table) <= blocks:
         half = 2 ** (len(table) - 1)
         table.append(np.maximum(table[-1][:-half], table[-1][half:]))
-    end = last - 1
-    one, two = first // size, end // size
-    result = np.maximum(falling[first], rising[end])
-    inside = np.flatnonzero(one == two)  # within one block: the block's own values
-    if len(inside):
-        order = np.argsort(-first[inside], kind="stable")  # each range starts at or before the previous one ends
-        pairs = np.empty(2 * len(inside), dtype=np.int64)
-        pairs[0::2], pairs[1::2] = first[inside][order], last[inside][order]
-        result[inside[order]] = np.maximum.reduceat(np.concatenate((values, [0])), pairs)[0::2]
-    apart = np.flatnonzero(two - one > 1)  # whole blocks between
-    if len(apart):
-        low, high = one[apart] + 1, two[apart]  # blocks low .. high - 1
-        level = np.floor(np.log2(high - low)).astype(np.int64)
-        for j in np.unique(level).tolist():
-            chosen = apart[level == j]
-            lo, hi = one[chosen] + 1, two[chosen]
-            result[chosen] = np.maximum(result[chosen], np.maximum(table[j][lo], table[j][hi - 2**j]))
+    low, high = first // size, (last - 1) // size + 1  # blocks low .. high - 1
+    level = np.log2(high - low).astype(np.int64)  # exact for powers of two, so 2^level <= high - low
+    result = np.empty(len(first), dtype=np.int64)
+    for j in np.unique(level).tolist():
+        chosen = np.flatnonzero(level == j)
+        lo, hi = low[chosen], high[chosen]
+        result[chosen] = np.maximum(table[j][lo], table[j][hi - 2**j])
     return result

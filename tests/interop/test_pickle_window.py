@@ -108,7 +108,7 @@ def test_memo_references_across_an_edge_agree_with_the_model() -> None:
     assert agree(long_key)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(value=values, protocol=st.integers(2, 5), shares=st.integers(1, 4), window=st.sampled_from(WINDOWS))
 def test_the_windowed_proof_agrees_with_the_model_on_real_pickles(value, protocol, shares, window) -> None:
     shared = (value,) * shares
@@ -121,13 +121,13 @@ OPCODES += [b"\x94", b"h\x00", b"h\x01", b"h\x02", b"R", b"b", b"\x8f", b"\x90",
 OPCODES += [b"X\x01\x00\x00\x00a", b"j\x01\x00\x00\x00", b"0", b"2"]
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(ops=st.lists(st.sampled_from(OPCODES), max_size=60), window=st.sampled_from(WINDOWS))
 def test_the_windowed_proof_agrees_with_the_model_on_random_opcodes(ops, window) -> None:
     agree(b"\x80\x04" + b"".join(ops) + b".", windows=(window,))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(value=values, cuts=st.lists(st.tuples(st.integers(0, 400), st.binary(min_size=1, max_size=2)), max_size=3))
 def test_the_windowed_proof_agrees_with_the_model_on_mutated_pickles(value, cuts) -> None:
     data = bytearray(pickle.dumps([value, (value, value)], 4))

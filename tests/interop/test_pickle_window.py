@@ -137,7 +137,7 @@ def test_the_windowed_proof_agrees_with_the_model_on_mutated_pickles(value, cuts
     agree(bytes(data), windows=(1, 5, 1 << 20))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
     value=values,
     protocol=st.integers(2, 5),

@@ -35,6 +35,9 @@ PARALLEL_MIN_BYTES = int(_knob("PARALLEL_MIN_BYTES", 64 << 20))  # below this on
 HOT_CHUNK = int(_knob("HOT_CHUNK", 2 << 20))  # checksummed then written while still in the CPU cache
 WRITE_BEHIND_MIN = int(_knob("WRITE_BEHIND_MIN", 1 << 20))  # smaller writes are left to the kernel's writeback
 
+# Importing (interop/pickle_window.py)
+PICKLE_PROOF_WINDOW = int(_knob("PICKLE_PROOF_WINDOW", 256 << 10))  # pickle bytes proven at a time (~100x in arrays)
+
 # Reading (read/checkpoint.py, planner/plan.py defaults)
 MAX_IN_FLIGHT = int(_knob("MAX_IN_FLIGHT", 256 << 20))  # bytes of one load's read buffer
 MAX_GAP = int(_knob("MAX_GAP", 32 << 10))  # bytes between two needed ranges read through rather than split

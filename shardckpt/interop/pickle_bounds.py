@@ -53,6 +53,8 @@ for _codes, _pops, _pushes in (
     (b"tld\x91oi", 0, 1),  # TUPLE, LIST, DICT, FROZENSET, OBJ, INST: the items above the MARK -> one value
 ):
     _POPS[list(_codes)], _PUSHES[list(_codes)] = _pops, _pushes
+PSEUDO = 0xFF  # no pickle opcode: pickle_window's stand-in for a value pushed before its window (pushes one item)
+_PUSHES[PSEUDO] = 1
 _KNOWN = _byte_set(_LEAF + _FETCH + _NOTHING + b"}]\x8f)\x85Q\x86R\x81\x93\x87\x92absuetld\x91oi\x90")
 _MARK_CONSUMER = _byte_set(b"tld\x91oiue\x90")  # ... u, e, ADDITEMS: the items go into the object below the MARK
 _MUTATES = _byte_set(b"absue\x90")  # the object below changes
@@ -85,6 +87,7 @@ def _length_table() -> tuple[Ints, list[tuple[int, int, bool]], list[tuple[int, 
 
 
 _FIXED, _PREFIXED, _LINES, _SHORT = _length_table()
+SHORT_CODES = frozenset(_SHORT)
 
 
 def _little(a: npt.NDArray[np.uint8], at: Ints, width: int) -> Ints:

@@ -18,11 +18,10 @@ import pickletools
 import re
 
 from shardckpt.errors import FormatError
-from shardckpt.interop.pickle_bounds import proven_within
 from shardckpt.interop.pickle_stack import StackModel, hash_budget
+from shardckpt.interop.pickle_window import proven_windowed
 
 _STOP, _PUT, _BINPUT, _LONG_BINPUT, _MEMOIZE = b".pqr\x94"
-PROOF_MAX_BYTES = 32 << 20  # pickles up to this size are proven safe at numpy speed (about 2 GiB of arrays at most)
 _ONE_BYTE_LENGTH = pickletools.TAKEN_FROM_ARGUMENT1  # SHORT_BINUNICODE, SHORT_BINBYTES, LONG1, ...
 _LENGTHS = {  # the length prefix of the other payload opcodes: bytes, signed
     pickletools.TAKEN_FROM_ARGUMENT4: (4, True),
@@ -92,10 +91,8 @@ def check_pickle(data: bytes | memoryview, where: str) -> None:
     stop = _scan(data, where, counting=False)
     if stop < 0:
         stop = _scan(data, where, counting=True)
-    # The vectorised proof holds ~60 bytes of arrays per pickle byte: above PROOF_MAX_BYTES the per-opcode model
-    # (slower, constant memory) decides alone.
-    proven = stop <= PROOF_MAX_BYTES and proven_within(data, stop, hash_budget(len(data)))
-    if not proven:
+    # The proof (numpy, a window at a time) passes only what the model passes; the model decides the rest.
+    if not proven_windowed(data, stop, hash_budget(len(data))):
         _model(bytes(data), where)
 
 

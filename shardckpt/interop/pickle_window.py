@@ -1,0 +1,427 @@
+"""pickle_bounds' proof run over a pickle a window of bytes at a time: memory stays a constant, any size is proven.
+
+proven_windowed() answers True only when pickle_stack's model could not refuse the pickle; False means "run the model".
+
+Why: the whole-pickle proof holds ~60 bytes of arrays per pickle byte (a 15 MiB DCP .metadata: 900 MB), so big
+files went to the per-opcode model (~1.5 MiB/s: an hour for 8 GiB). Here each window of opcodes is prefixed with
+what is still live from before it: one pseudo-opcode per stack slot (a value pushed earlier, carrying the weight
+and the depth of everything in its region of the stack) and the open MARKs at their heights, so the bounds of the
+module docstring of pickle_bounds hold across window edges. Memo entries cross edges as (weight, depth) bounds once
+their value has left the stack; while it is still there an entry stays attached to its slot's pseudo-opcode.
+A memo entry's value has surely left the stack once the stack is lower than its slot again (found for all entries
+at once: the heights each opcode crosses downwards, sorted by height), so its weight and depth are bounded by that
+region, and a fetch of it is proven only from there on.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from shardckpt import knobs
+from shardckpt.interop import pickle_bounds as pb
+from shardckpt.interop.unpickled import MAX_TREE_DEPTH
+
+Ints = npt.NDArray[np.int64]
+Flags = npt.NDArray[np.bool_]
+PSEUDO = pb.PSEUDO  # a value pushed before this window: not a leaf, not a finished tuple
+_MARK, _MEMOIZE = 0x28, 0x94
+_STORE_LENGTH = {_MEMOIZE: 1, ord("q"): 2, ord("r"): 5}
+_KNOWN = pb._KNOWN.copy()
+_KNOWN[PSEUDO] = True
+_MAX_HEIGHT = 1 << 14  # taller stacks are carried into every window: not proven (the model decides)
+_BLOCK = 256  # bytes a chain cursor covers when the window's opcode starts are found
+_FIXED32 = pb._FIXED.astype(np.int32)
+_SHORT_KIND = 1
+_KIND = np.zeros(256, dtype=np.int8)  # 0 fixed size, 1 a one-byte length, 2 a longer length or text lines
+_KIND[list(pb.SHORT_CODES)] = _SHORT_KIND
+_KIND[[code for code, _, _ in pb._PREFIXED] + [code for code, _ in pb._LINES]] = 2
+
+
+def proven_windowed(data: bytes | memoryview, stop: int, budget: int, window: int = 0) -> bool:
+    """True when pickle_stack's model would pass this pickle (its opcodes parse up to the STOP at `stop`)."""
+    a = np.frombuffer(data, dtype=np.uint8)
+    proof, position = _Proof(a, budget), 0
+    window = window or knobs.PICKLE_PROOF_WINDOW
+    while position < stop:
+        starts, position = window_starts(data, a, position, min(position + window, stop))
+        stores = []
+        while position < stop and data[position] in _STORE_LENGTH:  # a store stays with what it stores: a leaf
+            stores.append(position)  # stored in the next window would look like a value from before
+            position += _STORE_LENGTH[data[position]]
+        if stores:
+            starts = np.concatenate((starts, stores))
+        if not proof.window(starts):
+            return False
+    return proof.charged <= budget * (1 - 1e-9)
+
+
+def window_starts(data: bytes | memoryview, a: npt.NDArray[np.uint8], begin: int, limit: int) -> tuple[Ints, int]:
+    """The opcode starts from `begin` (an opcode start) below `limit`, and the first start at or after `limit`."""
+    chunk = a[begin:limit]
+    n = len(chunk)
+    lengths = _lengths(chunk)  # clipped at the chunk's end: the last opcode's own length is taken below
+    begins = np.arange(0, n, _BLOCK, dtype=np.int64)
+    ends = np.minimum(begins + _BLOCK, n)
+    visited = np.zeros(n, dtype=bool)
+    cursor, live = begins.copy(), np.arange(len(begins))
+    while live.size:  # every block's chain one opcode a step; a chain from a wrong byte falls into step soon
+        at = cursor[live]
+        visited[at] = True
+        at = at + lengths[at]
+        cursor[live] = at
+        live = live[at < ends[live]]
+    # The pickle's chain enters block 0 at 0 and each next block where it left the last; where the block's own chain
+    # does not pass there (a few blocks in 100 of a DCP .metadata), the pickle's is followed through that block.
+    in_step = visited[np.minimum(cursor, n - 1)].tolist()
+    exits, entry = cursor.tolist(), [n] * len(begins)
+    position, synced = 0, True
+    while position < n:
+        block = position // _BLOCK
+        if not synced:
+            start = block * _BLOCK
+            sizes, walked, step = lengths[start : start + _BLOCK].tolist(), [], position - start
+            while step < len(sizes):
+                walked.append(step)
+                step += sizes[step]
+            visited[start : start + _BLOCK] = False
+            visited[np.array(walked, dtype=np.int64) + start] = True
+            exits[block] = step = step + start
+            in_step[block] = step >= n or bool(visited[step])
+        entry[block] = position
+        position, synced = exits[block], in_step[block]
+    before_entry = np.arange(n, dtype=np.int32) < np.repeat(np.array(entry, dtype=np.int32), _BLOCK)[:n]
+    visited[before_entry] = False  # chains from a block's start before they fell into the pickle's step
+    starts = np.flatnonzero(visited)
+    last = int(starts[-1]) + begin
+    return starts + begin, last + _length_at(data, last)
+
+
+def _lengths(a: npt.NDArray[np.uint8]) -> npt.NDArray[np.int32]:
+    """For every byte, the length of the opcode that would start there, clipped to the end of `a`."""
+    n = len(a)
+    lengths = _FIXED32[a]
+    if n == 0:
+        return lengths
+    kind = _KIND[a]
+    at = np.flatnonzero(kind == _SHORT_KIND)
+    lengths[at] = 2 + a[np.minimum(at + 1, n - 1)].astype(np.int32)
+    odd = np.flatnonzero(kind > _SHORT_KIND)  # length prefixes and text lines
+    if len(odd):
+        codes = a[odd]
+        for code, width, signed in pb._PREFIXED:
+            at = odd[codes == code]
+            size = pb._little(a, at + 1, width)
+            if signed:
+                size[size >= 1 << 31] = n  # negative: only a stray chain reads it
+            lengths[at] = np.minimum(1 + width + size, n)
+        newlines = np.concatenate((np.flatnonzero(a == 10), [n - 1]))  # no newline: to the end
+        for code, count in pb._LINES:
+            at = odd[codes == code]
+            after = np.searchsorted(newlines, at + 1) + (count - 1)
+            lengths[at] = newlines[np.minimum(after, len(newlines) - 1)] + 1 - at
+    lengths[-16:] = np.minimum(lengths[-16:], n - np.arange(max(n - 16, 0), n))  # only these can pass the end
+    return lengths
+
+
+def _length_at(data: bytes | memoryview, position: int) -> int:
+    """The whole length of the opcode at `position` (which the scan found whole)."""
+    code = data[position]
+    if code in pb.SHORT_CODES:
+        return 2 + data[position + 1]
+    for prefixed, width, signed in pb._PREFIXED:
+        if code == prefixed:
+            size = int.from_bytes(bytes(data[position + 1 : position + 1 + width]), "little", signed=signed)
+            return 1 + width + size
+    for lined, count in pb._LINES:
+        if code == lined:
+            end = position
+            for _ in range(count):
+                end = bytes(data).index(b"\n", end + 1) if isinstance(data, memoryview) else data.index(b"\n", end + 1)
+            return end + 1 - position
+    return int(pb._FIXED[code])
+
+
+class _Proof:
+    """What is carried from one window to the next, and the proof of one window (see the module docstring)."""
+
+    def __init__(self, a: npt.NDArray[np.uint8], budget: int) -> None:
+        self.a, self.budget, self.charged = a, budget, 0
+        # Per live stack slot: the weight and depth of its region, and whether its value may not be stored into.
+        self.weight, self.depth = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        self.frozen = np.zeros(0, dtype=bool)
+        self.marks = np.zeros(0, dtype=np.int64)  # heights of the open MARKs
+        self.pending, self.pending_slot = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        # Per memo index: 0 never stored, 1 a leaf, 2 a value with bounds, 3 attached to a live slot.
+        self.state = np.zeros(1024, dtype=np.int8)
+        self.memo_weight, self.memo_depth = np.zeros(1024, dtype=np.int64), np.zeros(1024, dtype=np.int16)
+        self.memoized, self.indexed = 0, False
+
+    def window(self, positions: Ints) -> bool:
+        a, height = self.a, len(self.weight)
+        if height > _MAX_HEIGHT:
+            return False
+        # The prefix: for each height, its open MARKs, then the slot's pseudo-opcode.
+        at_or_below = np.cumsum(np.bincount(self.marks, minlength=height + 1))
+        pseudo = np.arange(height, dtype=np.int64) + at_or_below[:height]
+        prefix = height + len(self.marks)
+        ops = np.full(prefix + len(positions), _MARK, dtype=np.uint8)
+        ops[pseudo] = PSEUDO
+        ops[prefix:] = a[positions]
+        if not _KNOWN[ops].all():
+            return False
+        n = len(ops)
+        where = np.concatenate((np.full(prefix, -1, dtype=np.int64), positions))
+        extra_weight, extra_depth = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        frozen = np.zeros(n, dtype=bool)
+        extra_weight[pseudo], extra_depth[pseudo], frozen[pseudo] = self.weight - 1, self.depth, self.frozen
+        stack = pb._Stack.of(ops)
+        if stack is None or int(stack.after.max(initial=0)) >= 1 << 15:
+            return False
+        return _Window(self, ops, where, stack, pseudo, (extra_weight, extra_depth, frozen)).prove()
+
+    def grow(self, size: int) -> None:
+        if size > len(self.state):
+            more = max(size, 2 * len(self.state)) - len(self.state)
+            self.state = np.concatenate((self.state, np.zeros(more, dtype=np.int8)))
+            self.memo_weight = np.concatenate((self.memo_weight, np.zeros(more, dtype=np.int64)))
+            self.memo_depth = np.concatenate((self.memo_depth, np.zeros(more, dtype=np.int16)))
+
+
+class _Window:
+    """One window's opcodes after the prefix: the proof, then what it leaves to the next window."""
+
+    def __init__(
+        self,
+        proof: _Proof,
+        ops: npt.NDArray[np.uint8],
+        where: Ints,
+        stack: pb._Stack,
+        pseudo: Ints,
+        extras: tuple[Ints, Ints, Flags],
+    ) -> None:
+        self.proof, self.ops, self.where, self.stack, self.pseudo = proof, ops, where, stack, pseudo
+        self.extra_weight, self.extra_depth, self.frozen = extras
+        self.n = len(ops)
+        self.drops: Ints | None = None
+
+    def prove(self) -> bool:
+        ops, stack, n, proof = self.ops, self.stack, self.n, self.proof
+        fresh_at = np.flatnonzero((pb._PUSHES[ops] == 1) & (stack.pops == 0))
+        fresh = pb._FreshPushes(fresh_at, stack.before[fresh_at], n)
+        self.fresh = fresh
+        lowest = stack.before - stack.pops
+        entries = self._entries()
+        if entries is None:
+            return False
+        index, stored, leafy, finished = entries
+        self.leafy = leafy
+        slot = stack.after[stored] - 1
+        begin = fresh.last(slot, stored)
+        if begin is None:
+            return False
+        # Where each entry's value has surely left the stack: the next push into the empty slot (n: not here).
+        vacated = self._vacated(slot, stored)
+        height = int(stack.after[-1])
+        live = (slot < height) & (vacated == n)  # still in its slot's region at the window's end
+        heavy_entry = ~leafy
+        fetched = self._fetches(index, stored, leafy, finished, vacated)
+        if fetched is None:
+            return False
+        fetches, source = fetched  # in-window fetches of in-window entries that are no leaves
+        spanned = np.flatnonzero(pb._NESTS[ops] & ~pb._MARK_CONSUMER[ops])
+        mutators = np.flatnonzero(pb._MUTATES[ops])
+        target = stack.before[mutators] - stack.pops[mutators] - 1
+        is_consumer = np.zeros(n, dtype=bool)
+        is_consumer[stack.consumers] = True
+        mark_of = np.zeros(n, dtype=np.int64)
+        mark_of[stack.consumers] = stack.marks
+        consumed = is_consumer[mutators]
+        target[consumed] = stack.after[mark_of[mutators[consumed]]] - 1
+        begun = fresh.last(lowest[spanned], spanned - 1)
+        targets = fresh.last(target, mutators - 1)
+        if begun is None or targets is None:
+            return False
+        self.frozen[fetches] = True
+        if self.frozen[targets].any():  # a fetched value stored into: its other references grow too
+            return False
+        if self._finished_mutated(begin[finished], stored[finished], targets, mutators):
+            return False
+        nested = pb._NESTS_MARKED[ops[stack.consumers]]
+        empty = np.flatnonzero(pb._EMPTY[ops])
+        span_begin = np.concatenate((begun, stack.marks[nested], empty))
+        span_end = np.concatenate((spanned, stack.consumers[nested], empty))
+        cover = np.cumsum(np.bincount(span_begin, minlength=n + 1) - np.bincount(span_end + 1, minlength=n + 1))[:n]
+        # An entry's bounds: its region up to the store (a finished tuple) or up to where it surely ended. Fetches of
+        # entries of this window add those bounds, which may feed later entries: repeat until nothing changes.
+        ending = np.flatnonzero(heavy_entry & (finished | ~live))
+        last = np.where(finished, stored + 1, vacated)[ending]
+        first = begin[ending]
+        weights = depths = np.zeros(len(ending), dtype=np.int64)
+        for _ in range(8):
+            pushed = pb._PUSHES[ops] + self.extra_weight
+            prefix = np.concatenate(([0], np.cumsum(pushed)))
+            deep = cover + self.extra_depth
+            weights = prefix[last] - prefix[first]
+            depths = _range_max(deep, first, last)
+            at_entry = np.searchsorted(ending, source)
+            new_weight, new_depth = weights[at_entry] - 1, depths[at_entry]
+            if (new_weight == self.extra_weight[fetches]).all() and (new_depth == self.extra_depth[fetches]).all():
+                break
+            self.extra_weight[fetches], self.extra_depth[fetches] = new_weight, new_depth
+        else:
+            return False
+        if int(deep.max(initial=0)) > MAX_TREE_DEPTH or (weights > proof.budget).any():
+            return False
+        charging = np.flatnonzero(pb._CHARGES[ops] & ~is_consumer)
+        charges = pb._CHARGES[ops[stack.consumers]]
+        charge_begin = np.concatenate((begun[np.searchsorted(spanned, charging)], stack.marks[charges]))
+        charge_end = np.concatenate((charging, stack.consumers[charges]))
+        proof.charged += int(np.sum(prefix[charge_end] - prefix[charge_begin], dtype=np.float64))
+        if proof.charged > proof.budget:
+            return False
+        proof.state[index[leafy]] = 1
+        settled = index[ending]
+        proof.state[settled], proof.memo_weight[settled], proof.memo_depth[settled] = 2, weights, depths
+        return self._carry(prefix, deep, index[heavy_entry & live & ~finished], slot, live, finished)
+
+    def _entries(self) -> tuple[Ints, Ints, Flags, Flags] | None:
+        """The memo entries of this window: those carried on live slots (at their pseudo-opcode), then those stored
+        here, as (memo index, opcode, leaf?, finished tuple?)."""
+        proof, ops, n = self.proof, self.ops, self.n
+        stores = np.flatnonzero(pb._IS_STORE[ops])
+        if (self.stack.after[stores] < 1).any():
+            return None
+        memoize = ops[stores] == _MEMOIZE
+        if memoize.all():
+            if proof.indexed and len(stores):
+                return None
+            index = proof.memoized + np.arange(len(stores), dtype=np.int64)
+            proof.memoized += len(stores)
+        elif not memoize.any():
+            if proof.memoized:
+                return None
+            proof.indexed = True
+            index = pb._memo_index(proof.a, self.where[stores], ops[stores] == ord("q"))
+            proof.grow(int(index.max()) + 1)
+            if len(np.unique(index)) != len(index) or (proof.state[index] != 0).any():
+                return None  # an index stored twice: which value a fetch gets depends on when
+        else:
+            return None
+        proof.grow(int(index.max(initial=-1)) + 1)
+        item_moves = (pb._PUSHES[ops] + self.stack.pops) > 0
+        last_move = np.maximum.accumulate(np.where(item_moves, np.arange(n), -1))
+        producer = last_move[stores]
+        made = ops[np.maximum(producer, 0)]
+        leafy = (producer >= 0) & pb._LEAF_PUSH[made]
+        finished = (producer >= 0) & pb._FINISHED[made]
+        carried = self.pseudo[proof.pending_slot]
+        none = np.zeros(len(carried), dtype=bool)
+        return (
+            np.concatenate((proof.pending, index)),
+            np.concatenate((carried, stores)),
+            np.concatenate((none, leafy)),
+            np.concatenate((none, finished)),
+        )
+
+    def _vacated(self, slot: Ints, after: Ints) -> Ints:
+        """For each (slot, opcode): the first later opcode leaving the stack lower than `slot` + 1, or n."""
+        stack, n = self.stack, self.n
+        if self.drops is None:
+            drop = np.maximum(stack.before - stack.after, 0)
+            at = np.repeat(np.arange(n, dtype=np.int64), drop)
+            first_of = np.cumsum(drop) - drop  # heights after+1 .. before are crossed downwards, in order
+            level = np.repeat(stack.after, drop) + 1 + np.arange(len(at), dtype=np.int64) - np.repeat(first_of, drop)
+            order = np.argsort(level.astype(np.int16), kind="stable")  # by height, then position
+            self.drops = level[order] * (n + 1) + at[order]
+        keys = self.drops
+        if len(slot) == 0 or len(keys) == 0:
+            return np.full(len(slot), n, dtype=np.int64)
+        found = np.minimum(np.searchsorted(keys, (slot + 1) * (n + 1) + after, side="right"), len(keys) - 1)
+        same = keys[found] // (n + 1) == slot + 1
+        return np.where(same & (keys[found] % (n + 1) > after), keys[found] % (n + 1), n)
+
+    def _fetches(
+        self, index: Ints, stored: Ints, leafy: Flags, finished: Flags, vacated: Ints
+    ) -> tuple[Ints, Ints] | None:
+        """Resolve every fetch; bounds of earlier entries go in now. Returns the fetches of this window's entries
+        that are no leaves, with each one's entry (None: not proven)."""
+        proof, ops = self.proof, self.ops
+        fetches = np.flatnonzero(pb._IS_FETCH[ops])
+        wanted = pb._memo_index(proof.a, self.where[fetches], ops[fetches] == ord("h"))
+        order = np.argsort(index, kind="stable")
+        slot = np.minimum(np.searchsorted(index[order], wanted), max(len(index) - 1, 0))
+        here = (index[order][slot] == wanted) if len(index) else np.zeros(len(wanted), dtype=bool)
+        entry = order[slot] if len(index) else np.zeros(len(wanted), dtype=np.int64)
+        earlier = wanted[~here]
+        if (earlier >= len(proof.state)).any():
+            return None
+        state = proof.state[earlier]
+        if not np.isin(state, (1, 2)).all():
+            return None  # never stored before this fetch: the model stops there
+        bounded = fetches[~here][state == 2]
+        self.extra_weight[bounded] = proof.memo_weight[earlier[state == 2]] - 1
+        self.extra_depth[bounded] = proof.memo_depth[earlier[state == 2]]
+        self.frozen[bounded] = True
+        entry, at = entry[here], fetches[here]
+        if (stored[entry] > at).any():  # fetched before it is stored: the model stops there
+            return None
+        heavy = ~leafy[entry]
+        entry, at = entry[heavy], at[heavy]
+        # A tuple is done when stored; anything else may still grow until it left the stack.
+        if (~finished[entry] & (at < vacated[entry])).any():
+            return None
+        return at, entry
+
+    def _finished_mutated(self, begin: Ints, stored: Ints, targets: Ints, mutators: Ints) -> bool:
+        """Whether anything is stored into a finished tuple's value after it went into the memo (a tuple holding a
+        list is modelled as growing)."""
+        if len(begin) == 0 or len(targets) == 0:
+            return False
+        order = np.lexsort((stored, begin))
+        keys, first = begin[order], stored[order]
+        at = np.minimum(np.searchsorted(keys, targets), len(keys) - 1)
+        return bool(((keys[at] == targets) & (first[at] < mutators)).any())
+
+    def _carry(self, prefix: Ints, deep: Ints, pending: Ints, slot: Ints, live: Flags, finished: Flags) -> bool:
+        """Leave the live slots, the open MARKs and the entries still on the stack to the next window."""
+        proof, stack, n = self.proof, self.stack, self.n
+        height = int(stack.after[-1])
+        begins = self.fresh.last(np.arange(height, dtype=np.int64), np.full(height, n - 1, dtype=np.int64))
+        if begins is None:
+            return False
+        bounds = np.concatenate((begins, [n]))
+        proof.weight = prefix[bounds[1:]] - prefix[bounds[:-1]]
+        proof.depth = np.maximum.reduceat(deep, begins) if height else np.zeros(0, dtype=np.int64)
+        proof.frozen = self.frozen[begins]
+        proof.frozen[slot[finished & live]] = True  # a finished tuple still on the stack: nothing may go into it
+        proof.pending = pending
+        proof.pending_slot = slot[~self.leafy & live & ~finished]
+        proof.state[pending] = 3
+        open_marks = self.ops == _MARK
+        open_marks[stack.marks] = False
+        proof.marks = stack.before[np.flatnonzero(open_marks)]
+        return True
+
+
+def _range_max(values: Ints, first: Ints, last: Ints) -> Ints:
+    """At least max(values[first:last]) for each pair (each range non-empty): the maximum over the blocks of 64 the
+    range touches, from a table of maxima over 2^j blocks (O(1) numpy steps per range)."""
+    if len(first) == 0:
+        return np.zeros(0, dtype=np.int64)
+    size = 64
+    blocks = -(-len(values) // size)
+    padded = np.zeros(blocks * size, dtype=np.int64)
+    padded[: len(values)] = values
+    table = [padded.reshape(blocks, size).max(axis=1)]
+    while 2 ** len(table) <= blocks:
+        half = 2 ** (len(table) - 1)
+        table.append(np.maximum(table[-1][:-half], table[-1][half:]))
+    low, high = first // size, (last - 1) // size + 1  # blocks low .. high - 1
+    level = np.log2(high - low).astype(np.int64)  # exact for powers of two, so 2^level <= high - low
+    result = np.empty(len(first), dtype=np.int64)
+    for j in np.unique(level).tolist():
+        chosen = np.flatnonzero(level == j)
+        lo, hi = low[chosen], high[chosen]
+        result[chosen] = np.maximum(table[j][lo], table[j][hi - 2**j])
+    return result

@@ -77,6 +77,33 @@ def object_names(paths: Mapping[str, Path], tensors: Collection[str], objects: I
     return owners
 
 
+def split_objects(
+    owners: Mapping[str, Path], held: Sequence[Collection[str]], paths: Mapping[str, Path]
+) -> dict[str, Path]:
+    """`owners` (entry -> object path, from `object_names`) refined so that each rank holding part of an object
+    holds all of it (SPEC 7 "Names"): held[r] are rank r's plain entries, paths DCP's flatten mapping.
+
+    DCP lets ranks hold different entries of one container (torchtitan keys its data loader's state by rank:
+    rank 0 has `dataloader.dp_rank_0`, rank 1 `dataloader.dp_rank_1`), which no rank could store as one object;
+    such a container is stored as its parts, one level down at a time, until every part is held whole.
+    """
+    owners = dict(owners)
+    holdings = [set(entries) for entries in held]
+    while True:
+        members: dict[Path, set[str]] = {}
+        for name, owner in owners.items():
+            members.setdefault(owner, set()).add(name)
+        split = False
+        for owner, names in members.items():
+            if len({frozenset(names & entries) for entries in holdings} - {frozenset()}) > 1:
+                for name in names:
+                    path = tuple(paths.get(name, (name,)))
+                    owners[name] = path[: len(owner) + 1]
+                split = True
+        if not split:
+            return owners
+
+
 def assemble(name: str, parts: Sequence[tuple[Path, Any]]) -> Any:
     """The plain value of object `name` from its DCP entries (paths relative to the object), as DCP flattened it.
 

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import shardckpt
 import shardckpt.dcp
-from shardckpt.dcp.naming import dcp_entries, value_at
+from shardckpt.dcp.naming import dcp_entries, object_names, split_objects, value_at
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -117,3 +117,31 @@ def test_dcp_save_and_load_through_s3(s3_url) -> None:
         pytest.fail(f"loaded from S3: {into}")
     assert shardckpt.open(f"{s3_url}/ck").step == 1
     assert reader.stats.fetched_bytes == reader.stats.needed_bytes  # whole small pieces: nothing beyond them
+
+
+def test_a_container_whose_parts_ranks_hold_differently_is_stored_as_its_parts() -> None:
+    """torchtitan keys each data loader's state by rank: no rank holds all of `dataloader`, so each part held
+    whole by its ranks is an object; containers every holder holds whole stay one object."""
+    paths = {
+        "dataloader.dp_rank_0": ("dataloader", "dp_rank_0"),
+        "dataloader.dp_rank_1": ("dataloader", "dp_rank_1"),
+        "train.step": ("train", "step"),
+        "train.loss": ("train", "loss"),
+        "mixed.shared.a": ("mixed", "shared", "a"),
+        "mixed.shared.b": ("mixed", "shared", "b"),
+        "mixed.only0": ("mixed", "only0"),
+    }
+    held = [
+        ["dataloader.dp_rank_0", "train.step", "train.loss", "mixed.shared.a", "mixed.shared.b", "mixed.only0"],
+        ["dataloader.dp_rank_1", "train.step", "train.loss", "mixed.shared.a", "mixed.shared.b"],
+    ]
+    owners = object_names(paths, (), sorted(paths))
+    assert split_objects(owners, held, paths) == {
+        "dataloader.dp_rank_0": ("dataloader", "dp_rank_0"),
+        "dataloader.dp_rank_1": ("dataloader", "dp_rank_1"),
+        "train.step": ("train",),
+        "train.loss": ("train",),
+        "mixed.shared.a": ("mixed", "shared"),
+        "mixed.shared.b": ("mixed", "shared"),
+        "mixed.only0": ("mixed", "only0"),
+    }

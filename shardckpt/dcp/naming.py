@@ -5,7 +5,7 @@ DCP flattens every mapping (and lists holding one); shardckpt stores a container
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from shardckpt.errors import FormatError, ShardckptUsageError
@@ -23,15 +23,18 @@ def _terminal(value: Any) -> bool:
     return all(not isinstance(item, (Mapping, list)) or _terminal(item) for item in value)
 
 
-def dcp_entries(name: str, value: Any) -> list[tuple[str, Path]]:
+def dcp_entries(name: str, value: Any, leaf: Callable[[Any], bool] | None = None) -> list[tuple[str, Path]]:
     """The names DCP gives the parts of the plain value stored as object `name`, each with its path in the value.
 
-    An empty mapping has no entry (DCP drops it too); a value DCP does not walk is the one entry `name`.
+    An empty mapping has no entry (DCP drops it too); a value DCP does not walk is the one entry `name`; `leaf`
+    marks stored parts that stand for one value DCP does not walk either (a tensor stored as a tagged map).
     """
     found: list[tuple[str, Path]] = []
 
     def walk(path: Path, part: Any) -> None:
-        if isinstance(part, Mapping):
+        if leaf is not None and leaf(part):
+            found.append((".".join(map(str, (name, *path))), path))
+        elif isinstance(part, Mapping):
             for key, item in part.items():
                 walk((*path, str(key)), item)
         elif _terminal(part):

@@ -20,6 +20,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 import shardckpt
 import shardckpt.dcp
 from shardckpt.dcp.naming import dcp_entries, object_names, split_objects, value_at
+from shardckpt.format import layout
+from shardckpt.statedict.leaves import per_rank_plain
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -145,3 +147,37 @@ def test_a_container_whose_parts_ranks_hold_differently_is_stored_as_its_parts()
         "mixed.shared.b": ("mixed", "shared"),
         "mixed.only0": ("mixed", "only0"),
     }
+
+
+class _ReaderAs(shardckpt.dcp.StorageReader):
+    """The reader as rank `rank` of a group sees it (dcp.load in one process is rank 0)."""
+
+    rank = 0
+
+    def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, rank=self.rank)
+
+
+def test_dcp_load_gives_each_rank_its_own_per_rank_value_and_keeps_it_where_none_was_saved(tmp_path) -> None:
+    url = str(tmp_path / "per-rank")
+    attempt = layout.new_attempt()
+    for rank in (0, 1):  # what shardckpt.save with a PerRank value writes on 2 ranks
+        writer = shardckpt.ShardWriter(url, rank=rank, world_size=2, attempt=attempt)
+        writer.add("w", torch.full((2,), float(rank)), global_shape=(4,), offsets=(2 * rank,))
+        rng = {"seed": 10 + rank, "state": torch.arange(4, dtype=torch.uint8) + rank, "tags": [rank]}
+        writer.add_object("rng", per_rank_plain(rng), per_rank=True)
+        writer.add_object("step", 7)
+        writer.close()
+    shardckpt.commit(url, world_size=2, attempt=attempt)
+    for rank in (0, 1, 2):
+        into = {"w": torch.zeros(4), "rng": {"seed": -1, "state": torch.zeros(4, dtype=torch.uint8), "tags": [9]}}
+        into["step"] = 0
+        reader = type("Reader", (_ReaderAs,), {"rank": rank})(url)
+        dcp.load(into, storage_reader=reader)
+        assert torch.equal(into["w"], torch.tensor([0.0, 0.0, 1.0, 1.0])) and into["step"] == 7
+        if rank == 2:  # saved on 2 ranks: the destination keeps its value, as shardckpt.load's PerRank default
+            expected = {"seed": -1, "state": torch.zeros(4, dtype=torch.uint8), "tags": [9]}
+        else:
+            expected = {"seed": 10 + rank, "state": torch.arange(4, dtype=torch.uint8) + rank, "tags": [rank]}
+        if not _equal(into["rng"], expected):
+            pytest.fail(f"rank {rank} got {into['rng']}, expected {expected}", pytrace=False)

@@ -28,6 +28,12 @@ from shardckpt.storage import Storage, open_storage
 from shardckpt.write.commit import commit
 from shardckpt.write.writer import ShardWriter
 
+# A cached plan would carry the attempt of an earlier save to every rank (README: "Using it from DCP").
+PLAN_CACHING_REFUSED = (
+    "DefaultSavePlanner(enable_plan_caching=True) reuses plans between saves; shardckpt draws a new attempt for "
+    "each save and a cached plan cannot carry it: use a planner without plan caching"
+)
+
 
 def checkpoint_url(checkpoint_id: object) -> str:
     """A checkpoint id DCP hands over (a str or os.PathLike), as the URL shardckpt opens."""
@@ -92,11 +98,7 @@ class StorageWriter(_DCPStorageWriter):
         """(coordinator) Refuse a committed URL, draw the attempt, name the objects each rank stores (SPEC 7
         "Names", over all ranks' entries); raising here fails dcp.save on every rank."""
         if any(not plan.usable for plan in plans):
-            # A cached plan would carry the attempt of an earlier save to every rank.
-            raise ShardckptUsageError(
-                "DefaultSavePlanner(enable_plan_caching=True) reuses plans between saves; shardckpt draws a new "
-                "attempt for each save: use a planner without plan caching"
-            )
+            raise ShardckptUsageError(PLAN_CACHING_REFUSED)
         storage = self._storage()
         if storage.exists(layout.COMMITTED):
             raise AlreadyExistsError(f"{storage.url} already holds a committed checkpoint; save to a new URL")
@@ -111,6 +113,9 @@ class StorageWriter(_DCPStorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """(all) Write this rank's pieces and plain values, then its local manifest; the manifest rides back."""
+        if getattr(planner, "_enable_plan_caching", False):
+            # Refused at the first save already, before anything is written, not only at the first cached one.
+            raise ShardckptUsageError(PLAN_CACHING_REFUSED)
         info = plan.storage_data
         if not isinstance(info, dict) or set(info) != {"attempt", "rank", "world_size", "owners"}:
             raise ShardckptUsageError("this save plan did not come through shardckpt's prepare_global_plan")

@@ -97,14 +97,16 @@ def test_dcp_load_casts_dtypes_as_dcp_does(tmp_path) -> None:
     assert torch.equal(into["i"], torch.arange(5, dtype=torch.int32))
 
 
-def test_plan_caching_is_refused_with_a_clear_error_not_a_stale_attempt(tmp_path) -> None:
-    planner = DefaultSavePlanner(enable_plan_caching=True)
+def test_plan_caching_is_refused_with_a_clear_error_at_the_first_save(tmp_path) -> None:
+    """Refused before anything is written, at the first save already (a second, cached save would otherwise be the
+    first to fail, maybe hours into a run); a cached save that still came through is refused as well."""
     state = {"w": torch.ones(3)}
-    dcp.save(state, storage_writer=shardckpt.dcp.StorageWriter(str(tmp_path / "a")), planner=planner)
-    with pytest.raises(CheckpointException) as raised:
-        dcp.save(state, storage_writer=shardckpt.dcp.StorageWriter(str(tmp_path / "b")), planner=planner)
-    assert "enable_plan_caching" in str(raised.value.failures[0][0])
-    assert not os.path.exists(tmp_path / "b" / "COMMITTED")
+    for label in ("a", "b"):
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        with pytest.raises(CheckpointException) as raised:
+            dcp.save(state, storage_writer=shardckpt.dcp.StorageWriter(str(tmp_path / label)), planner=planner)
+        assert "enable_plan_caching" in str(raised.value.failures[0][0])
+        assert not os.path.exists(tmp_path / label)
 
 
 def test_dcp_save_and_load_through_s3(s3_url) -> None:

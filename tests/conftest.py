@@ -77,6 +77,7 @@ DIST_MODULES = {
     "test_benchmarks_smoke",
     "test_scale_smoke",
     "test_dcp_backend",
+    "test_dcp_backend_smoke",
 }
 DEEPSPEED_MODULES = {"test_deepspeed", "test_import_deepspeed"}
 

@@ -24,7 +24,7 @@ LAYERS: list[set[str]] = [
     {"statedict"},
     {"distributed", "dcp"},
     {"api", "checkpointer", "__init__"},
-    {"tools", "interop"},
+    {"tools", "interop", "integrations"},
     {"cli", "train", "testing"},
 ]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}

@@ -5,7 +5,7 @@ DCP flattens every mapping (and lists holding one); shardckpt stores a container
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from shardckpt.errors import FormatError, ShardckptUsageError
@@ -23,15 +23,18 @@ def _terminal(value: Any) -> bool:
     return all(not isinstance(item, (Mapping, list)) or _terminal(item) for item in value)
 
 
-def dcp_entries(name: str, value: Any) -> list[tuple[str, Path]]:
+def dcp_entries(name: str, value: Any, leaf: Callable[[Any], bool] | None = None) -> list[tuple[str, Path]]:
     """The names DCP gives the parts of the plain value stored as object `name`, each with its path in the value.
 
-    An empty mapping has no entry (DCP drops it too); a value DCP does not walk is the one entry `name`.
+    An empty mapping has no entry (DCP drops it too); a value DCP does not walk is the one entry `name`; `leaf`
+    marks stored parts that stand for one value DCP does not walk either (a tensor stored as a tagged map).
     """
     found: list[tuple[str, Path]] = []
 
     def walk(path: Path, part: Any) -> None:
-        if isinstance(part, Mapping):
+        if leaf is not None and leaf(part):
+            found.append((".".join(map(str, (name, *path))), path))
+        elif isinstance(part, Mapping):
             for key, item in part.items():
                 walk((*path, str(key)), item)
         elif _terminal(part):
@@ -75,6 +78,33 @@ def object_names(paths: Mapping[str, Path], tensors: Collection[str], objects: I
         path = tuple(paths.get(name, (name,)))
         owners[name] = next((path[:n] for n in range(1, len(path) + 1) if path[:n] not in under_tensors), path)
     return owners
+
+
+def split_objects(
+    owners: Mapping[str, Path], held: Sequence[Collection[str]], paths: Mapping[str, Path]
+) -> dict[str, Path]:
+    """`owners` (entry -> object path, from `object_names`) refined so that each rank holding part of an object
+    holds all of it (SPEC 7 "Names"): held[r] are rank r's plain entries, paths DCP's flatten mapping.
+
+    DCP lets ranks hold different entries of one container (torchtitan keys its data loader's state by rank:
+    rank 0 has `dataloader.dp_rank_0`, rank 1 `dataloader.dp_rank_1`), which no rank could store as one object;
+    such a container is stored as its parts, one level down at a time, until every part is held whole.
+    """
+    owners = dict(owners)
+    holdings = [set(entries) for entries in held]
+    while True:
+        members: dict[Path, set[str]] = {}
+        for name, owner in owners.items():
+            members.setdefault(owner, set()).add(name)
+        split = False
+        for owner, names in members.items():
+            if len({frozenset(names & entries) for entries in holdings} - {frozenset()}) > 1:
+                for name in names:
+                    path = tuple(paths.get(name, (name,)))
+                    owners[name] = path[: len(owner) + 1]
+                split = True
+        if not split:
+            return owners
 
 
 def assemble(name: str, parts: Sequence[tuple[Path, Any]]) -> Any:

@@ -31,6 +31,7 @@ from shardckpt.errors import FormatError, ShardckptError
 from shardckpt.format.manifest import GlobalManifest
 from shardckpt.planner import Box
 from shardckpt.read.checkpoint import Checkpoint, ReadStats
+from shardckpt.statedict.leaves import TENSOR_TAG, per_rank_value
 from shardckpt.storage import open_storage
 from shardckpt.torch_bytes import torch_dtype
 
@@ -49,6 +50,8 @@ class StorageReader(_DCPStorageReader):
         self.stats = ReadStats(0, 0, 0, 0.0)
         self._opening: Opening | None = None
         self._values: dict[str, tuple[str, Path]] = {}  # DCP entry -> (object, path in its value)
+        self._per_rank: dict[str, tuple[str, Path]] = {}  # likewise, for objects each rank saved for itself
+        self._rank: int | None = None  # this rank in the group dcp.load runs on: whose per-rank value it gets
 
     @property
     def checkpoint_id(self) -> str:
@@ -58,7 +61,7 @@ class StorageReader(_DCPStorageReader):
         if checkpoint_id is not None:
             self.url = checkpoint_url(checkpoint_id)
         self._opening = None
-        self._values = {}
+        self._values, self._per_rank = {}, {}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -72,12 +75,14 @@ class StorageReader(_DCPStorageReader):
             entry.name: _tensor_metadata(entry.name, entry.dtype, entry.shape, entry.layout, entry.pieces)
             for entry in manifest.tensors
         }
-        self._values = _value_entries(manifest, set(entries), self.url)
-        entries.update({name: BytesStorageMetadata() for name in self._values})
+        self._values, self._per_rank = _value_entries(manifest, set(entries), self.url)
+        entries.update({name: BytesStorageMetadata() for name in (*self._values, *self._per_rank)})
         return Metadata(state_dict_metadata=entries, storage_meta=StorageMeta(checkpoint_id=self.url))
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
+        rank = kwargs.get("rank")  # DCP passes the rank in dcp.load's group to a reader that takes keywords
+        self._rank = rank if isinstance(rank, int) else None
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -96,7 +101,9 @@ class StorageReader(_DCPStorageReader):
         targets: list[tuple[ReadItem, torch.Tensor]] = []
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, self._value_bytes(item.storage_index.fqn, objects))
+                value = self._value_bytes(item.storage_index.fqn, objects, opening.manifest)
+                if value is not None:
+                    planner.load_bytes(item, value)
                 continue
             name = item.storage_index.fqn
             box = _box(item)
@@ -132,12 +139,22 @@ class StorageReader(_DCPStorageReader):
         done.set_result(None)
         return done
 
-    def _value_bytes(self, entry: str, objects: dict[str, Any]) -> io.BytesIO:
-        """What DCP's planner unpickles for a plain entry: bytes this reader makes from the stored value."""
-        if entry not in self._values:
+    def _value_bytes(self, entry: str, objects: dict[str, Any], manifest: GlobalManifest) -> io.BytesIO | None:
+        """What DCP's planner unpickles for a plain entry: bytes this reader makes from the stored value. A per-rank
+        value is this rank's own; None (the destination keeps its value, as shardckpt.load's PerRank default)
+        where this rank saved none (the checkpoint was saved on fewer ranks)."""
+        if entry in self._per_rank:
+            name, path = self._per_rank[entry]
+            mine = [o.value for o in manifest.objects if o.name == name and o.rank == self._rank]
+            if not mine:
+                return None
+            where = f"{self.url}: object {name!r} of rank {self._rank}"
+            value = per_rank_value(value_at(mine[0], path, where), where)
+        elif entry in self._values:
+            name, path = self._values[entry]
+            value = value_at(objects[name], path, f"{self.url}: object {name!r}")
+        else:
             raise ShardckptError(f"{self.url}: no plain value is stored for DCP entry {entry!r}")
-        name, path = self._values[entry]
-        value = value_at(objects[name], path, f"{self.url}: object {name!r}")
         buffer = io.BytesIO()
         torch.save(value, buffer)
         buffer.seek(0)
@@ -156,17 +173,25 @@ def _tensor_metadata(name: str, dtype: str, shape: tuple[int, ...], layout: str,
     return TensorStorageMetadata(TensorProperties(dtype=torch_dtype(dtype)), torch.Size(shape), chunks)
 
 
-def _value_entries(manifest: GlobalManifest, tensors: set[str], url: str) -> dict[str, tuple[str, Path]]:
-    """DCP's names of the parts of every shared plain value (SPEC 7 "Names"); a name used twice is a FormatError."""
-    found: dict[str, tuple[str, Path]] = {}
+def _value_entries(
+    manifest: GlobalManifest, tensors: set[str], url: str
+) -> tuple[dict[str, tuple[str, Path]], dict[str, tuple[str, Path]]]:
+    """DCP's names of the parts of every plain value (SPEC 7 "Names"): shared ones, and per-rank ones (each rank's
+    value under the same names; a tensor in one is a tagged map, one entry). A name used twice is a FormatError."""
+    shared: dict[str, tuple[str, Path]] = {}
+    per_rank: dict[str, tuple[str, Path]] = {}
     for entry in manifest.objects:
-        if entry.rank is not None:
-            continue  # a per-rank value (shardckpt.PerRank) has no DCP equivalent
-        for name, path in dcp_entries(entry.name, entry.value):
-            if name in tensors or name in found:
+        found = per_rank if entry.rank is not None else shared
+        for name, path in dcp_entries(entry.name, entry.value, _tagged_tensor if entry.rank is not None else None):
+            taken = name in tensors or name in (per_rank if found is shared else shared)
+            if taken or found.get(name, (entry.name, path)) != (entry.name, path):
                 raise FormatError(f"{url}: DCP entry {name!r} of object {entry.name!r} names another entry too")
             found[name] = (entry.name, path)
-    return found
+    return shared, per_rank
+
+
+def _tagged_tensor(value: Any) -> bool:
+    return isinstance(value, dict) and set(value) == {TENSOR_TAG}
 
 
 def _box(item: ReadItem) -> Box:

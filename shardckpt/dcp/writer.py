@@ -20,13 +20,19 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from shardckpt import knobs
-from shardckpt.dcp.naming import Path, assemble, object_names
+from shardckpt.dcp.naming import Path, assemble, object_names, split_objects
 from shardckpt.errors import AlreadyExistsError, ShardckptError, ShardckptUsageError
 from shardckpt.format import layout
 from shardckpt.format.values import check_plain
 from shardckpt.storage import Storage, open_storage
 from shardckpt.write.commit import commit
 from shardckpt.write.writer import ShardWriter
+
+# A cached plan would carry the attempt of an earlier save to every rank (README: "Using it from DCP").
+PLAN_CACHING_REFUSED = (
+    "DefaultSavePlanner(enable_plan_caching=True) reuses plans between saves; shardckpt draws a new attempt for "
+    "each save and a cached plan cannot carry it: use a planner without plan caching"
+)
 
 
 def checkpoint_url(checkpoint_id: object) -> str:
@@ -56,8 +62,6 @@ class StorageWriter(_DCPStorageWriter):
         self.storage_options = dict(storage_options) if storage_options else None
         self.step, self.block_size = step, block_size
         self._attempt: str | None = None
-        self._tensors: set[str] = set()  # this rank's tensor entries, before DCP's dedup moves some away
-        self._objects: list[str] = []  # this rank's plain entries, likewise
         self._paths: dict[str, Path] = {}  # DCP's flatten mapping: entry -> path in the nested state dict
 
     @property
@@ -83,34 +87,37 @@ class StorageWriter(_DCPStorageWriter):
         return isinstance(checkpoint_id, (str, os.PathLike))
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        # The local plan names every entry of this rank's state; the plan write_data gets may lack some (dedup).
-        self._tensors = {item.index.fqn for item in plan.items if item.type != WriteItemType.BYTE_IO}
-        self._objects = [item.index.fqn for item in plan.items if item.type == WriteItemType.BYTE_IO]
+        # The local plan names every entry of this rank's state; the plan write_data gets may lack some (DCP's
+        # dedup moves duplicates to one rank), so the plain entries travel to the coordinator, which names objects.
         mapping = plan.planner_data if isinstance(plan.planner_data, dict) else {}
         self._paths = {name: tuple(path) for name, path in mapping.items()}
-        return plan
+        objects = [item.index.fqn for item in plan.items if item.type == WriteItemType.BYTE_IO]
+        return dataclasses.replace(plan, storage_data={"objects": objects})
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """(coordinator) Refuse a committed URL, draw the attempt; raising here fails dcp.save on every rank."""
+        """(coordinator) Refuse a committed URL, draw the attempt, name the objects each rank stores (SPEC 7
+        "Names", over all ranks' entries); raising here fails dcp.save on every rank."""
         if any(not plan.usable for plan in plans):
-            # A cached plan would carry the attempt of an earlier save to every rank.
-            raise ShardckptUsageError(
-                "DefaultSavePlanner(enable_plan_caching=True) reuses plans between saves; shardckpt draws a new "
-                "attempt for each save: use a planner without plan caching"
-            )
+            raise ShardckptUsageError(PLAN_CACHING_REFUSED)
         storage = self._storage()
         if storage.exists(layout.COMMITTED):
             raise AlreadyExistsError(f"{storage.url} already holds a committed checkpoint; save to a new URL")
         self._attempt = layout.new_attempt()
-        return [
-            dataclasses.replace(plan, storage_data={"attempt": self._attempt, "rank": rank, "world_size": len(plans)})
-            for rank, plan in enumerate(plans)
-        ]
+        owners = _owners(plans)
+        out = []
+        for rank, plan in enumerate(plans):
+            mine = {name: owners[name] for name in _held(plan)}
+            info = {"attempt": self._attempt, "rank": rank, "world_size": len(plans), "owners": mine}
+            out.append(dataclasses.replace(plan, storage_data=info))
+        return out
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """(all) Write this rank's pieces and plain values, then its local manifest; the manifest rides back."""
+        if getattr(planner, "_enable_plan_caching", False):
+            # Refused at the first save already, before anything is written, not only at the first cached one.
+            raise ShardckptUsageError(PLAN_CACHING_REFUSED)
         info = plan.storage_data
-        if not isinstance(info, dict) or set(info) != {"attempt", "rank", "world_size"}:
+        if not isinstance(info, dict) or set(info) != {"attempt", "rank", "world_size", "owners"}:
             raise ShardckptUsageError("this save plan did not come through shardckpt's prepare_global_plan")
         writer = ShardWriter(
             self._storage(),
@@ -140,7 +147,7 @@ class StorageWriter(_DCPStorageWriter):
             writer.add(item.index.fqn, tensor, global_shape=tuple(data.size), offsets=tuple(data.chunk.offsets))
             size = tensor.numel() * tensor.element_size()
             results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=None))
-        for name, value in self._plain_objects(planner, written).items():
+        for name, value in self._plain_objects(planner, written, info["owners"]).items():
             writer.add_object(name, value)
         writer.close()
         # One result carries the local manifest to the coordinator (a rank with no item leaves it on storage only).
@@ -152,16 +159,15 @@ class StorageWriter(_DCPStorageWriter):
         future.set_result(results)
         return future
 
-    def _plain_objects(self, planner: SavePlanner, written: set[str]) -> dict[str, Any]:
+    def _plain_objects(self, planner: SavePlanner, written: set[str], owners: dict[str, Path]) -> dict[str, Any]:
         """The objects this rank stores: each object one of its entries in this rank's final plan belongs to,
-        assembled from all of this rank's entries of it (SPEC 7 "Names")."""
+        assembled from all of this rank's entries of it (`owners`, from the coordinator: SPEC 7 "Names")."""
         lookup = getattr(planner, "lookup_object", None)
         if written and lookup is None:
             raise ShardckptUsageError(
                 f"the save planner {type(planner).__name__} has no lookup_object (DefaultSavePlanner has): shardckpt "
                 "stores plain values, never the pickled bytes resolve_data makes"
             )
-        owners = object_names(self._paths, self._tensors, self._objects or sorted(written))
         wanted = {owners[name] for name in written}
         parts: dict[Path, list[tuple[Path, Any]]] = defaultdict(list)
         for name, owner in owners.items():
@@ -191,3 +197,23 @@ class StorageWriter(_DCPStorageWriter):
             step=self.step,
             local_manifests=gathered if len(gathered) == len(manifests) else None,
         )
+
+
+def _held(plan: SavePlan) -> list[str]:
+    """A rank's plain entries, as its prepare_local_plan recorded them before DCP's dedup."""
+    data = plan.storage_data
+    if not isinstance(data, dict) or not isinstance(data.get("objects"), list):
+        raise ShardckptUsageError("this save plan did not come through shardckpt's prepare_local_plan")
+    return [str(name) for name in data["objects"]]
+
+
+def _owners(plans: list[SavePlan]) -> dict[str, Path]:
+    """Every plain entry of every rank -> the object that holds it (SPEC 7 "Names"), over all ranks' plans."""
+    paths: dict[str, Path] = {}
+    for plan in plans:
+        if isinstance(plan.planner_data, dict):
+            paths.update({name: tuple(path) for name, path in plan.planner_data.items()})
+    tensors = {item.index.fqn for plan in plans for item in plan.items if item.type != WriteItemType.BYTE_IO}
+    held = [_held(plan) for plan in plans]
+    everything = sorted({name for entries in held for name in entries})
+    return split_objects(object_names(paths, tensors, everything), held, paths)

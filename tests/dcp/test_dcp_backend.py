@@ -45,6 +45,7 @@ def _check_loads(loads: dict, where: str) -> None:
     blob = {"bytes": b"\x00\x01state".hex()}
     assert values["extra"] == {"epoch": 3, "tag": "dcp", "blob": blob, "history": [1.5, 2.5]}
     assert [group["lr"] for group in values["param_groups"]] == [0.01]
+    assert values["loader"] == {"dp_rank_0": {"bytes": "000000"}, "dp_rank_1": {"bytes": "010101"}}
     for label in SAVED_BY_US:
         assert loads[label]["wrong"] == [], f"{where}: {label}"
         assert loads[label]["values"] == values, f"{where}: {label}"
@@ -78,6 +79,11 @@ def test_what_dcp_wrote_is_an_ordinary_checkpoint_that_shardckpt_verify_passes(s
         checkpoint = shardckpt.open(args[label])
         assert (checkpoint.manifest.world_size, checkpoint.step) == (2, 7)
         assert checkpoint.objects["extra"]["blob"] == b"\x00\x01state"  # one object, as shardckpt.save stores it
+        # Ranks held different parts of "dataloader": each part is its own object (SPEC 7 "Names").
+        assert {k: v for k, v in checkpoint.objects.items() if k.startswith("dataloader")} == {
+            "dataloader.dp_rank_0": b"\x00\x00\x00",
+            "dataloader.dp_rank_1": b"\x01\x01\x01",
+        }
         verify = subprocess.run(
             [ENTRY_POINT, "verify", args[label]], capture_output=True, text=True, timeout=120, env=dict(os.environ)
         )

@@ -19,7 +19,9 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import shardckpt
 import shardckpt.dcp
-from shardckpt.dcp.naming import dcp_entries, value_at
+from shardckpt.dcp.naming import dcp_entries, object_names, split_objects, value_at
+from shardckpt.format import layout
+from shardckpt.statedict.leaves import per_rank_plain
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -95,14 +97,16 @@ def test_dcp_load_casts_dtypes_as_dcp_does(tmp_path) -> None:
     assert torch.equal(into["i"], torch.arange(5, dtype=torch.int32))
 
 
-def test_plan_caching_is_refused_with_a_clear_error_not_a_stale_attempt(tmp_path) -> None:
-    planner = DefaultSavePlanner(enable_plan_caching=True)
+def test_plan_caching_is_refused_with_a_clear_error_at_the_first_save(tmp_path) -> None:
+    """Refused before anything is written, at the first save already (a second, cached save would otherwise be the
+    first to fail, maybe hours into a run); a cached save that still came through is refused as well."""
     state = {"w": torch.ones(3)}
-    dcp.save(state, storage_writer=shardckpt.dcp.StorageWriter(str(tmp_path / "a")), planner=planner)
-    with pytest.raises(CheckpointException) as raised:
-        dcp.save(state, storage_writer=shardckpt.dcp.StorageWriter(str(tmp_path / "b")), planner=planner)
-    assert "enable_plan_caching" in str(raised.value.failures[0][0])
-    assert not os.path.exists(tmp_path / "b" / "COMMITTED")
+    for label in ("a", "b"):
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        with pytest.raises(CheckpointException) as raised:
+            dcp.save(state, storage_writer=shardckpt.dcp.StorageWriter(str(tmp_path / label)), planner=planner)
+        assert "enable_plan_caching" in str(raised.value.failures[0][0])
+        assert not os.path.exists(tmp_path / label)
 
 
 def test_dcp_save_and_load_through_s3(s3_url) -> None:
@@ -117,3 +121,65 @@ def test_dcp_save_and_load_through_s3(s3_url) -> None:
         pytest.fail(f"loaded from S3: {into}")
     assert shardckpt.open(f"{s3_url}/ck").step == 1
     assert reader.stats.fetched_bytes == reader.stats.needed_bytes  # whole small pieces: nothing beyond them
+
+
+def test_a_container_whose_parts_ranks_hold_differently_is_stored_as_its_parts() -> None:
+    """torchtitan keys each data loader's state by rank: no rank holds all of `dataloader`, so each part held
+    whole by its ranks is an object; containers every holder holds whole stay one object."""
+    paths = {
+        "dataloader.dp_rank_0": ("dataloader", "dp_rank_0"),
+        "dataloader.dp_rank_1": ("dataloader", "dp_rank_1"),
+        "train.step": ("train", "step"),
+        "train.loss": ("train", "loss"),
+        "mixed.shared.a": ("mixed", "shared", "a"),
+        "mixed.shared.b": ("mixed", "shared", "b"),
+        "mixed.only0": ("mixed", "only0"),
+    }
+    held = [
+        ["dataloader.dp_rank_0", "train.step", "train.loss", "mixed.shared.a", "mixed.shared.b", "mixed.only0"],
+        ["dataloader.dp_rank_1", "train.step", "train.loss", "mixed.shared.a", "mixed.shared.b"],
+    ]
+    owners = object_names(paths, (), sorted(paths))
+    assert split_objects(owners, held, paths) == {
+        "dataloader.dp_rank_0": ("dataloader", "dp_rank_0"),
+        "dataloader.dp_rank_1": ("dataloader", "dp_rank_1"),
+        "train.step": ("train",),
+        "train.loss": ("train",),
+        "mixed.shared.a": ("mixed", "shared"),
+        "mixed.shared.b": ("mixed", "shared"),
+        "mixed.only0": ("mixed", "only0"),
+    }
+
+
+class _ReaderAs(shardckpt.dcp.StorageReader):
+    """The reader as rank `rank` of a group sees it (dcp.load in one process is rank 0)."""
+
+    rank = 0
+
+    def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, rank=self.rank)
+
+
+def test_dcp_load_gives_each_rank_its_own_per_rank_value_and_keeps_it_where_none_was_saved(tmp_path) -> None:
+    url = str(tmp_path / "per-rank")
+    attempt = layout.new_attempt()
+    for rank in (0, 1):  # what shardckpt.save with a PerRank value writes on 2 ranks
+        writer = shardckpt.ShardWriter(url, rank=rank, world_size=2, attempt=attempt)
+        writer.add("w", torch.full((2,), float(rank)), global_shape=(4,), offsets=(2 * rank,))
+        rng = {"seed": 10 + rank, "state": torch.arange(4, dtype=torch.uint8) + rank, "tags": [rank]}
+        writer.add_object("rng", per_rank_plain(rng), per_rank=True)
+        writer.add_object("step", 7)
+        writer.close()
+    shardckpt.commit(url, world_size=2, attempt=attempt)
+    for rank in (0, 1, 2):
+        into = {"w": torch.zeros(4), "rng": {"seed": -1, "state": torch.zeros(4, dtype=torch.uint8), "tags": [9]}}
+        into["step"] = 0
+        reader = type("Reader", (_ReaderAs,), {"rank": rank})(url)
+        dcp.load(into, storage_reader=reader)
+        assert torch.equal(into["w"], torch.tensor([0.0, 0.0, 1.0, 1.0])) and into["step"] == 7
+        if rank == 2:  # saved on 2 ranks: the destination keeps its value, as shardckpt.load's PerRank default
+            expected = {"seed": -1, "state": torch.zeros(4, dtype=torch.uint8), "tags": [9]}
+        else:
+            expected = {"seed": 10 + rank, "state": torch.arange(4, dtype=torch.uint8) + rank, "tags": [rank]}
+        if not _equal(into["rng"], expected):
+            pytest.fail(f"rank {rank} got {into['rng']}, expected {expected}", pytrace=False)

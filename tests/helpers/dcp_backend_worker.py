@@ -57,7 +57,9 @@ def trained_state() -> tuple[dict[str, Any], nn.Module, torch.optim.Optimizer]:
     optimizer.step()
     optimizer.zero_grad()
     msd, osd = get_state_dict(model, optimizer)
-    return {"model": msd, "optim": osd, "extra": dict(EXTRA)}, model, optimizer
+    # Each rank's data-loader position under its own key, as torchtitan keeps it: one container, parts per rank.
+    loader = {f"dp_rank_{rank}": bytes([rank]) * 3}
+    return {"model": msd, "optim": osd, "extra": dict(EXTRA), "dataloader": loader}, model, optimizer
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -73,10 +75,15 @@ def loaded(reader: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     model, optimizer = build(1, 0.5)
     msd, osd = get_state_dict(model, optimizer)
     state = {"model": msd, "optim": osd, "extra": {"epoch": 0, "tag": "", "blob": b"", "history": [0.0, 0.0]}}
+    state["dataloader"] = {"dp_rank_0": b"", "dp_rank_1": b""}
     dcp.load(state, storage_reader=reader)
     set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
     groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    return full_state(model, optimizer), {"extra": state["extra"], "param_groups": groups}
+    return full_state(model, optimizer), {
+        "extra": state["extra"],
+        "param_groups": groups,
+        "loader": state["dataloader"],
+    }
 
 
 def compare(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> list[str]:

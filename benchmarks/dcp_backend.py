@@ -7,6 +7,7 @@ The same file is the rank worker (`python benchmarks/dcp_backend.py SCENARIO ARG
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import statistics
@@ -22,7 +23,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a rank's script
 import shardckpt.dcp
 from benchmarks.__main__ import write_report
-from benchmarks.dist_worker import make_state, read_bytes, run_scenario, timed_collective
+from benchmarks.dist_worker import make_state, read_bytes, run_scenario, timed_collective, timed_saves
 from benchmarks.distributed import values
 from benchmarks.pagecache import drop_caches
 from tests.helpers.launch import run_ranks
@@ -49,17 +50,8 @@ def scenario_save(args: dict, rank: int, world: int) -> dict:
     """Each backend's dcp.save `repeats` times, taking turns (outputs but the last deleted); then, when asked, the
     same-layout load in this same job (no second launch for 4 -> 4)."""
     state = make_state(args, world, rank, fill=True)
-    samples: dict[str, list[float]] = {name: [] for name in LIBRARIES}
-    repeats = args["repeats"]
-    for repeat in range(repeats):
-        for name in sorted(LIBRARIES, reverse=repeat % 2 == 1):
-            path = args[name] if repeat == repeats - 1 else f"{args[name]}-scratch-{repeat}"
-            samples[name].append(timed_collective(lambda: _save(name, state, path)))  # noqa: B023 (called at once)
-            if rank == 0 and path != args[name]:
-                shutil.rmtree(path)  # the next save writes into disk blocks the machine already backs
-                os.sync()
-            dist.barrier()
-    result = {f"save_{name}": statistics.median(times) for name, times in samples.items()}
+    times = timed_saves(state, args, rank, {name: functools.partial(_save, name, state) for name in LIBRARIES})
+    result = {f"save_{name}": seconds for name, seconds in times.items()}
     if args.get("load_here"):
         del state
         result["load"] = scenario_load(args, rank, world)

@@ -14,6 +14,7 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -72,11 +73,13 @@ def scenario_save(args: dict, rank: int, world: int) -> dict:
     return timed_saves(make_state(args, world, rank, fill=True), args, rank)
 
 
-def timed_saves(state: dict, args: dict, rank: int) -> dict[str, float]:
+def timed_saves(
+    state: dict, args: dict, rank: int, saves: dict[str, Callable[[str], object]] | None = None
+) -> dict[str, float]:
     """Median seconds of each library's durable save of `state`, `repeats` times taking turns. Every output but the
     last is deleted before the next save (so each writes into disk blocks the machine already backs); the last
-    ones, at args["shardckpt"] and args["dcp"], are what the loads read."""
-    saves = {
+    ones, at args[name] for each name of `saves` (default: shardckpt.save and dcp.save), are what the loads read."""
+    saves = saves or {
         "shardckpt": lambda path: shardckpt.save(state, path),
         "dcp": lambda path: dcp.save(state, storage_writer=FileSystemWriter(path, thread_count=2, sync_files=True)),
     }

@@ -2,6 +2,7 @@
 and dcp.load on 1, 2 and 3 ranks, against DCP's own FileSystemWriter round trip of the same state.
 
 One launched job per world size (2: every save, a failed save, a refused save, the 2-rank loads; 3: the loads).
+Besides local disk, the plain dcp.save also goes to S3 (SeaweedFS) and every load reads it back from there.
 """
 
 from __future__ import annotations
@@ -9,17 +10,21 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import shardckpt
 from tests.helpers import dcp_backend_worker
+from tests.helpers.checkpoints import S3_BUCKET
 from tests.helpers.launch import run_ranks
 
 WORKER = Path(dcp_backend_worker.__file__)
 ENTRY_POINT = str(Path(sys.executable).with_name("shardckpt"))
-SAVED_BY_US = ("ours", "thread", "process")
+SAVED_BY_US = ("ours", "thread", "process", "s3")
+ON_LOCAL_DISK = ("ours", "thread", "process")  # the loads whose data reads are counted (at LocalStorage)
 
 
 def _verdicts(results: list[dict | None]) -> list[dict]:
@@ -29,10 +34,20 @@ def _verdicts(results: list[dict | None]) -> list[dict]:
     return [result["value"] for result in results if result is not None]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def s3_environment(s3_server) -> Iterator[None]:
+    """The AWS variables point at the session's SeaweedFS for every test here and the ranks they launch."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in s3_server.environment().items():
+            patch.setenv(name, value)
+        yield
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str], list[dict]]:
     root = tmp_path_factory.mktemp("dcp-backend")
     args = {label: str(root / label) for label in ("ours", "fs", "thread", "process", "failed")}
+    args["s3"] = f"s3://{S3_BUCKET}/dcp-backend-{uuid.uuid4().hex}"
     args["reference"] = str(root / "reference.safetensors")
     return args, _verdicts(run_ranks("save", 2, args, timeout=280, worker=WORKER))
 
@@ -62,7 +77,7 @@ def test_load_on_3_ranks_matches_and_reads_at_most_5_percent_beyond_the_bytes_ne
     verdicts = _verdicts(run_ranks("load", 3, args, timeout=200, worker=WORKER))
     for rank, verdict in enumerate(verdicts):
         _check_loads(verdict, f"rank {rank} of 3")
-        for label in SAVED_BY_US:
+        for label in ON_LOCAL_DISK:
             read, needed = verdict[label]["read"], verdict[label]["needed"]
             assert needed > 300_000  # the embedding's third and its AdamW moments: data, not manifests, dominate
             assert read <= 1.05 * needed, (rank, label, read, needed)

@@ -158,6 +158,7 @@ def scenario_save(args: dict, rank: int, world: int) -> dict:
     state, model, optimizer = trained_state()
     dcp.save(state, storage_writer=shardckpt.dcp.StorageWriter(args["ours"], step=7, block_size=BLOCK_SIZE))
     dcp.save(state, storage_writer=dcp.FileSystemWriter(args["fs"]))
+    dcp.save(state, storage_writer=shardckpt.dcp.StorageWriter(args["s3"], step=7, block_size=BLOCK_SIZE))
     thread = shardckpt.dcp.StorageWriter(args["thread"], step=7, block_size=BLOCK_SIZE)
     dcp.async_save(state, storage_writer=thread).result()
     process = shardckpt.dcp.StorageWriter(args["process"], step=7, block_size=BLOCK_SIZE)
@@ -195,7 +196,7 @@ def load_all(args: dict) -> dict[str, Any]:
     out: dict[str, Any] = {}
     tensors, values = loaded(dcp.FileSystemReader(args["fs"]))
     out["dcp"] = {"wrong": compare(tensors, reference), "values": _jsonable(values)}
-    for label in ("ours", "thread", "process"):
+    for label in ("ours", "thread", "process", "s3"):
         CountingReader.needed = 0
         with counting_data_reads() as read:
             tensors, values = loaded(CountingReader(args[label]))

@@ -179,6 +179,19 @@ def validate_phase(scratch: Path) -> dict[str, float]:
     }
 
 
+def direct_phase(scratch: Path, model: str, world: int, ep: int, config: MoeConfig) -> dict[str, Any]:
+    """The global manifest from local manifests made in memory (no local-manifest codec, tables shared between
+    ranks): for a job whose validation does not fit in this machine's memory, its manifest and plan rows."""
+    state, mesh, tables = moe_state(model, config), Mesh(world, ep), {}
+    locals_ = [state.local(mesh, rank, tables) for rank in range(world)]
+    tensors = merge_tensors(locals_)
+    files = tuple(FileEntry(m.rank, m.data, m.data_size, f"ranks/{m.rank:05d}-scale.msgpack", 1, 0) for m in locals_)
+    encoded = encode_global_manifest(GlobalManifest("scale", world, BLOCK, files, tensors))
+    (scratch / "global.msgpack").write_bytes(encoded)
+    pieces = sum(entry.pieces.count for entry in tensors)
+    return {"pieces": pieces, "tensors": len(tensors), "global_manifest_bytes": len(encoded), "direct": True}
+
+
 def plan_phase(scratch: Path, model: str, world: int, ep: int, config: MoeConfig) -> dict[str, float]:
     """One rank of the resharded job: decode the global manifest, plan its reads."""
     encoded = (scratch / "global.msgpack").read_bytes()
@@ -208,25 +221,28 @@ def peak_rss() -> int:
         return next(int(line.split()[1]) * 1024 for line in handle if line.startswith("VmHWM:"))
 
 
-def measure(model: str, world: int, ep: int, config: MoeConfig, scratch: Path) -> dict[str, Any]:
+def measure(model: str, world: int, ep: int, config: MoeConfig, scratch: Path, direct: bool) -> dict[str, Any]:
     """One row: local manifests written to `scratch`, then validation and one rank's plan, each in a fresh
-    process so that its peak RSS is its own."""
-    began = time.perf_counter()
-    bounds = [0]
-    with open(scratch / "locals.bin", "wb") as handle:
-        for raw in local_manifests(model, world, ep, config):
-            handle.write(raw)
-            bounds.append(bounds[-1] + len(raw))
-    np.save(scratch / "locals.npy", np.array(bounds, dtype=np.int64))
+    process so that its peak RSS is its own. `direct`: no validation row (see direct_phase)."""
     row: dict[str, Any] = {"model": model, "ranks": world, "ep": ep if model != "dense" else None}
-    row["prepare_seconds"] = time.perf_counter() - began
     common = ["--model", model, "--ranks", str(world), "--ep", str(ep), "--scratch", str(scratch)]
     common += ["--layers", str(config.layers), "--dense-layers", str(config.dense_layers)]
     common += ["--experts", str(config.experts)]
-    for phase in ("validate", "plan"):
-        row.update(_child([*common, "--phase", phase]))
+    if direct:
+        row.update(_child([*common, "--phase", "direct"]))
+    else:
+        began = time.perf_counter()
+        bounds = [0]
+        with open(scratch / "locals.bin", "wb") as handle:
+            for raw in local_manifests(model, world, ep, config):
+                handle.write(raw)
+                bounds.append(bounds[-1] + len(raw))
+        np.save(scratch / "locals.npy", np.array(bounds, dtype=np.int64))
+        row["prepare_seconds"] = time.perf_counter() - began
+        row.update(_child([*common, "--phase", "validate"]))
+    row.update(_child([*common, "--phase", "plan"]))
     for name in ("locals.bin", "locals.npy", "global.msgpack"):
-        (scratch / name).unlink()
+        (scratch / name).unlink(missing_ok=True)
     return row
 
 
@@ -237,7 +253,7 @@ def _child(argv: list[str]) -> dict[str, Any]:
         [sys.executable, "-m", "benchmarks.scale", *argv], cwd=root, env=env, capture_output=True, text=True
     )
     if done.returncode != 0:
-        raise RuntimeError(f"benchmarks.scale {' '.join(argv)} failed:\n{done.stderr}")
+        raise RuntimeError(f"benchmarks.scale {' '.join(argv)} failed (exit {done.returncode}):\n{done.stderr}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
 
@@ -252,13 +268,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--experts", type=int, default=MoeConfig.experts, help="routed experts (smaller: smoke)")
     parser.add_argument("--json", default="benchmarks/scale.json")
     parser.add_argument("--scratch", default=None, help="folder for the simulated manifests (default: a temp dir)")
-    parser.add_argument("--phase", choices=("validate", "plan"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--direct-from",
+        type=int,
+        default=0,
+        help="per-expert rows on this many ranks or more skip the local-manifest codec and validation (their "
+        "validation does not fit in 24 GiB today); 0: none",
+    )
+    parser.add_argument("--phase", choices=("validate", "plan", "direct"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     config = MoeConfig(layers=args.layers, dense_layers=min(args.dense_layers, args.layers), experts=args.experts)
     if args.phase:
         scratch = Path(args.scratch)
         if args.phase == "validate":
             result = validate_phase(scratch)
+        elif args.phase == "direct":
+            result = direct_phase(scratch, args.model[0], args.ranks[0], args.ep, config)
         else:
             result = plan_phase(scratch, args.model[0], args.ranks[0], args.ep, config)
         print(json.dumps(result))
@@ -271,12 +296,18 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(dir=args.scratch) as scratch:
         for model in args.model:
             for world in args.ranks:
-                row = measure(model, world, args.ep, config, Path(scratch))
+                direct = model == "moe-experts" and 0 < args.direct_from <= world
+                row = measure(model, world, args.ep, config, Path(scratch), direct)
                 rows.append(row)
+                validation = (
+                    f"{row['validation_seconds']:8.2f}s {row['validation_peak_rss'] / 2**30:6.2f}Gi"
+                    if "validation_seconds" in row
+                    else f"{'-':>9} {'-':>8}"
+                )
                 print(
                     f"{model:12} {world:6d} {row['pieces']:10d} {row['global_manifest_bytes'] / 2**20:8.2f}Mi "
-                    f"{row['validation_seconds']:8.2f}s {row['validation_peak_rss'] / 2**30:6.2f}Gi "
-                    f"{row['decode_seconds']:6.2f}s {row['plan_seconds']:11.2f}s {row['plan_peak_rss'] / 2**30:6.2f}Gi",
+                    f"{validation} {row['decode_seconds']:6.2f}s {row['plan_seconds']:11.2f}s "
+                    f"{row['plan_peak_rss'] / 2**30:6.2f}Gi",
                     flush=True,
                 )
     if args.json:

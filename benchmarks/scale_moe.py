@@ -184,6 +184,10 @@ class MoeState:
 
     def local_manifest(self, mesh: Mesh, rank: int, tables: dict[bytes, tuple[TensorSpec, ...]]) -> bytes:
         """The encoded local manifest rank `rank` sends; `tables` shares identical tensor tables between ranks."""
+        return encode_local_manifest(self.local(mesh, rank, tables))
+
+    def local(self, mesh: Mesh, rank: int, tables: dict[bytes, tuple[TensorSpec, ...]]) -> LocalManifest:
+        """Rank `rank`'s local manifest as the coordinator holds it once decoded."""
         declared, owners, starts, lengths = self.boxes(mesh, rank)
         key = declared.tobytes()
         specs = tables.get(key)
@@ -197,8 +201,7 @@ class MoeState:
         crcs = np.zeros(int((-(-nbytes // BLOCK)).sum()), dtype=np.uint32)
         size = HEADER + int(nbytes.sum())
         data = f"data/{rank:05d}-scale.safetensors"
-        manifest = LocalManifest("scale", rank, mesh.world, data, size, HEADER, 0, BLOCK, specs, pieces, crcs)
-        return encode_local_manifest(manifest)
+        return LocalManifest("scale", rank, mesh.world, data, size, HEADER, 0, BLOCK, specs, pieces, crcs)
 
     def targets(self, mesh: Mesh, rank: int) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
         """(name, offsets, shape) of every box rank `rank` of `mesh` loads: its shards and its steps."""

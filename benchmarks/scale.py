@@ -10,11 +10,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import subprocess
+import sys
+import tempfile
 import time
-import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from benchmarks.scale_moe import Mesh, MoeConfig, MoeState
 from shardckpt import knobs
 from shardckpt.format.local_manifest import (
     LocalManifest,
@@ -95,11 +102,54 @@ def local_manifest(specs: tuple[TensorSpec, ...], rank: int, world: int) -> byte
     return encode_local_manifest(manifest)
 
 
-def measure(world: int) -> dict[str, float]:
-    specs = tensor_specs()
-    began = time.perf_counter()
-    raws = [local_manifest(specs, rank, world) for rank in range(world)]
-    prepare = time.perf_counter() - began
+MODELS = ("dense", "moe-experts", "moe-grouped")
+DESCRIPTION = {
+    "dense": "92B dense, 2,892 tensors with AdamW state, FSDP2 Shard(0)",
+    "moe-experts": "DeepSeek-V3 671B, per-expert tensors (HF names), EP x FSDP",
+    "moe-grouped": "DeepSeek-V3 671B, grouped experts [experts, d_in, d_out] (torchtitan), EP x FSDP",
+}
+
+
+def moe_state(model: str, config: MoeConfig) -> MoeState:
+    return MoeState(config, "experts" if model == "moe-experts" else "grouped")
+
+
+def local_manifests(model: str, world: int, ep: int, config: MoeConfig) -> Iterator[bytes]:
+    """Every rank's encoded local manifest, in rank order."""
+    if model == "dense":
+        specs = tensor_specs()
+        yield from (local_manifest(specs, rank, world) for rank in range(world))
+        return
+    state, mesh, tables = moe_state(model, config), Mesh(world, ep), {}
+    yield from (state.local_manifest(mesh, rank, tables) for rank in range(world))
+
+
+def load_targets(model: str, world: int, ep: int, config: MoeConfig, manifest: GlobalManifest) -> list[Target]:
+    """What one rank of a job on 3W/4 ranks loads: FSDP Shard(0) over 3W/4 ranks; experts on EP/2 x 3W/(2 EP)."""
+    target_world = world * 3 // 4
+    rank = target_world // 2
+    if model != "dense":
+        state = moe_state(model, config)
+        mesh = Mesh(target_world, max(ep // 2, 1))
+        return [Target(name, Box(offsets, shape)) for name, offsets, shape in state.targets(mesh, rank)]
+    targets = []
+    for entry in manifest.tensors:
+        if not entry.shape:
+            targets.append(Target(entry.name, Box((), ())))
+            continue
+        chunk = math.ceil(entry.shape[0] / target_world)
+        lo = min(rank * chunk, entry.shape[0])
+        hi = min(lo + chunk, entry.shape[0])
+        targets.append(Target(entry.name, Box((lo,) + (0,) * (len(entry.shape) - 1), (hi - lo, *entry.shape[1:]))))
+    return targets
+
+
+def validate_phase(scratch: Path) -> dict[str, float]:
+    """The coordinator's commit work on the gathered local manifests: decode, merge + cover, encode."""
+    data = (scratch / "locals.bin").read_bytes()
+    bounds = np.load(scratch / "locals.npy").tolist()
+    raws = [data[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+    del data
     began = time.process_time()
     locals_ = [decode_local_manifest(raw, f"rank {rank}") for rank, raw in enumerate(raws)]
     decode = time.process_time() - began
@@ -110,74 +160,160 @@ def measure(world: int) -> dict[str, float]:
         FileEntry(m.rank, m.data, m.data_size, f"ranks/{m.rank:05d}-scale.msgpack", len(raw), 0)
         for m, raw in zip(locals_, raws)
     )
-    manifest = GlobalManifest("scale", world, BLOCK, files, tensors)
+    manifest = GlobalManifest("scale", len(raws), BLOCK, files, tensors)
     began = time.process_time()
     encoded = encode_global_manifest(manifest)
     encode = time.process_time() - began
+    (scratch / "global.msgpack").write_bytes(encoded)
+    return {
+        "pieces": sum(entry.pieces.count for entry in tensors),
+        "tensors": len(tensors),
+        "local_manifest_bytes_each": len(raws[0]),
+        "local_manifest_bytes_total": len(bounds) and bounds[-1],
+        "global_manifest_bytes": len(encoded),
+        "validation_seconds": decode + merge,
+        "validation_decode_seconds": decode,
+        "validation_merge_seconds": merge,
+        "encode_seconds": encode,
+        "validation_peak_rss": peak_rss(),
+    }
+
+
+def direct_phase(scratch: Path, model: str, world: int, ep: int, config: MoeConfig) -> dict[str, Any]:
+    """The global manifest from local manifests made in memory (no local-manifest codec, tables shared between
+    ranks): for a job whose validation does not fit in this machine's memory, its manifest and plan rows."""
+    state, mesh, tables = moe_state(model, config), Mesh(world, ep), {}
+    locals_ = [state.local(mesh, rank, tables) for rank in range(world)]
+    tensors = merge_tensors(locals_)
+    files = tuple(FileEntry(m.rank, m.data, m.data_size, f"ranks/{m.rank:05d}-scale.msgpack", 1, 0) for m in locals_)
+    encoded = encode_global_manifest(GlobalManifest("scale", world, BLOCK, files, tensors))
+    (scratch / "global.msgpack").write_bytes(encoded)
+    pieces = sum(entry.pieces.count for entry in tensors)
+    return {"pieces": pieces, "tensors": len(tensors), "global_manifest_bytes": len(encoded), "direct": True}
+
+
+def plan_phase(scratch: Path, model: str, world: int, ep: int, config: MoeConfig) -> dict[str, float]:
+    """One rank of the resharded job: decode the global manifest, plan its reads."""
+    encoded = (scratch / "global.msgpack").read_bytes()
     began = time.process_time()
     decoded = decode_global_manifest(encoded)
     for entry in decoded.tensors:
         entry.pieces.arrays()
-    decode_global = time.process_time() - began
-    target_world = world * 3 // 4
-    rank = target_world // 2
-    targets = []
-    for entry in decoded.tensors:
-        if not entry.shape:
-            targets.append(Target(entry.name, Box((), ())))
-            continue
-        chunk = math.ceil(entry.shape[0] / target_world)
-        lo = min(rank * chunk, entry.shape[0])
-        hi = min(lo + chunk, entry.shape[0])
-        targets.append(Target(entry.name, Box((lo,) + (0,) * (len(entry.shape) - 1), (hi - lo, *entry.shape[1:]))))
+    decode = time.process_time() - began
+    targets = load_targets(model, world, ep, config, decoded)
     index = decoded.tensor_index()
     began = time.process_time()
     plan = plan_reads(index, targets, block_size=BLOCK, max_gap=knobs.MAX_GAP, max_request=knobs.MAX_REQUEST)
     plan_seconds = time.process_time() - began
-    tracemalloc.start()
-    plan_reads(index, targets, block_size=BLOCK, max_gap=knobs.MAX_GAP, max_request=knobs.MAX_REQUEST)
-    plan_peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
     return {
-        "ranks": world,
-        "pieces": sum(entry.pieces.count for entry in tensors),
-        "local_manifest_bytes_each": len(raws[0]),
-        "global_manifest_bytes": len(encoded),
-        "encode_seconds": encode,
-        "decode_seconds": decode_global,
-        "validation_seconds": decode + merge,
-        "validation_decode_seconds": decode,
-        "validation_merge_seconds": merge,
+        "decode_seconds": decode,
         "plan_seconds": plan_seconds,
-        "plan_peak_bytes": plan_peak,
+        "plan_targets": len(targets),
         "plan_requests": len(plan.requests),
         "plan_fetch_ratio": plan.fetch_bytes / max(plan.needed_bytes, 1),
-        "prepare_seconds": prepare,
+        "plan_peak_rss": peak_rss(),
     }
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory (VmHWM), bytes."""
+    with open("/proc/self/status") as handle:
+        return next(int(line.split()[1]) * 1024 for line in handle if line.startswith("VmHWM:"))
+
+
+def measure(model: str, world: int, ep: int, config: MoeConfig, scratch: Path, direct: bool) -> dict[str, Any]:
+    """One row: local manifests written to `scratch`, then validation and one rank's plan, each in a fresh
+    process so that its peak RSS is its own. `direct`: no validation row (see direct_phase)."""
+    row: dict[str, Any] = {"model": model, "ranks": world, "ep": ep if model != "dense" else None}
+    common = ["--model", model, "--ranks", str(world), "--ep", str(ep), "--scratch", str(scratch)]
+    common += ["--layers", str(config.layers), "--dense-layers", str(config.dense_layers)]
+    common += ["--experts", str(config.experts)]
+    if direct:
+        row.update(_child([*common, "--phase", "direct"]))
+    else:
+        began = time.perf_counter()
+        bounds = [0]
+        with open(scratch / "locals.bin", "wb") as handle:
+            for raw in local_manifests(model, world, ep, config):
+                handle.write(raw)
+                bounds.append(bounds[-1] + len(raw))
+        np.save(scratch / "locals.npy", np.array(bounds, dtype=np.int64))
+        row["prepare_seconds"] = time.perf_counter() - began
+        row.update(_child([*common, "--phase", "validate"]))
+    row.update(_child([*common, "--phase", "plan"]))
+    for name in ("locals.bin", "locals.npy", "global.msgpack"):
+        (scratch / name).unlink(missing_ok=True)
+    return row
+
+
+def _child(argv: list[str]) -> dict[str, Any]:
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.scale", *argv], cwd=root, env=env, capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"benchmarks.scale {' '.join(argv)} failed (exit {done.returncode}):\n{done.stderr}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--ranks", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--model", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--ep", type=int, default=64, help="expert-parallel degree of the saving job (MoE)")
+    parser.add_argument("--layers", type=int, default=MoeConfig.layers, help="MoE layers (smaller: a smoke run)")
+    parser.add_argument("--dense-layers", type=int, default=MoeConfig.dense_layers, help="of them, dense FFN")
+    parser.add_argument("--experts", type=int, default=MoeConfig.experts, help="routed experts (smaller: smoke)")
     parser.add_argument("--json", default="benchmarks/scale.json")
+    parser.add_argument("--scratch", default=None, help="folder for the simulated manifests (default: a temp dir)")
+    parser.add_argument(
+        "--direct-from",
+        type=int,
+        default=0,
+        help="per-expert rows on this many ranks or more skip the local-manifest codec and validation (their "
+        "validation does not fit in 24 GiB today); 0: none",
+    )
+    parser.add_argument("--phase", choices=("validate", "plan", "direct"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    config = MoeConfig(layers=args.layers, dense_layers=min(args.dense_layers, args.layers), experts=args.experts)
+    if args.phase:
+        scratch = Path(args.scratch)
+        if args.phase == "validate":
+            result = validate_phase(scratch)
+        elif args.phase == "direct":
+            result = direct_phase(scratch, args.model[0], args.ranks[0], args.ep, config)
+        else:
+            result = plan_phase(scratch, args.model[0], args.ranks[0], args.ep, config)
+        print(json.dumps(result))
+        return 0
     rows = []
     print(
-        f"{'ranks':>6} {'pieces':>10} {'manifest':>10} {'encode':>7} {'decode':>7} {'validate':>9} "
-        f"{'plan W->3W/4':>12} {'plan peak':>10}"
+        f"{'model':12} {'ranks':>6} {'pieces':>10} {'manifest':>10} {'validate':>9} {'peak':>8} "
+        f"{'decode':>7} {'plan W->3W/4':>12} {'peak':>8}"
     )
-    for world in args.ranks:
-        row = measure(world)
-        rows.append(row)
-        print(
-            f"{world:6d} {row['pieces']:10d} {row['global_manifest_bytes'] / 2**20:8.2f}Mi "
-            f"{row['encode_seconds']:6.2f}s {row['decode_seconds']:6.2f}s {row['validation_seconds']:8.2f}s "
-            f"{row['plan_seconds']:11.2f}s {row['plan_peak_bytes'] / 2**20:8.1f}Mi",
-            flush=True,
-        )
+    with tempfile.TemporaryDirectory(dir=args.scratch) as scratch:
+        for model in args.model:
+            for world in args.ranks:
+                direct = model == "moe-experts" and 0 < args.direct_from <= world
+                row = measure(model, world, args.ep, config, Path(scratch), direct)
+                rows.append(row)
+                validation = (
+                    f"{row['validation_seconds']:8.2f}s {row['validation_peak_rss'] / 2**30:6.2f}Gi"
+                    if "validation_seconds" in row
+                    else f"{'-':>9} {'-':>8}"
+                )
+                print(
+                    f"{model:12} {world:6d} {row['pieces']:10d} {row['global_manifest_bytes'] / 2**20:8.2f}Mi "
+                    f"{validation} {row['decode_seconds']:6.2f}s {row['plan_seconds']:11.2f}s "
+                    f"{row['plan_peak_rss'] / 2**30:6.2f}Gi",
+                    flush=True,
+                )
     if args.json:
+        report = {"models": {model: DESCRIPTION[model] for model in args.model}, "moe": vars(config), "rows": rows}
         with open(args.json, "w") as handle:
-            json.dump({"model": "92B dense, 2,892 tensors with AdamW state", "rows": rows}, handle, indent=1)
+            json.dump(report, handle, indent=1)
     return 0
 
 

@@ -76,6 +76,7 @@ DIST_MODULES = {
     "test_s3_race",
     "test_benchmarks_smoke",
     "test_scale_smoke",
+    "test_moe",
 }
 DEEPSPEED_MODULES = {"test_deepspeed", "test_import_deepspeed"}
 

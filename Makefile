@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.loop_state --json benchmarks/loop_state.json
 	$(BIN)/python -m benchmarks.scale --ranks 1024 4096 --json benchmarks/scale.json
 	$(BIN)/python -m benchmarks.many --tensors 50000 --scale 200000 --check --json benchmarks/many.json
+	$(BIN)/python -m benchmarks.moe --ranks 4 --experts 420 --json benchmarks/moe.json
 	$(BIN)/python -m benchmarks.s3
 	$(BIN)/python -m benchmarks.ds_engine --json benchmarks/ds_engine.json
 

@@ -1,8 +1,7 @@
-"""DTensor (FSDP2 fully_shard, tensor parallel, 2-D meshes) to the box this rank holds and whether it writes it.
+"""DTensor (FSDP2, tensor and expert parallel, 2-D meshes, FSDP2's _StridedShard) to the box this rank holds.
 
 Of the ranks that hold the same box (Replicate on some mesh dimension), exactly one writes it, chosen per
-tensor so that replicated writes spread over the replicas. FSDP2's _StridedShard (FSDP over a dim that expert
-or tensor parallelism shards too) is taken where it leaves each rank one box, as it does under EP x FSDP.
+tensor so that replicated writes spread over the replicas.
 """
 
 from __future__ import annotations

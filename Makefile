@@ -51,6 +51,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.scale --ranks 1024 4096 --direct-from 4096 --json benchmarks/scale.json
 	$(BIN)/python -m benchmarks.scale_dcp --ranks 1024 4096 --json benchmarks/scale_dcp.json
 	$(BIN)/python -m benchmarks.many --tensors 50000 --scale 200000 --check --json benchmarks/many.json
+	$(BIN)/python -m benchmarks.moe --ranks 4 --experts 420 --json benchmarks/moe.json
 	$(BIN)/python -m benchmarks.s3
 	$(BIN)/python -m benchmarks.ds_engine --json benchmarks/ds_engine.json
 

@@ -78,6 +78,7 @@ DIST_MODULES = {
     "test_scale_smoke",
     "test_dcp_backend",
     "test_dcp_backend_smoke",
+    "test_moe",
 }
 DEEPSPEED_MODULES = {"test_deepspeed", "test_import_deepspeed"}
 

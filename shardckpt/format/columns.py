@@ -93,7 +93,7 @@ def decode_int_list(column: object, where: str, expected_n: int | None = None) -
     """decode_int_column as Python ints (the same values, int64 wrap-around included): for short columns."""
     n, data = _header(column, where, DELTA_ZLIB, expected_n)
     if n <= SMALL_COLUMN:
-        known = _small_values(data, n)
+        known = small_column_values(data, n)
         if known is not None:
             return known
     n, raw = _inflate(column, where, expected_n)  # raises the error, naming `where`, or decodes a longer column
@@ -104,7 +104,7 @@ def decode_int_list(column: object, where: str, expected_n: int | None = None) -
 
 
 @functools.lru_cache(maxsize=4096)
-def _small_values(data: bytes, n: int) -> tuple[int, ...] | None:
+def small_column_values(data: bytes, n: int) -> tuple[int, ...] | None:
     """The values of a short column, or None when it is not exactly n int64 values without wrap-around. Cached:
     most tensors share their file, start and length columns (same shape, one piece), only offsets differ."""
     inflater = zlib.decompressobj()

@@ -18,10 +18,14 @@ from shardckpt.errors import CoverageError, FormatError
 from shardckpt.format import limits
 from shardckpt.format.bulk import gc_paused
 from shardckpt.format.columns import (
+    DELTA_ZLIB,
+    SMALL_COLUMN,
     Int64Array,
     decode_int_column,
     decode_int_list,
     encode_int_column,
+    encode_small_int_column,
+    small_column_values,
 )
 from shardckpt.format.dtypes import DTYPE_SIZES, itemsize
 from shardckpt.format.layout import (
@@ -83,6 +87,16 @@ class PieceTable:
         self._lists: PieceLists | None = None
 
     @classmethod
+    def from_lists(
+        cls, k: int, file: list[int], offset: list[int], start: list[list[int]], length: list[list[int]]
+    ) -> PieceTable:
+        """A table of a few pieces from Python ints (checked by the caller): numpy arrays are made only if asked."""
+        table = cls.__new__(cls)
+        table.count, table.k = len(file), k
+        table._arrays, table._encoded, table._check, table._lists = None, None, None, (file, offset, start, length)
+        return table
+
+    @classmethod
     def lazy(cls, encoded: dict[str, Any], count: int, k: int, check: Any) -> PieceTable:
         table = cls.__new__(cls)
         table.count, table.k = count, k
@@ -121,10 +135,34 @@ class PieceTable:
             else:
                 assert self._encoded is not None
                 self._check.before_decoding(self.count)
-                lists = _decode_piece_lists(self._encoded, self.count, self.k, self._check.where)
+                lists = (_decode_one_piece(self._encoded, self.k) if self.count == 1 else None) or _decode_piece_lists(
+                    self._encoded, self.count, self.k, self._check.where
+                )
                 self._check.check_lists(*lists)
                 self._lists, self._encoded = lists, None
         return self._lists
+
+    def piece(self, number: int) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
+        """(file, offset, start, length) of one piece as Python ints, without numpy for a tensor of few pieces."""
+        if self._lists is not None or (self._arrays is None and self.count <= _FEW_PIECES):
+            file, offset, start, length = self.small_arrays()
+            return file[number], offset[number], tuple(start[number]), tuple(length[number])
+        files, offsets, starts, lengths = self.arrays()
+        return (
+            int(files[number]),
+            int(offsets[number]),
+            tuple(starts[number].tolist()),
+            tuple(lengths[number].tolist()),
+        )
+
+    def is_whole(self, shape: tuple[int, ...], layout: str) -> bool:
+        """Whether this is one piece holding the whole tensor (the cover check's first case), cheaply decided."""
+        if self.count != 1:
+            return False
+        _, _, start, length = self.piece(0)
+        if layout == "flat":
+            return start == (0,) and length == (math.prod(shape),)
+        return not any(start) and length == shape
 
     @property
     def file(self) -> Int64Array:
@@ -143,17 +181,33 @@ class PieceTable:
         return self.arrays()[3]
 
     def encode(self) -> dict[str, Any]:
+        """The table as the manifest stores it; made once (a save encodes the manifest it commits more than once)."""
         if self._encoded is not None:
             return self._encoded
-        file, offset, start, length = self.arrays()
-        # Dimension-major: all dim-0 starts, then all dim-1 starts; each run compresses on its own.
-        return {
-            "count": self.count,
-            "file": encode_int_column(file),
-            "offset": encode_int_column(offset),
-            "start": encode_int_column(start.T.reshape(-1)),
-            "length": encode_int_column(length.T.reshape(-1)),
-        }
+        if self._lists is not None and self.count <= _FEW_PIECES:  # Python ints already: no numpy call per column
+            file, offset, start, length = self._lists
+            # Dimension-major, as below.
+            starts = [row[dim] for dim in range(self.k) for row in start]
+            lengths = [row[dim] for dim in range(self.k) for row in length]
+            encoded = {
+                "count": self.count,
+                "file": encode_small_int_column(list(file)),
+                "offset": encode_small_int_column(list(offset)),
+                "start": encode_int_column(starts),
+                "length": encode_int_column(lengths),
+            }
+        else:
+            files, offsets, start_array, length_array = self.arrays()
+            # Dimension-major: all dim-0 starts, then all dim-1 starts; each run compresses on its own.
+            encoded = {
+                "count": self.count,
+                "file": encode_int_column(files),
+                "offset": encode_int_column(offsets),
+                "start": encode_int_column(start_array.T.reshape(-1)),
+                "length": encode_int_column(length_array.T.reshape(-1)),
+            }
+        self._encoded = encoded
+        return encoded
 
 
 @dataclass(frozen=True, eq=False)
@@ -236,6 +290,25 @@ def _decode_piece_lists(raw: dict[str, Any], count: int, k: int, where: str) -> 
     length = decode_int_list(raw.get("length"), f"{where} pieces.length", count * k)
     # Stored dimension-major (all dim-0 values first): piece i's values are i, i + count, ...
     return file, offset, [list(start[i::count]) for i in range(count)], [list(length[i::count]) for i in range(count)]
+
+
+def _decode_one_piece(raw: dict[str, Any], k: int) -> PieceLists | None:
+    """_decode_piece_lists of a one-piece tensor (most tensors) when its four columns are well formed, with the
+    decoded values of each distinct column bytes cached; None otherwise (the general path then names the fault)."""
+    decoded = []
+    for key, n in (("file", 1), ("offset", 1), ("start", k), ("length", k)):
+        column = raw.get(key)
+        if type(column) is not dict or column.get("enc") != DELTA_ZLIB or n > SMALL_COLUMN:
+            return None
+        count, data = column.get("n"), column.get("data")
+        if type(count) is not int or count != n or type(data) is not bytes:
+            return None
+        values = small_column_values(data, n)
+        if values is None:
+            return None
+        decoded.append(values)
+    file, offset, start, length = decoded
+    return file, offset, [list(start)], [list(length)]
 
 
 def _decode_piece_columns(

@@ -43,12 +43,19 @@ def encode_int_column(values: npt.ArrayLike) -> dict[str, Any]:
 
 def encode_small_int_column(values: list[int] | tuple[int, ...]) -> dict[str, Any]:
     """encode_int_column of a few Python ints, byte for byte, without numpy (deltas wrap in int64 as numpy's)."""
+    key = tuple(values)
+    return {"enc": DELTA_ZLIB, "n": len(key), "data": _small_column_data(key)}
+
+
+@functools.lru_cache(maxsize=4096)
+def _small_column_data(values: tuple[int, ...]) -> bytes:
+    # Cached by value: most tensors share their file, start and length columns (one piece, the same shapes).
     previous, deltas = 0, []
     for value in values:
         delta = (int(value) - previous + (1 << 63)) % (1 << 64) - (1 << 63)
         deltas.append(delta)
         previous = int(value)
-    return {"enc": DELTA_ZLIB, "n": len(deltas), "data": _compress(struct.pack(f"<{len(deltas)}q", *deltas))}
+    return _compress(struct.pack(f"<{len(deltas)}q", *deltas))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -371,6 +371,9 @@ class _PieceCheck:
     ) -> None:
         """__call__ for a handful of pieces, in plain integers (no overflow to reason about)."""
         where = self.where
+        if len(file) == 1 and len(start) == 1 and len(length) == 1:  # one piece (most tensors): no generators
+            self._check_one(file[0], offset[0], start[0], length[0])
+            return
         if any(f < 0 or f >= len(self.file_sizes) for f in file):
             raise FormatError(f"{where}: a piece names a file index outside 0..{len(self.file_sizes) - 1}")
         extents = [math.prod(self.shape)] if self.layout == "flat" else list(self.shape)
@@ -386,6 +389,24 @@ class _PieceCheck:
             size = self.file_sizes[f]
             if at < 0 or at > size or at + math.prod(lengths) * self.size > size:
                 raise FormatError(f"{where}: a piece's bytes lie outside its data file")
+
+    def _check_one(self, file: int, at: int, starts: Sequence[int], lengths: Sequence[int]) -> None:
+        """check_lists of one piece: the same checks, in the same order, with the same messages."""
+        where = self.where
+        if file < 0 or file >= len(self.file_sizes):
+            raise FormatError(f"{where}: a piece names a file index outside 0..{len(self.file_sizes) - 1}")
+        extents = (math.prod(self.shape),) if self.layout == "flat" else self.shape
+        for a, n, b in zip(starts, lengths, extents):
+            if a < 0 or n < 1 or n > b or a > b:
+                raise FormatError(f"{where}: a piece has a negative start, an empty length or lies outside the shape")
+        for a, n, b in zip(starts, lengths, extents):
+            if a + n > b:
+                raise FormatError(
+                    f"{where}: piece 0 (start {starts}, length {lengths}) extends past shape {list(self.shape)}"
+                )
+        size = self.file_sizes[file]
+        if at < 0 or at > size or at + math.prod(lengths) * self.size > size:
+            raise FormatError(f"{where}: a piece's bytes lie outside its data file")
 
     _check_few = check_lists
 

@@ -151,12 +151,13 @@ class ReadPlanner:
             if entry is None:
                 raise ShardckptUsageError(f"tensor {target.name!r} is not in the checkpoint")
             box = target.box
-            if not box.within(entry.shape):
+            whole = box.shape == entry.shape and not any(box.offsets)  # the whole tensor (most targets)
+            if not whole and not box.within(entry.shape):
                 raise ShardckptUsageError(f"box {box} lies outside tensor {target.name!r} of shape {entry.shape}")
             nbytes = box.volume * itemsize(entry.dtype)
             needed += nbytes
             self._entries.append(entry)
-            self._whole.append(_whole_piece_unit(entry, index, box, nbytes))
+            self._whole.append(_whole_piece_unit(entry, index, nbytes) if whole else None)
         self.needed_bytes = needed
 
     @gc_paused()
@@ -237,11 +238,11 @@ def _stored_boxes(entry: TensorEntry, want: Box) -> Iterator[tuple[Box, int, tup
             yield box, base, strides, i, int(file[i]), int(offset[i]), count * size
 
 
-def _whole_piece_unit(entry: TensorEntry, index: int, want: Box, nbytes: int) -> tuple[int, int, int, _Unit] | None:
-    """(file, lo, hi, unit) of a target that is a whole tensor stored as one piece, in constant time; None for any
-    other target. The unit is what _units_for_target yields for it whenever nbytes <= max_request."""
+def _whole_piece_unit(entry: TensorEntry, index: int, nbytes: int) -> tuple[int, int, int, _Unit] | None:
+    """(file, lo, hi, unit) of a target that is all of its tensor when the tensor is stored as one piece, in constant
+    time; None otherwise. The unit is what _units_for_target yields for it whenever nbytes <= max_request."""
     pieces = entry.pieces
-    if pieces.count != 1 or entry.layout != "box" or nbytes <= 0 or want.shape != entry.shape or any(want.offsets):
+    if pieces.count != 1 or entry.layout != "box" or nbytes <= 0:
         return None
     file, offset, start, length = pieces.small_arrays()
     if any(start[0]) or tuple(length[0]) != entry.shape:

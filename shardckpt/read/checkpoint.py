@@ -34,6 +34,7 @@ from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import (
     CommitMarker,
     GlobalManifest,
+    TensorEntry,
 )
 from shardckpt.planner import Box, ReadPlan, ReadRequest, Target
 from shardckpt.planner.execute import apply_copies
@@ -108,8 +109,10 @@ class Checkpoint(StoredCheckpoint):
         ]
         return self._plan(targets)
 
-    def _plan(self, targets: Sequence[Target]) -> ReadPlan:
-        entries = {t.name: self.entry(t.name) for t in targets}
+    def _plan(self, targets: Sequence[Target], entries: Mapping[str, TensorEntry] | None = None) -> ReadPlan:
+        """entries: those of the targets' tensors, when the caller has them checked already."""
+        if entries is None:
+            entries = {t.name: self.entry(t.name) for t in targets}
         planner = ReadPlanner(entries, targets, block_size=self.manifest.block_size, max_gap=self.max_gap)
         if self.max_request is not None:
             return planner.plan(planner.layout(self.max_request))
@@ -185,8 +188,9 @@ class Checkpoint(StoredCheckpoint):
         """
         began = time.perf_counter()
         targets, buffers, fixups = [], [], []
+        entries: dict[str, TensorEntry] = {}
         for name, box, tensor in items:
-            entry = self.entry(name)
+            entry = entries[name] = self.entry(name)
             stored = torch_dtype(entry.dtype)
             if tuple(tensor.shape) != box.shape:
                 raise ShardckptUsageError(
@@ -210,7 +214,7 @@ class Checkpoint(StoredCheckpoint):
                 fixups.append((tensor, staging))
             targets.append(Target(name, box))
             buffers.append(view if view is not None else np.zeros(0, np.uint8))
-        plan = self._plan(targets)
+        plan = self._plan(targets, entries)
         self.preflight(plan)
         return PendingRead(self, plan, buffers, fixups, began)
 

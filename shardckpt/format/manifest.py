@@ -5,6 +5,7 @@ Decoding checks every type, size, name, path and range before a value reaches th
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Sequence
@@ -33,7 +34,7 @@ from shardckpt.format.layout import (
     parse_global_manifest_path,
     parse_local_manifest_path,
 )
-from shardckpt.format.local_manifest import LAYOUTS
+from shardckpt.format.local_manifest import LAYOUTS, NAME_SEPARATOR
 from shardckpt.format.strict import (
     DOCUMENT_DEPTH,
     FORMAT_NAME,
@@ -294,21 +295,34 @@ def _decode_piece_lists(raw: dict[str, Any], count: int, k: int, where: str) -> 
 
 def _decode_one_piece(raw: dict[str, Any], k: int) -> PieceLists | None:
     """_decode_piece_lists of a one-piece tensor (most tensors) when its four columns are well formed, with the
-    decoded values of each distinct column bytes cached; None otherwise (the general path then names the fault)."""
-    decoded = []
-    for key, n in (("file", 1), ("offset", 1), ("start", k), ("length", k)):
-        column = raw.get(key)
-        if type(column) is not dict or column.get("enc") != DELTA_ZLIB or n > SMALL_COLUMN:
-            return None
-        count, data = column.get("n"), column.get("data")
-        if type(count) is not int or count != n or type(data) is not bytes:
-            return None
-        values = small_column_values(data, n)
-        if values is None:
-            return None
-        decoded.append(values)
-    file, offset, start, length = decoded
-    return file, offset, [list(start)], [list(length)]
+    values of each distinct column bytes cached; None otherwise (the general path then names the fault)."""
+    try:
+        columns = raw["file"], raw["offset"], raw["start"], raw["length"]
+        encodings = [column["enc"] for column in columns]
+        counts = [column["n"] for column in columns]
+        data = [column["data"] for column in columns]
+    except (KeyError, TypeError):  # not maps, or a key missing
+        return None
+    if encodings != _FOUR_DELTA_ZLIB or counts != [1, 1, k, k] or k > SMALL_COLUMN:
+        return None
+    if any(type(n) is not int for n in counts) or any(type(part) is not bytes for part in data):
+        return None
+    shared = _shared_columns(data[0], data[2], data[3], k)  # file, start, length: the same for most tensors
+    offset = small_column_values(data[1], 1)
+    if shared is None or offset is None:
+        return None
+    return shared[0], offset, [list(shared[1])], [list(shared[2])]
+
+
+_FOUR_DELTA_ZLIB = [DELTA_ZLIB] * 4
+
+
+@functools.lru_cache(maxsize=4096)
+def _shared_columns(
+    file: bytes, start: bytes, length: bytes, k: int
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:
+    values = small_column_values(file, 1), small_column_values(start, k), small_column_values(length, k)
+    return None if None in values else values  # type: ignore[return-value]
 
 
 def _decode_piece_columns(
@@ -324,14 +338,24 @@ def _decode_piece_columns(
 class _PieceCheck:
     """Range checks of one tensor's decoded piece columns against its shape and the file table."""
 
-    def __init__(self, where: str, entry_shape: tuple[int, ...], layout: str, size: int, file_sizes: list[int]):
-        self.where, self.shape, self.layout, self.size, self.file_sizes = (
+    def __init__(
+        self, where: str | tuple[str, str], entry_shape: tuple[int, ...], layout: str, size: int, file_sizes: list[int]
+    ):
+        """where: the text errors start with, or (manifest, tensor name) to make it from when an error needs it."""
+        self._where, self.shape, self.layout, self.size, self.file_sizes = (
             where,
             entry_shape,
             layout,
             size,
             file_sizes,
         )
+
+    @property
+    def where(self) -> str:
+        where = self._where
+        if isinstance(where, tuple):
+            where = self._where = f"{where[0]} tensor {where[1]!r}"
+        return where
 
     def before_decoding(self, count: int) -> None:
         """Pieces hold at least one element each and must not overlap: refuse more pieces than elements at once."""
@@ -463,27 +487,35 @@ def _plain_entry(raw: object) -> bool:
     return True
 
 
-def _decode_plain_tensor(raw: dict[str, Any], where: str, index: int, file_sizes: list[int]) -> TensorEntry:
+def _decode_plain_tensor(raw: dict[str, Any], base: str, index: int, file_sizes: list[int]) -> TensorEntry:
     """_decode_tensor of an entry _plain_entry accepted (types known): the same checks, in the same order, with the
-    same messages, without the typed field access the general path needs."""
-    name = check_name(raw["name"], f"{where} tensors[{index}]")
-    where = f"{where} tensor {name!r}"
-    dtype, layout, pieces = raw["dtype"], raw["layout"], raw["pieces"]
+    same messages, without the typed field access the general path needs. Texts for errors are made when raised;
+    names are checked for UTF-8 by the caller, all at once."""
+    name = raw["name"]
+    if not 1 <= len(name) <= limits.MAX_NAME_CHARS or "\x00" in name:
+        check_name(name, f"{base} tensors[{index}]")  # raises
+    dtype, layout, pieces, dims = raw["dtype"], raw["layout"], raw["pieces"], raw["shape"]
     size = DTYPE_SIZES.get(dtype)
     if size is None:
-        raise FormatError(f"{where}: unknown dtype {dtype!r}")
-    shape = check_shape(raw["shape"], where)
-    if layout not in LAYOUTS:
-        raise FormatError(f"{where}: layout must be one of {LAYOUTS}, got {layout!r}")
+        raise FormatError(f"{base} tensor {name!r}: unknown dtype {dtype!r}")
+    shape = tuple(dims)
+    if len(shape) > limits.MAX_NDIM or (shape and (min(shape) < 0 or max(shape) > limits.MAX_EXTENT)):
+        check_shape(dims, f"{base} tensor {name!r}")  # raises
     numel = math.prod(shape)
+    if numel > limits.MAX_EXTENT:
+        check_shape(dims, f"{base} tensor {name!r}")  # raises
+    if layout not in LAYOUTS:
+        raise FormatError(f"{base} tensor {name!r}: layout must be one of {LAYOUTS}, got {layout!r}")
     if numel * size > limits.MAX_EXTENT:
-        raise FormatError(f"{where}: tensor holds more than 2^62 bytes")
+        raise FormatError(f"{base} tensor {name!r}: tensor holds more than 2^62 bytes")
     count = pieces["count"]
     if not 0 <= count <= limits.MAX_PIECES_PER_TENSOR:
-        raise FormatError(f"{where} pieces: field 'count' = {count} is outside 0..{limits.MAX_PIECES_PER_TENSOR}")
+        raise FormatError(
+            f"{base} tensor {name!r} pieces: field 'count' = {count} is outside 0..{limits.MAX_PIECES_PER_TENSOR}"
+        )
     if numel == 0 and count:
-        raise FormatError(f"{where}: a tensor with no elements cannot have stored pieces")
-    check = _PieceCheck(where, shape, layout, size, file_sizes)
+        raise FormatError(f"{base} tensor {name!r}: a tensor with no elements cannot have stored pieces")
+    check = _PieceCheck((base, name), shape, layout, size, file_sizes)
     return TensorEntry(
         name, dtype, shape, layout, PieceTable.lazy(pieces, count, 1 if layout == "flat" else len(shape), check)
     )
@@ -501,6 +533,11 @@ def _decode_tensors(raw: list[Any], where: str, file_sizes: list[int]) -> tuple[
         decoded.append(_decode_tensor(item, f"{where} tensors[{i}]", file_sizes))
     tensors = tuple(decoded)
     names = [entry.name for entry in tensors]
+    try:  # check_name's UTF-8 rule for every name in one call (msgpack decodes text strictly: it holds)
+        NAME_SEPARATOR.join(names).encode("utf-8")
+    except UnicodeEncodeError:
+        for name in names:
+            check_name(name, f"{where} tensor names")
     if len(set(names)) != len(names):
         duplicate = next(name for name in names if names.count(name) > 1)
         raise FormatError(f"{where}: tensor {duplicate!r} appears twice")

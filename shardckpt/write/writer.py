@@ -160,7 +160,7 @@ class ShardWriter:
         if not isinstance(tensor, torch.Tensor):
             raise ShardckptUsageError(f"tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
         dtype = format_dtype(tensor.dtype)
-        shape = tuple(int(d) for d in (tensor.shape if global_shape is None else global_shape))
+        shape = tuple(tensor.shape) if global_shape is None else tuple(int(d) for d in global_shape)
         check_shape(shape, f"tensor {name!r}")
         start: tuple[int, ...]
         length: tuple[int, ...]

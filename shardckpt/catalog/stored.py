@@ -33,21 +33,41 @@ class FileIndex:
         self.offsets, self.sizes, self.crcs = local.pieces.offset, local.pieces.nbytes, local.crc32c
         blocks = -(-self.sizes // local.block_size)
         self.first_block = np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64) if blocks.size else blocks
+        # The same columns as Python ints, made on first use: a lookup per piece then costs no numpy call.
+        self._lists: tuple[dict[int, int], list[int], list[int], list[int], list[int], list[int], list[int]] | None
+        self._lists = None
+
+    def lists(self) -> tuple[dict[int, int], list[int], list[int], list[int], list[int], list[int], list[int]]:
+        """(position of each piece offset, tensor, first value, start, length, first block, checksums) as ints."""
+        if self._lists is None:
+            pieces = self.local.pieces
+            offsets = pieces.offset.tolist()
+            self._lists = (
+                dict(zip(offsets, range(len(offsets)))),  # offsets are distinct: pieces lie back to back
+                pieces.tensor.tolist(),
+                pieces.position.tolist(),
+                pieces.start.tolist(),
+                pieces.length.tolist(),
+                self.first_block.tolist(),
+                self.crcs.tolist(),
+            )
+        return self._lists
 
     def find(self, entry: TensorEntry, piece: int) -> int | str:
         """Position of piece `piece` of `entry` in this file, or why the local manifest does not hold it."""
-        offset = int(entry.pieces.offset[piece])
-        position = int(np.searchsorted(self.offsets, offset))
-        if position >= self.offsets.size or self.offsets[position] != offset:
+        _, offset, wanted_start, wanted_length = entry.pieces.piece(piece)
+        at, tensor_of, first_of, starts, lengths, _, _ = self.lists()
+        position = at.get(offset)
+        if position is None:
             return f"the local manifest has no piece at byte {offset}"
-        spec = self.local.tensors[int(self.local.pieces.tensor[position])]
-        first = int(self.local.pieces.position[position])
-        start = tuple(self.local.pieces.start[first : first + spec.k].tolist())
-        length = tuple(self.local.pieces.length[first : first + spec.k].tolist())
+        spec = self.local.tensors[tensor_of[position]]
+        first = first_of[position]
+        start = tuple(starts[first : first + spec.k])
+        length = tuple(lengths[first : first + spec.k])
         if spec.layout != entry.layout:  # stored as a box by this rank, described as an element range globally
             flat = box_as_flat_range(spec.shape, start, length)
             start, length = ((flat[0],), (flat[1],)) if flat else (start, length)
-        wanted = (tuple(entry.pieces.start[piece].tolist()), tuple(entry.pieces.length[piece].tolist()))
+        wanted = (wanted_start, wanted_length)
         if (spec.name, spec.dtype, spec.shape, start, length) != (entry.name, entry.dtype, entry.shape, *wanted):
             return (
                 f"the piece at byte {offset} is {spec.name!r} {spec.dtype} {list(spec.shape)} start {list(start)} "
@@ -99,7 +119,9 @@ class StoredCheckpoint:
         if entry is None:
             raise ShardckptUsageError(f"tensor {name!r} is not in {self.url}")
         if name not in self._checked:
-            check_cover(name, entry.shape, entry.layout, entry.pieces.start, entry.pieces.length)
+            # One whole piece (most tensors) covers its tensor exactly once: decided without numpy.
+            if not entry.pieces.is_whole(entry.shape, entry.layout):
+                check_cover(name, entry.shape, entry.layout, entry.pieces.start, entry.pieces.length)
             if entry.numel == 0:
                 self._check_declared(entry)
             self._checked.add(name)
@@ -220,12 +242,14 @@ class StoredCheckpoint:
         block = self.manifest.block_size
         first = (span.start - span.piece_offset) // block
         last = -(-(span.end - span.piece_offset) // block)
-        base = int(index.first_block[position])
+        _, _, _, _, _, first_block, crcs = index.lists()
+        base = first_block[position]
         view = fetched.data
         origin = span.piece_offset - fetched_start  # where the piece's first block would start in `fetched`
         piece_end = origin + span.piece_size
         # A tight loop: crc32c releases the GIL for each block, so several workers verify at once.
-        for number, expected in enumerate(index.crcs[base + first : base + last].tolist(), first):
+        for number in range(first, last):
+            expected = crcs[base + number]
             lo = origin + number * block
             actual = crc32c.crc32c(view[lo : min(lo + block, piece_end)])
             if actual != expected:

@@ -43,12 +43,19 @@ def encode_int_column(values: npt.ArrayLike) -> dict[str, Any]:
 
 def encode_small_int_column(values: list[int] | tuple[int, ...]) -> dict[str, Any]:
     """encode_int_column of a few Python ints, byte for byte, without numpy (deltas wrap in int64 as numpy's)."""
+    key = tuple(values)
+    return {"enc": DELTA_ZLIB, "n": len(key), "data": _small_column_data(key)}
+
+
+@functools.lru_cache(maxsize=4096)
+def _small_column_data(values: tuple[int, ...]) -> bytes:
+    # Cached by value: most tensors share their file, start and length columns (one piece, the same shapes).
     previous, deltas = 0, []
     for value in values:
         delta = (int(value) - previous + (1 << 63)) % (1 << 64) - (1 << 63)
         deltas.append(delta)
         previous = int(value)
-    return {"enc": DELTA_ZLIB, "n": len(deltas), "data": _compress(struct.pack(f"<{len(deltas)}q", *deltas))}
+    return _compress(struct.pack(f"<{len(deltas)}q", *deltas))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -93,7 +100,7 @@ def decode_int_list(column: object, where: str, expected_n: int | None = None) -
     """decode_int_column as Python ints (the same values, int64 wrap-around included): for short columns."""
     n, data = _header(column, where, DELTA_ZLIB, expected_n)
     if n <= SMALL_COLUMN:
-        known = _small_values(data, n)
+        known = small_column_values(data, n)
         if known is not None:
             return known
     n, raw = _inflate(column, where, expected_n)  # raises the error, naming `where`, or decodes a longer column
@@ -104,7 +111,7 @@ def decode_int_list(column: object, where: str, expected_n: int | None = None) -
 
 
 @functools.lru_cache(maxsize=4096)
-def _small_values(data: bytes, n: int) -> tuple[int, ...] | None:
+def small_column_values(data: bytes, n: int) -> tuple[int, ...] | None:
     """The values of a short column, or None when it is not exactly n int64 values without wrap-around. Cached:
     most tensors share their file, start and length columns (same shape, one piece), only offsets differ."""
     inflater = zlib.decompressobj()

@@ -5,6 +5,7 @@ Decoding checks every type, size, name, path and range before a value reaches th
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Sequence
@@ -18,10 +19,14 @@ from shardckpt.errors import CoverageError, FormatError
 from shardckpt.format import limits
 from shardckpt.format.bulk import gc_paused
 from shardckpt.format.columns import (
+    DELTA_ZLIB,
+    SMALL_COLUMN,
     Int64Array,
     decode_int_column,
     decode_int_list,
     encode_int_column,
+    encode_small_int_column,
+    small_column_values,
 )
 from shardckpt.format.dtypes import DTYPE_SIZES, itemsize
 from shardckpt.format.layout import (
@@ -29,7 +34,7 @@ from shardckpt.format.layout import (
     parse_global_manifest_path,
     parse_local_manifest_path,
 )
-from shardckpt.format.local_manifest import LAYOUTS
+from shardckpt.format.local_manifest import LAYOUTS, NAME_SEPARATOR
 from shardckpt.format.references import GlobalReference, decode_committed_references, decode_global_references
 from shardckpt.format.strict import (
     DOCUMENT_DEPTH,
@@ -84,6 +89,16 @@ class PieceTable:
         self._lists: PieceLists | None = None
 
     @classmethod
+    def from_lists(
+        cls, k: int, file: list[int], offset: list[int], start: list[list[int]], length: list[list[int]]
+    ) -> PieceTable:
+        """A table of a few pieces from Python ints (checked by the caller): numpy arrays are made only if asked."""
+        table = cls.__new__(cls)
+        table.count, table.k = len(file), k
+        table._arrays, table._encoded, table._check, table._lists = None, None, None, (file, offset, start, length)
+        return table
+
+    @classmethod
     def lazy(cls, encoded: dict[str, Any], count: int, k: int, check: Any) -> PieceTable:
         table = cls.__new__(cls)
         table.count, table.k = count, k
@@ -122,10 +137,34 @@ class PieceTable:
             else:
                 assert self._encoded is not None
                 self._check.before_decoding(self.count)
-                lists = _decode_piece_lists(self._encoded, self.count, self.k, self._check.where)
+                lists = (_decode_one_piece(self._encoded, self.k) if self.count == 1 else None) or _decode_piece_lists(
+                    self._encoded, self.count, self.k, self._check.where
+                )
                 self._check.check_lists(*lists)
                 self._lists, self._encoded = lists, None
         return self._lists
+
+    def piece(self, number: int) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
+        """(file, offset, start, length) of one piece as Python ints, without numpy for a tensor of few pieces."""
+        if self._lists is not None or (self._arrays is None and self.count <= _FEW_PIECES):
+            file, offset, start, length = self.small_arrays()
+            return file[number], offset[number], tuple(start[number]), tuple(length[number])
+        files, offsets, starts, lengths = self.arrays()
+        return (
+            int(files[number]),
+            int(offsets[number]),
+            tuple(starts[number].tolist()),
+            tuple(lengths[number].tolist()),
+        )
+
+    def is_whole(self, shape: tuple[int, ...], layout: str) -> bool:
+        """Whether this is one piece holding the whole tensor (the cover check's first case), cheaply decided."""
+        if self.count != 1:
+            return False
+        _, _, start, length = self.piece(0)
+        if layout == "flat":
+            return start == (0,) and length == (math.prod(shape),)
+        return not any(start) and length == shape
 
     @property
     def file(self) -> Int64Array:
@@ -144,17 +183,33 @@ class PieceTable:
         return self.arrays()[3]
 
     def encode(self) -> dict[str, Any]:
+        """The table as the manifest stores it; made once (a save encodes the manifest it commits more than once)."""
         if self._encoded is not None:
             return self._encoded
-        file, offset, start, length = self.arrays()
-        # Dimension-major: all dim-0 starts, then all dim-1 starts; each run compresses on its own.
-        return {
-            "count": self.count,
-            "file": encode_int_column(file),
-            "offset": encode_int_column(offset),
-            "start": encode_int_column(start.T.reshape(-1)),
-            "length": encode_int_column(length.T.reshape(-1)),
-        }
+        if self._lists is not None and self.count <= _FEW_PIECES:  # Python ints already: no numpy call per column
+            file, offset, start, length = self._lists
+            # Dimension-major, as below.
+            starts = [row[dim] for dim in range(self.k) for row in start]
+            lengths = [row[dim] for dim in range(self.k) for row in length]
+            encoded = {
+                "count": self.count,
+                "file": encode_small_int_column(list(file)),
+                "offset": encode_small_int_column(list(offset)),
+                "start": encode_int_column(starts),
+                "length": encode_int_column(lengths),
+            }
+        else:
+            files, offsets, start_array, length_array = self.arrays()
+            # Dimension-major: all dim-0 starts, then all dim-1 starts; each run compresses on its own.
+            encoded = {
+                "count": self.count,
+                "file": encode_int_column(files),
+                "offset": encode_int_column(offsets),
+                "start": encode_int_column(start_array.T.reshape(-1)),
+                "length": encode_int_column(length_array.T.reshape(-1)),
+            }
+        self._encoded = encoded
+        return encoded
 
 
 @dataclass(frozen=True, eq=False)
@@ -241,6 +296,38 @@ def _decode_piece_lists(raw: dict[str, Any], count: int, k: int, where: str) -> 
     return file, offset, [list(start[i::count]) for i in range(count)], [list(length[i::count]) for i in range(count)]
 
 
+def _decode_one_piece(raw: dict[str, Any], k: int) -> PieceLists | None:
+    """_decode_piece_lists of a one-piece tensor (most tensors) when its four columns are well formed, with the
+    values of each distinct column bytes cached; None otherwise (the general path then names the fault)."""
+    try:
+        columns = raw["file"], raw["offset"], raw["start"], raw["length"]
+        encodings = [column["enc"] for column in columns]
+        counts = [column["n"] for column in columns]
+        data = [column["data"] for column in columns]
+    except (KeyError, TypeError):  # not maps, or a key missing
+        return None
+    if encodings != _FOUR_DELTA_ZLIB or counts != [1, 1, k, k] or k > SMALL_COLUMN:
+        return None
+    if any(type(n) is not int for n in counts) or any(type(part) is not bytes for part in data):
+        return None
+    shared = _shared_columns(data[0], data[2], data[3], k)  # file, start, length: the same for most tensors
+    offset = small_column_values(data[1], 1)
+    if shared is None or offset is None:
+        return None
+    return shared[0], offset, [list(shared[1])], [list(shared[2])]
+
+
+_FOUR_DELTA_ZLIB = [DELTA_ZLIB] * 4
+
+
+@functools.lru_cache(maxsize=4096)
+def _shared_columns(
+    file: bytes, start: bytes, length: bytes, k: int
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:
+    values = small_column_values(file, 1), small_column_values(start, k), small_column_values(length, k)
+    return None if None in values else values  # type: ignore[return-value]
+
+
 def _decode_piece_columns(
     raw: dict[str, Any], count: int, k: int, where: str
 ) -> tuple[Int64Array, Int64Array, Int64Array, Int64Array]:
@@ -254,14 +341,24 @@ def _decode_piece_columns(
 class _PieceCheck:
     """Range checks of one tensor's decoded piece columns against its shape and the file table."""
 
-    def __init__(self, where: str, entry_shape: tuple[int, ...], layout: str, size: int, file_sizes: list[int]):
-        self.where, self.shape, self.layout, self.size, self.file_sizes = (
+    def __init__(
+        self, where: str | tuple[str, str], entry_shape: tuple[int, ...], layout: str, size: int, file_sizes: list[int]
+    ):
+        """where: the text errors start with, or (manifest, tensor name) to make it from when an error needs it."""
+        self._where, self.shape, self.layout, self.size, self.file_sizes = (
             where,
             entry_shape,
             layout,
             size,
             file_sizes,
         )
+
+    @property
+    def where(self) -> str:
+        where = self._where
+        if isinstance(where, tuple):
+            where = self._where = f"{where[0]} tensor {where[1]!r}"
+        return where
 
     def before_decoding(self, count: int) -> None:
         """Pieces hold at least one element each and must not overlap: refuse more pieces than elements at once."""
@@ -301,6 +398,9 @@ class _PieceCheck:
     ) -> None:
         """__call__ for a handful of pieces, in plain integers (no overflow to reason about)."""
         where = self.where
+        if len(file) == 1 and len(start) == 1 and len(length) == 1:  # one piece (most tensors): no generators
+            self._check_one(file[0], offset[0], start[0], length[0])
+            return
         if any(f < 0 or f >= len(self.file_sizes) for f in file):
             raise FormatError(f"{where}: a piece names a file index outside 0..{len(self.file_sizes) - 1}")
         extents = [math.prod(self.shape)] if self.layout == "flat" else list(self.shape)
@@ -316,6 +416,24 @@ class _PieceCheck:
             size = self.file_sizes[f]
             if at < 0 or at > size or at + math.prod(lengths) * self.size > size:
                 raise FormatError(f"{where}: a piece's bytes lie outside its data file")
+
+    def _check_one(self, file: int, at: int, starts: Sequence[int], lengths: Sequence[int]) -> None:
+        """check_lists of one piece: the same checks, in the same order, with the same messages."""
+        where = self.where
+        if file < 0 or file >= len(self.file_sizes):
+            raise FormatError(f"{where}: a piece names a file index outside 0..{len(self.file_sizes) - 1}")
+        extents = (math.prod(self.shape),) if self.layout == "flat" else self.shape
+        for a, n, b in zip(starts, lengths, extents):
+            if a < 0 or n < 1 or n > b or a > b:
+                raise FormatError(f"{where}: a piece has a negative start, an empty length or lies outside the shape")
+        for a, n, b in zip(starts, lengths, extents):
+            if a + n > b:
+                raise FormatError(
+                    f"{where}: piece 0 (start {starts}, length {lengths}) extends past shape {list(self.shape)}"
+                )
+        size = self.file_sizes[file]
+        if at < 0 or at > size or at + math.prod(lengths) * self.size > size:
+            raise FormatError(f"{where}: a piece's bytes lie outside its data file")
 
     _check_few = check_lists
 
@@ -372,27 +490,35 @@ def _plain_entry(raw: object) -> bool:
     return True
 
 
-def _decode_plain_tensor(raw: dict[str, Any], where: str, index: int, file_sizes: list[int]) -> TensorEntry:
+def _decode_plain_tensor(raw: dict[str, Any], base: str, index: int, file_sizes: list[int]) -> TensorEntry:
     """_decode_tensor of an entry _plain_entry accepted (types known): the same checks, in the same order, with the
-    same messages, without the typed field access the general path needs."""
-    name = check_name(raw["name"], f"{where} tensors[{index}]")
-    where = f"{where} tensor {name!r}"
-    dtype, layout, pieces = raw["dtype"], raw["layout"], raw["pieces"]
+    same messages, without the typed field access the general path needs. Texts for errors are made when raised;
+    names are checked for UTF-8 by the caller, all at once."""
+    name = raw["name"]
+    if not 1 <= len(name) <= limits.MAX_NAME_CHARS or "\x00" in name:
+        check_name(name, f"{base} tensors[{index}]")  # raises
+    dtype, layout, pieces, dims = raw["dtype"], raw["layout"], raw["pieces"], raw["shape"]
     size = DTYPE_SIZES.get(dtype)
     if size is None:
-        raise FormatError(f"{where}: unknown dtype {dtype!r}")
-    shape = check_shape(raw["shape"], where)
-    if layout not in LAYOUTS:
-        raise FormatError(f"{where}: layout must be one of {LAYOUTS}, got {layout!r}")
+        raise FormatError(f"{base} tensor {name!r}: unknown dtype {dtype!r}")
+    shape = tuple(dims)
+    if len(shape) > limits.MAX_NDIM or (shape and (min(shape) < 0 or max(shape) > limits.MAX_EXTENT)):
+        check_shape(dims, f"{base} tensor {name!r}")  # raises
     numel = math.prod(shape)
+    if numel > limits.MAX_EXTENT:
+        check_shape(dims, f"{base} tensor {name!r}")  # raises
+    if layout not in LAYOUTS:
+        raise FormatError(f"{base} tensor {name!r}: layout must be one of {LAYOUTS}, got {layout!r}")
     if numel * size > limits.MAX_EXTENT:
-        raise FormatError(f"{where}: tensor holds more than 2^62 bytes")
+        raise FormatError(f"{base} tensor {name!r}: tensor holds more than 2^62 bytes")
     count = pieces["count"]
     if not 0 <= count <= limits.MAX_PIECES_PER_TENSOR:
-        raise FormatError(f"{where} pieces: field 'count' = {count} is outside 0..{limits.MAX_PIECES_PER_TENSOR}")
+        raise FormatError(
+            f"{base} tensor {name!r} pieces: field 'count' = {count} is outside 0..{limits.MAX_PIECES_PER_TENSOR}"
+        )
     if numel == 0 and count:
-        raise FormatError(f"{where}: a tensor with no elements cannot have stored pieces")
-    check = _PieceCheck(where, shape, layout, size, file_sizes)
+        raise FormatError(f"{base} tensor {name!r}: a tensor with no elements cannot have stored pieces")
+    check = _PieceCheck((base, name), shape, layout, size, file_sizes)
     return TensorEntry(
         name, dtype, shape, layout, PieceTable.lazy(pieces, count, 1 if layout == "flat" else len(shape), check)
     )
@@ -410,6 +536,11 @@ def _decode_tensors(raw: list[Any], where: str, file_sizes: list[int]) -> tuple[
         decoded.append(_decode_tensor(item, f"{where} tensors[{i}]", file_sizes))
     tensors = tuple(decoded)
     names = [entry.name for entry in tensors]
+    try:  # check_name's UTF-8 rule for every name in one call (msgpack decodes text strictly: it holds)
+        NAME_SEPARATOR.join(names).encode("utf-8")
+    except UnicodeEncodeError:
+        for name in names:
+            check_name(name, f"{where} tensor names")
     if len(set(names)) != len(names):
         duplicate = next(name for name in names if names.count(name) > 1)
         raise FormatError(f"{where}: tensor {duplicate!r} appears twice")

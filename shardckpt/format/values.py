@@ -107,6 +107,12 @@ def unpack_value(data: bytes, where: str, depth: int = 0, *, shallow: str | None
     shallow: a key of the root map whose value, when a list, is checked for nesting without its items; the caller
     checks each item itself (check_depth at depth + 2), or proves its depth by checking its exact shape.
     """
+    return _unpack(data, where, depth, shallow, proving=True)
+
+
+def _unpack(data: bytes, where: str, depth: int, shallow: str | None, *, proving: bool) -> Any:
+    """unpack_value; proving: try the decoding without a Python call per map first (tuple payloads inside never
+    do, so a fault deep inside nested tuples costs each level two decodings, not two per level above it)."""
     if depth > MAX_DEPTH:
         raise FormatError(f"{where}: value nested deeper than {MAX_DEPTH}")
     # A tuple's payload array stands for the tuple itself: at `depth` when the tuple is this document's root,
@@ -118,29 +124,48 @@ def unpack_value(data: bytes, where: str, depth: int = 0, *, shallow: str | None
             raise FormatError(f"{where}: unknown msgpack extension type {code}")
         if not payload[:1] or payload[0] not in _ARRAY_FORMATS:
             raise FormatError(f"{where}: tuple extension must hold an array")
-        items = unpack_value(payload, where, payload_depth)
+        items = _unpack(payload, where, payload_depth, None, proving=False)
         if not isinstance(items, list):
             raise FormatError(f"{where}: tuple extension must hold an array")
         return tuple(items)
 
-    try:
-        value = msgpack.unpackb(
-            data,
-            raw=False,
-            strict_map_key=False,
-            ext_hook=ext_hook,
-            use_list=True,
-            object_pairs_hook=functools.partial(unique_map, where=where),  # called per map: no Python frame
-        )
-    except FormatError:
-        raise
-    except Exception as exc:  # msgpack raises a zoo of types for bad input; all mean the same to a reader
-        raise FormatError(f"{where}: not valid msgpack ({type(exc).__name__}: {exc})") from None
+    # A repeated key leaves a map shorter than its encoding, so a value that packs back to exactly these bytes has
+    # none: proven in C for what our writers produce. Anything else (a fault included, so that its message is the
+    # one the map-by-map decoding gives) is decoded again with each map checked.
+    proven = False
+    if proving:
+        try:
+            value = msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=ext_hook, use_list=True)
+            proven = _packs_to(value, data)
+        except Exception:
+            proven = False
+    if not proven:
+        try:
+            value = msgpack.unpackb(
+                data,
+                raw=False,
+                strict_map_key=False,
+                ext_hook=ext_hook,
+                use_list=True,
+                object_pairs_hook=functools.partial(unique_map, where=where),  # called per map: no Python frame
+            )
+        except FormatError:
+            raise
+        except Exception as exc:  # msgpack raises a zoo of types for bad input; all mean the same to a reader
+            raise FormatError(f"{where}: not valid msgpack ({type(exc).__name__}: {exc})") from None
     if shallow is not None and type(value) is dict and type(value.get(shallow)) is list:
         _check_depth({key: [] if key == shallow else item for key, item in value.items()}, where, depth)
     else:
         _check_depth(value, where, depth)
     return value
+
+
+def _packs_to(value: object, data: bytes) -> bool:
+    """Whether packing `value` as pack_value does gives exactly `data` (False when it cannot be packed)."""
+    try:
+        return pack_value(value) == data
+    except Exception:  # a value msgpack may decode but not encode as we do (a timestamp, a huge int): not proven
+        return False
 
 
 def unique_map(pairs: list[tuple[Any, Any]], where: str) -> dict[Any, Any]:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -96,8 +98,9 @@ class ReadPlan:
         return sum(request.size for request in self.requests)
 
 
-@dataclass(frozen=True)
-class _Unit:
+class _Unit(NamedTuple):
+    """A copy whose source bytes are dense, with the checksum span it needs; a tuple, as plans make one per tensor."""
+
     file: int
     tensor: str
     piece: int
@@ -106,7 +109,6 @@ class _Unit:
     copy: Copy
 
 
-@gc_paused()
 def plan_reads(
     tensors: Mapping[str, TensorEntry],
     targets: Sequence[Target],
@@ -122,26 +124,84 @@ def plan_reads(
     checksum block, so at most one block per cut is read twice."""
     if max_gap < 0 or max_request < 1:
         raise ShardckptUsageError(f"max_gap must be >= 0 and max_request >= 1, got {max_gap}, {max_request}")
-    units: dict[int, list[_Unit]] = defaultdict(list)
-    needed = exact = 0
-    for index, target in enumerate(targets):
-        entry = tensors.get(target.name)
-        if entry is None:
-            raise ShardckptUsageError(f"tensor {target.name!r} is not in the checkpoint")
-        if not target.box.within(entry.shape):
-            raise ShardckptUsageError(f"box {target.box} lies outside tensor {target.name!r} of shape {entry.shape}")
-        size = itemsize(entry.dtype)
-        needed += target.box.volume * size
-        whole = _whole_piece_unit(entry, index, target.box, size, max_request)
-        for unit in (
-            (whole,) if whole is not None else _units_for_target(entry, index, target.box, max_gap, max_request)
-        ):
-            units[unit.file].append(unit)
-            exact += unit.copy.nbytes
-    requests: list[ReadRequest] = []
-    for file in sorted(units):
-        requests.extend(_coalesce(file, units[file], block_size, max_gap, max_request))
-    return ReadPlan(tuple(targets), tuple(requests), needed, exact, block_size, max_gap, max_request)
+    planner = ReadPlanner(tensors, targets, block_size=block_size, max_gap=max_gap)
+    return planner.plan(planner.layout(max_request))
+
+
+class ReadPlanner:
+    """plan_reads in two steps, so a caller can look at where the requests of one request size fall (to probe the
+    storage) before the plan's objects are built, and lay them out again for another size at little cost.
+
+    Checks every target once; a whole tensor stored as one piece (most tensors of a one-process or replicated
+    save) becomes its unit here, in constant time, whatever the request size.
+    """
+
+    @gc_paused()
+    def __init__(
+        self, tensors: Mapping[str, TensorEntry], targets: Sequence[Target], *, block_size: int, max_gap: int
+    ) -> None:
+        if max_gap < 0:
+            raise ShardckptUsageError(f"max_gap must be >= 0, got {max_gap}")
+        self.targets, self.block_size, self.max_gap = tuple(targets), block_size, max_gap
+        self._entries: list[TensorEntry] = []
+        self._whole: list[tuple[int, int, int, _Unit] | None] = []  # (file, lo, hi, unit) per whole-piece target
+        needed = 0
+        for index, target in enumerate(self.targets):
+            entry = tensors.get(target.name)
+            if entry is None:
+                raise ShardckptUsageError(f"tensor {target.name!r} is not in the checkpoint")
+            box = target.box
+            whole = box.shape == entry.shape and not any(box.offsets)  # the whole tensor (most targets)
+            if not whole and not box.within(entry.shape):
+                raise ShardckptUsageError(f"box {box} lies outside tensor {target.name!r} of shape {entry.shape}")
+            nbytes = box.volume * itemsize(entry.dtype)
+            needed += nbytes
+            self._entries.append(entry)
+            self._whole.append(_whole_piece_unit(entry, index, nbytes) if whole else None)
+        self.needed_bytes = needed
+
+    @gc_paused()
+    def layout(self, max_request: int) -> _Layout:
+        """Where the requests of size at most `max_request` fall: (file, start, end) of each, in plan order."""
+        if max_request < 1:
+            raise ShardckptUsageError(f"max_request must be >= 1, got {max_request}")
+        units: dict[int, list[tuple[int, int, _Unit]]] = defaultdict(list)
+        exact = 0
+        block, max_gap = self.block_size, self.max_gap
+        for index, (target, entry, whole) in enumerate(zip(self.targets, self._entries, self._whole)):
+            if whole is not None and whole[2] - whole[1] <= max_request:
+                units[whole[0]].append((whole[1], whole[2], whole[3]))
+                exact += whole[2] - whole[1]
+                continue
+            for unit in _units_for_target(entry, index, target.box, max_gap, max_request):
+                copy = unit.copy
+                rel_lo, rel_hi = copy.src - unit.piece_offset, copy.src_end - unit.piece_offset
+                lo = unit.piece_offset + (rel_lo // block) * block
+                hi = unit.piece_offset + min(-(-rel_hi // block) * block, unit.piece_size)
+                units[unit.file].append((lo, hi, unit))
+                exact += copy.nbytes
+        groups: list[tuple[int, int, int, list[tuple[int, int, _Unit]]]] = []
+        for file in sorted(units):
+            groups.extend(_coalesce(file, units[file], max_gap, max_request))
+        return _Layout(max_request, exact, groups)
+
+    @gc_paused()
+    def plan(self, layout: _Layout) -> ReadPlan:
+        """The plan of a layout: its requests with their checksum spans and copies."""
+        requests = tuple(_request(file, start, end, group) for file, start, end, group in layout.groups)
+        return ReadPlan(
+            self.targets, requests, self.needed_bytes, layout.exact, self.block_size, self.max_gap, layout.max_request
+        )
+
+
+class _Layout(NamedTuple):
+    max_request: int
+    exact: int
+    groups: list[tuple[int, int, int, list[tuple[int, int, _Unit]]]]  # (file, start, end, units) per request
+
+    @property
+    def requests(self) -> list[tuple[int, int, int]]:
+        return [(file, start, end) for file, start, end, _ in self.groups]
 
 
 def _stored_boxes(entry: TensorEntry, want: Box) -> Iterator[tuple[Box, int, tuple[int, ...], int, int, int, int]]:
@@ -178,17 +238,17 @@ def _stored_boxes(entry: TensorEntry, want: Box) -> Iterator[tuple[Box, int, tup
             yield box, base, strides, i, int(file[i]), int(offset[i]), count * size
 
 
-def _whole_piece_unit(entry: TensorEntry, index: int, want: Box, size: int, max_request: int) -> _Unit | None:
-    """The one unit of a target that is a whole tensor stored as one piece (most tensors of a one-process or
-    replicated save), in constant time; None for any other target. Equal to what _units_for_target yields."""
+def _whole_piece_unit(entry: TensorEntry, index: int, nbytes: int) -> tuple[int, int, int, _Unit] | None:
+    """(file, lo, hi, unit) of a target that is all of its tensor when the tensor is stored as one piece, in constant
+    time; None otherwise. The unit is what _units_for_target yields for it whenever nbytes <= max_request."""
     pieces = entry.pieces
-    if pieces.count != 1 or entry.layout != "box" or any(want.offsets) or want.shape != entry.shape:
+    if pieces.count != 1 or entry.layout != "box" or nbytes <= 0:
         return None
     file, offset, start, length = pieces.small_arrays()
-    nbytes = want.volume * size
-    if any(start[0]) or tuple(length[0]) != entry.shape or not 0 < nbytes <= max_request:
+    if any(start[0]) or tuple(length[0]) != entry.shape:
         return None
-    return _Unit(file[0], entry.name, 0, offset[0], nbytes, Copy(index, offset[0], 0, (nbytes,), (), ()))
+    at = offset[0]
+    return file[0], at, at + nbytes, _Unit(file[0], entry.name, 0, at, nbytes, Copy(index, at, 0, (nbytes,), (), ()))
 
 
 def _units_for_target(entry: TensorEntry, index: int, want: Box, max_gap: int, max_request: int) -> Iterator[_Unit]:
@@ -254,27 +314,28 @@ def _split(
             yield Copy(target, s0 + first * s, d0 + first * d, (count, *shape), (s, *src_strides), (d, *dst_strides))
 
 
-def _coalesce(file: int, units: list[_Unit], block: int, max_gap: int, max_request: int) -> Iterator[ReadRequest]:
-    rounded = []
-    for unit in units:
-        rel_lo = unit.copy.src - unit.piece_offset
-        rel_hi = unit.copy.src_end - unit.piece_offset
-        lo = unit.piece_offset + (rel_lo // block) * block
-        hi = unit.piece_offset + min(-(-rel_hi // block) * block, unit.piece_size)
-        rounded.append((lo, hi, unit))
-    rounded.sort(key=lambda item: (item[0], item[1]))
+def _coalesce(
+    file: int, rounded: list[tuple[int, int, _Unit]], max_gap: int, max_request: int
+) -> Iterator[tuple[int, int, int, list[tuple[int, int, _Unit]]]]:
+    """Block-rounded units (lo, hi, unit) of one file grouped into requests: (file, start, end, units) each."""
+    rounded.sort(key=_by_range)
     group: list[tuple[int, int, _Unit]] = []
     start = end = 0
-    for lo, hi, unit in rounded:
+    for item in rounded:
+        lo, hi = item[0], item[1]
         if group and lo - end <= max_gap and max(end, hi) - start <= max_request:
-            group.append((lo, hi, unit))
-            end = max(end, hi)
+            group.append(item)
+            if hi > end:
+                end = hi
             continue
         if group:
-            yield _request(file, start, end, group)
-        group, start, end = [(lo, hi, unit)], lo, hi
+            yield file, start, end, group
+        group, start, end = [item], lo, hi
     if group:
-        yield _request(file, start, end, group)
+        yield file, start, end, group
+
+
+_by_range = operator.itemgetter(0, 1)
 
 
 def _request(file: int, start: int, end: int, group: list[tuple[int, int, _Unit]]) -> ReadRequest:

@@ -34,9 +34,11 @@ from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import (
     CommitMarker,
     GlobalManifest,
+    TensorEntry,
 )
-from shardckpt.planner import Box, ReadPlan, ReadRequest, Target, plan_reads
-from shardckpt.planner.execute import apply_copy
+from shardckpt.planner import Box, ReadPlan, ReadRequest, Target
+from shardckpt.planner.execute import apply_copies
+from shardckpt.planner.plan import ReadPlanner
 from shardckpt.read import fetching
 from shardckpt.storage import RangeReader, Storage, open_storage
 from shardckpt.torch_bytes import host_staging, torch_dtype, writable_bytes
@@ -107,30 +109,26 @@ class Checkpoint(StoredCheckpoint):
         ]
         return self._plan(targets)
 
-    def _plan(self, targets: Sequence[Target]) -> ReadPlan:
-        entries = {t.name: self.entry(t.name) for t in targets}
-
-        def plan(max_request: int) -> ReadPlan:
-            return plan_reads(
-                entries, targets, block_size=self.manifest.block_size, max_gap=self.max_gap, max_request=max_request
-            )
-
+    def _plan(self, targets: Sequence[Target], entries: Mapping[str, TensorEntry] | None = None) -> ReadPlan:
+        """entries: those of the targets' tensors, when the caller has them checked already."""
+        if entries is None:
+            entries = {t.name: self.entry(t.name) for t in targets}
+        planner = ReadPlanner(entries, targets, block_size=self.manifest.block_size, max_gap=self.max_gap)
         if self.max_request is not None:
-            return plan(self.max_request)
-        planned = plan(knobs.MAX_REQUEST)
-        if len(planned.requests) > 1 and self._resident(planned):
-            return plan(knobs.RESIDENT_MAX_REQUEST)
-        return planned
+            return planner.plan(planner.layout(self.max_request))
+        # Where the requests fall is known before the plan's objects are built: probe there, lay out once more if
+        # the bytes are in memory, and build the plan once.
+        layout = planner.layout(knobs.MAX_REQUEST)
+        if len(layout.groups) > 1 and self._resident(layout.requests):
+            layout = planner.layout(knobs.RESIDENT_MAX_REQUEST)
+        return planner.plan(layout)
 
-    def _resident(self, plan: ReadPlan) -> bool:
-        """Whether the plan's bytes are in memory already, judged by probing the start and middle of up to
-        RESIDENT_PROBES of its requests, spread over the plan."""
-        requests = plan.requests
+    def _resident(self, requests: Sequence[tuple[int, int, int]]) -> bool:
+        """Whether the bytes of requests (file, start, end) are in memory already, judged by probing the start and
+        middle of up to RESIDENT_PROBES of them, spread over the plan."""
         step = max(1, len(requests) // RESIDENT_PROBES)
         files = self.manifest.files
-        places = [
-            (files[r.file].data, offset) for r in requests[::step] for offset in (r.start, (r.start + r.end) // 2)
-        ]
+        places = [(files[file].data, at) for file, start, end in requests[::step] for at in (start, (start + end) // 2)]
         return self.storage.resident(places) is True
 
     # ---------------------------------------------------------------------------------------- reading
@@ -190,8 +188,9 @@ class Checkpoint(StoredCheckpoint):
         """
         began = time.perf_counter()
         targets, buffers, fixups = [], [], []
+        entries: dict[str, TensorEntry] = {}
         for name, box, tensor in items:
-            entry = self.entry(name)
+            entry = entries[name] = self.entry(name)
             stored = torch_dtype(entry.dtype)
             if tuple(tensor.shape) != box.shape:
                 raise ShardckptUsageError(
@@ -215,7 +214,7 @@ class Checkpoint(StoredCheckpoint):
                 fixups.append((tensor, staging))
             targets.append(Target(name, box))
             buffers.append(view if view is not None else np.zeros(0, np.uint8))
-        plan = self._plan(targets)
+        plan = self._plan(targets, entries)
         self.preflight(plan)
         return PendingRead(self, plan, buffers, fixups, began)
 
@@ -329,8 +328,7 @@ class Checkpoint(StoredCheckpoint):
 
     @staticmethod
     def copy(request: ReadRequest, fetched: ByteArray, destinations: Sequence[ByteArray]) -> None:
-        for copy in request.copies:
-            apply_copy(copy, fetched, request.start, destinations[copy.target])
+        apply_copies(request.copies, fetched, request.start, destinations)
 
     def _workers(self, jobs: int) -> int:
         """Threads for `jobs` reads: the backend's read concurrency, but no more than the cores left for checksums

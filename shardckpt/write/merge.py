@@ -43,8 +43,27 @@ def merge_tensors(manifests: Sequence[LocalManifest]) -> tuple[TensorEntry, ...]
     start_all, length_all = np.concatenate(starts), np.concatenate(lengths)
     position_all, flat_all = np.concatenate(positions), np.concatenate(flat_piece)
     merged = []
+    # Tensors stored as one piece (most, and all of a one-process save) are handled in Python ints: numpy's cost
+    # per call would be most of the work. One whole piece is exactly what check_cover accepts of a single piece.
+    counts = np.diff(bounds).tolist()
+    first_of = order[np.minimum(bounds[:-1], max(order.size - 1, 0))].tolist() if order.size else counts
+    file_list, offset_list, position_list = file_all.tolist(), offset_all.tolist(), position_all.tolist()
+    start_list, length_list, flat_list = start_all.tolist(), length_all.tolist(), flat_all.tolist()
     for number in np.argsort([spec.name for spec in specs], kind="stable").tolist():
         spec, layout = specs[number], layouts[number]
+        if counts[number] == 1:
+            piece = first_of[number]
+            if flat_list[piece] == (layout == "flat"):
+                k = 1 if layout == "flat" else len(spec.shape)
+                first = position_list[piece]
+                start_row, length_row = start_list[first : first + k], length_list[first : first + k]
+                whole = [spec.numel] if layout == "flat" else list(spec.shape)
+                if not any(start_row) and length_row == whole:
+                    table = PieceTable.from_lists(
+                        k, [file_list[piece]], [offset_list[piece]], [start_row], [length_row]
+                    )
+                    merged.append(TensorEntry(spec.name, spec.dtype, spec.shape, layout, table))
+                    continue
         selected = order[bounds[number] : bounds[number + 1]]
         start, length = _gather(spec, layout, selected, position_all, flat_all, start_all, length_all, file_all)
         k = 1 if layout == "flat" else len(spec.shape)

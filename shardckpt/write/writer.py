@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import crc32c
 import numpy as np
@@ -37,8 +37,7 @@ DEFAULT_WRITE_THREADS = knobs.WRITE_THREADS
 HOT_CHUNK = knobs.HOT_CHUNK
 
 
-@dataclass
-class _Piece:
+class _Piece(NamedTuple):  # a tuple: a MoE rank adds 100,000+ of them
     name: str
     key: str
     tensor: torch.Tensor
@@ -47,8 +46,7 @@ class _Piece:
     nbytes: int
 
 
-@dataclass
-class _TensorInfo:
+class _TensorInfo(NamedTuple):
     dtype: str
     shape: tuple[int, ...]
     layout: str
@@ -61,23 +59,20 @@ class WriteStats:
 
 
 class _SmallPieces:
-    """Pieces of one block or less (a MoE model has 100,000+ of them): checksummed one by one, written as one
-    buffer of up to HOT_CHUNK bytes, so the backend sees a few large writes rather than one call per tensor."""
+    """Pieces of one block or less (a MoE model has 100,000+ of them): gathered into one buffer of up to HOT_CHUNK
+    bytes by one torch.cat, checksummed one by one, written at once, so the backend sees a few large writes rather
+    than one call per tensor, and no piece costs a numpy view of its own."""
 
     def __init__(self, handle: Any, block_size: int) -> None:
         self.handle, self.limit = handle, max(HOT_CHUNK, block_size)
-        self.parts: list[bytes] = []
+        self.pending: list[_Piece] = []
         self.crcs: list[int] = []
         self.size = 0
 
     def add(self, piece: _Piece) -> None:
-        data = host_bytes(piece.tensor)
-        if data.size != piece.nbytes:
-            raise ShardckptError(f"tensor {piece.name!r}: changed size while being saved")
-        part = data.tobytes()  # a copy: the buffer is written after later pieces are taken
-        self.crcs.append(int(crc32c.crc32c(part)))
-        self.parts.append(part)
-        self.size += len(part)
+        """Take a host piece; its bytes are read when the buffer fills (before close returns)."""
+        self.pending.append(piece)
+        self.size += piece.nbytes
         if self.size >= self.limit:
             self._write()
 
@@ -88,9 +83,21 @@ class _SmallPieces:
         return [np.array(crcs, dtype=np.uint32)] if crcs else []
 
     def _write(self) -> None:
-        if self.parts:
-            self.handle.write(b"".join(self.parts))
-            self.parts, self.size = [], 0
+        if not self.pending:
+            return
+        pieces, self.pending, self.size = self.pending, [], 0
+        with torch.no_grad():  # plain bytes: no autograd record of the views and the gather
+            flats = [piece.tensor.reshape(-1).view(torch.uint8) for piece in pieces]
+            gathered = torch.cat(flats) if len(flats) > 1 else flats[0].clone()
+        for piece, flat in zip(pieces, flats):
+            if flat.numel() != piece.nbytes:
+                raise ShardckptError(f"tensor {piece.name!r}: changed size while being saved")
+        view = gathered.numpy().data
+        position = 0
+        for piece in pieces:
+            self.crcs.append(int(crc32c.crc32c(view[position : position + piece.nbytes])))
+            position += piece.nbytes
+        self.handle.write(view)
 
 
 class ShardWriter:
@@ -153,11 +160,13 @@ class ShardWriter:
         if not isinstance(tensor, torch.Tensor):
             raise ShardckptUsageError(f"tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
         dtype = format_dtype(tensor.dtype)
-        shape = tuple(int(d) for d in (tensor.shape if global_shape is None else global_shape))
+        shape = tuple(tensor.shape) if global_shape is None else tuple(int(d) for d in global_shape)
         check_shape(shape, f"tensor {name!r}")
         start: tuple[int, ...]
         length: tuple[int, ...]
-        if flat_offset is not None:
+        if global_shape is None and offsets is None and flat_offset is None:  # a whole tensor (most adds)
+            layout_name, start, length = "box", (0,) * len(shape), shape
+        elif flat_offset is not None:
             if offsets is not None:
                 raise ShardckptUsageError(f"tensor {name!r}: give offsets or flat_offset, not both")
             layout_name, start, length = "flat", (int(flat_offset),), (tensor.numel(),)

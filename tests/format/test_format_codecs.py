@@ -983,3 +983,64 @@ def test_a_value_of_shared_lists_is_refused_without_walking_every_path(monkeypat
     for _ in range(10):
         small = [small, small]
     check_plain(small, "trainer")  # 2^11 items: fine
+
+
+_PLAIN_LEAVES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(1 << 63), (1 << 64) - 1),
+    st.floats(allow_nan=False),
+    st.text(max_size=4),
+    st.binary(max_size=4),
+)
+_PLAIN_VALUES = st.recursive(
+    _PLAIN_LEAVES,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.lists(inner, max_size=3).map(tuple),
+        st.dictionaries(st.one_of(st.text(max_size=3), st.integers(-3, 3)), inner, max_size=4),
+    ),
+    max_leaves=20,
+)
+
+
+def _decoded(data: bytes, proving: bool) -> tuple[str, Any]:
+    from shardckpt.format import values
+
+    try:
+        return "value", values._unpack(data, "v", 0, None, proving=proving)
+    except FormatError as exc:
+        return "error", str(exc)
+
+
+@settings(max_examples=150, deadline=None)
+@given(value=_PLAIN_VALUES, cut=st.integers(0, 64), byte=st.integers(0, 255))
+def test_repeated_key_proof_and_map_by_map_decoding_agree(value: Any, cut: int, byte: int) -> None:
+    """The decoding that proves "no repeated key" by packing back (no Python call per map) gives the value or the
+    error the map-by-map decoding gives, on writer output and on that output with one byte changed."""
+    data = pack_value(value)
+    assert same(_decoded(data, True)[1], value)
+    changed = data[:cut] + bytes([byte]) + data[cut + 1 :] if cut < len(data) else data + bytes([byte])
+    proven, checked = _decoded(changed, True), _decoded(changed, False)
+    assert proven[0] == checked[0] and (same(proven[1], checked[1]) if proven[0] == "value" else proven == checked)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\x82\xa1a\x01\xa1a\x02",  # {"a": 1, "a": 2}: packs back shorter
+        b"\x82\xd9\x01a\x01\xa1a\x02",  # the same with a non-canonical str8 key: the proof fails, maps are checked
+        b"\x91\x82\xa1k\xc0\xa1k\xc0",  # a repeated key one level down
+        b"\xc7\x06\x01\x91\x82\x01\x01\x01\x02",  # inside a tuple extension: [{1: 1, 1: 2}] as a tuple
+    ],
+)
+def test_a_repeated_key_is_refused_whatever_its_encoding(data: bytes) -> None:
+    """By the proving decoding (whose proof fails) and by the map-by-map one alike, with the same message."""
+    proven, checked = _decoded(data, True), _decoded(data, False)
+    assert proven == checked and proven[0] == "error" and "appears twice" in proven[1]
+
+
+def test_a_non_canonical_encoding_without_repeated_keys_decodes() -> None:
+    """Another writer's encoding (str8 for a short text, int64 for a small int) fails the proof, decodes map by map."""
+    data = b"\x81\xd9\x01a\xd3\x00\x00\x00\x00\x00\x00\x00\x07"
+    assert _decoded(data, True) == _decoded(data, False) == ("value", {"a": 7})

@@ -18,7 +18,7 @@ from shardckpt.planner.box import (
     linear_range_boxes,
     row_major_strides,
 )
-from shardckpt.planner.execute import apply_copy
+from shardckpt.planner.execute import apply_copies, apply_copy
 from shardckpt.planner.plan import Copy, ReadRequest, Target, VerifySpan, plan_reads
 from tests.helpers.strategies import boxes_in, shapes
 
@@ -295,3 +295,30 @@ def test_flat_zero_partitions_read_as_a_box() -> None:
     copies = sorted((r.file, c.src, c.dst, c.shape) for r in plan.requests for c in r.copies)
     assert copies == [(0, 8, 0, (16,)), (1, 0, 16, (16,)), (2, 16, 32, (16,))]
     assert _run(plan.requests, files, [48]) == [array[:, 1:3].tobytes()]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    runs=st.lists(st.tuples(st.integers(-2, 40), st.integers(-2, 40), st.integers(1, 12), st.booleans()), max_size=6)
+)
+def test_apply_copies_equals_apply_copy_one_by_one(runs: list[tuple[int, int, int, bool]]) -> None:
+    """Plain byte runs go by slice assignment, strided copies through apply_copy: the same bytes land, and a copy out
+    of range fails with apply_copy's error, the copies before it done."""
+    fetched = np.arange(100, 140, dtype=np.uint8)  # file bytes 1000..1039
+    copies = [
+        Copy(0, 1000 + src, dst, (2, n // 2 or 1), (3,), (n,)) if strided else Copy(0, 1000 + src, dst, (n,), (), ())
+        for src, dst, n, strided in runs
+    ]
+    expected, actual = np.zeros(48, np.uint8), np.zeros(48, np.uint8)
+    expected_error = actual_error = None
+    try:
+        for copy in copies:
+            apply_copy(copy, fetched, 1000, expected)
+    except ValueError as exc:
+        expected_error = str(exc)
+    try:
+        apply_copies(copies, fetched, 1000, [actual])
+    except ValueError as exc:
+        actual_error = str(exc)
+    assert actual_error == expected_error
+    assert actual.tolist() == expected.tolist()

@@ -260,7 +260,9 @@ def _column_bytes(column: object) -> tuple[Any, ...]:
     return (repr(type(column)),)
 
 
-@functools.lru_cache(maxsize=16)
+# Ranks of one expert-parallel group send one table, so a job sends as many distinct tables as it has EP
+# coordinates (64-256 for DeepSeek-V3-class jobs): a cache smaller than that misses on every rank in rotation.
+@functools.lru_cache(maxsize=256)
 def _tensor_table(
     count: int,
     names_joined: str,

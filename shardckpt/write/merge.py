@@ -83,11 +83,13 @@ def _global_table(
     layouts: list[str] = []
     owner: list[int] = []
     mappings: list[np.ndarray] = []
-    previous: tuple[TensorSpec, ...] | None = None
-    previous_mapping = np.zeros(0, np.int64)
+    # Identical tables decode to one shared tuple (the decoder's cache): its mapping is made and checked once,
+    # however the ranks that send it interleave (expert-parallel groups send theirs in rotation).
+    by_table: dict[int, np.ndarray] = {}
     for manifest in manifests:
-        if manifest.tensors is previous:  # decoded from an identical table: same mapping, already checked
-            mappings.append(previous_mapping)
+        seen = by_table.get(id(manifest.tensors))
+        if seen is not None:
+            mappings.append(seen)
             continue
         mapping = np.empty(len(manifest.tensors), dtype=np.int64)
         for local, spec in enumerate(manifest.tensors):
@@ -107,7 +109,7 @@ def _global_table(
             elif spec.layout == "flat":
                 layouts[number] = "flat"  # a tensor stored flat anywhere is described flat everywhere
             mapping[local] = number
-        previous, previous_mapping = manifest.tensors, mapping
+        by_table[id(manifest.tensors)] = mapping
         mappings.append(mapping)
     return specs, layouts, mappings
 

@@ -36,6 +36,7 @@ HOT_CHUNK = int(_knob("HOT_CHUNK", 2 << 20))  # checksummed then written while s
 # 1: record a BLAKE2b-128 hash of every piece written (format 1.1, SPEC 6.3), what incremental saves compare; 0: a
 # 1.0 local manifest without them (its pieces can never be referenced). Benchmarks toggle it to price the hashing.
 PIECE_HASHES = int(_knob("PIECE_HASHES", 1))
+FULL_EVERY = int(_knob("FULL_EVERY", 10))  # Checkpointer(incremental=True): every n-th save is a full one
 WRITE_BEHIND_MIN = int(_knob("WRITE_BEHIND_MIN", 1 << 20))  # smaller writes are left to the kernel's writeback
 
 # Importing (interop/pickle_window.py)

@@ -312,6 +312,7 @@ class Checkpointer:
             step=step,
             block_size=self.block_size,
             parent=parent,
+            piece_hashes=True if self.incremental else None,  # every save of the series may be the next's parent
         )
         warning = None
         if self.group.rank == 0:

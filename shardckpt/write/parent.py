@@ -8,6 +8,7 @@ own reference to it (no chains).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -87,10 +88,25 @@ def open_parent(root: Storage, name: str, tensors: Collection[str]) -> ParentPie
             for file in np.unique(entry.pieces.arrays()[0]).tolist():
                 ranks.add(file if file < own_files else manifest.references[file - own_files].rank)
     holders: dict[PieceKey, Holder] = {}
+    unhashed = []
     for rank in sorted(ranks):
         local = _local_manifest(storage, manifest.files[rank])
+        if local.references is None or local.references.piece_hash is None:
+            unhashed.append(rank)
         _add_holders(holders, local, name, wanted)
+    if unhashed:
+        warnings.warn(
+            f"{storage.url}: the parent's ranks {unhashed} recorded no piece hashes, so none of their pieces can be "
+            "referenced and this save writes them again; save parents with piece_hashes=True (Checkpointer("
+            "incremental=True) does)",
+            UnhashedParentWarning,
+            stacklevel=3,
+        )
     return ParentPieces(name, attempt, holders)
+
+
+class UnhashedParentWarning(UserWarning):
+    """An incremental save's parent was saved without piece hashes: nothing of it can be referenced."""
 
 
 def _local_manifest(storage: Storage, entry: FileEntry) -> LocalManifest:

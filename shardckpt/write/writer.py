@@ -136,7 +136,8 @@ class ShardWriter:
     ) -> None:
         """parent: an incremental save's parent (write.parent.open_parent): a piece whose bytes hash equal to the
         parent's piece of the same identity is stored by reference to the file that holds it (SPEC 6.2).
-        piece_hashes: record the hash of every piece written (default knobs.PIECE_HASHES; needed by a parent)."""
+        piece_hashes: record the hash of every piece written, which a parent needs (default: knobs.PIECE_HASHES, or
+        on when there is a parent)."""
         if not 0 <= rank < world_size:
             raise ShardckptUsageError(f"rank {rank} is outside 0..{world_size - 1}")
         if not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE or block_size & (block_size - 1):
@@ -146,7 +147,8 @@ class ShardWriter:
         self.write_threads = max(1, write_threads)
         self.attempt = layout.validate_attempt(attempt)
         self.parent = parent
-        self.piece_hashes = bool(knobs.PIECE_HASHES) if piece_hashes is None else piece_hashes
+        # An incremental save hashes its own pieces: it compares them, and it is the next save's parent.
+        self.piece_hashes = bool(knobs.PIECE_HASHES or parent is not None) if piece_hashes is None else piece_hashes
         if parent is not None and not self.piece_hashes:
             raise ShardckptUsageError("an incremental save (parent=) compares piece hashes: piece_hashes must be on")
         self._pieces: list[_Piece] = []

@@ -20,7 +20,7 @@ from shardckpt.format import layout
 from shardckpt.format.local_manifest import LocalManifest, decode_local_manifest
 from shardckpt.format.manifest import GlobalManifest, decode_commit_marker, decode_global_manifest
 from shardckpt.storage import open_storage
-from shardckpt.write.parent import open_parent
+from shardckpt.write.parent import UnhashedParentWarning, open_parent
 
 pytestmark = pytest.mark.unit
 BLOCK = 4096
@@ -91,7 +91,7 @@ def state_of(seed: int = 0) -> dict[str, torch.Tensor]:
 
 def test_a_full_save_records_a_hash_of_every_piece_and_stays_readable_by_1_0_readers(tmp_path: Path) -> None:
     state = state_of()
-    shardckpt.save(state, str(tmp_path / "step-1"), block_size=BLOCK)
+    shardckpt.save(state, str(tmp_path / "step-1"), block_size=BLOCK, piece_hashes=True)
     marker, manifest = committed(tmp_path / "step-1")
     # No references: global manifest and COMMITTED are 1.0 documents without must_understand.
     assert (marker["version"], "must_understand" in marker, manifest.version) == ([1, 0], False, (1, 0))
@@ -105,9 +105,27 @@ def test_a_full_save_records_a_hash_of_every_piece_and_stays_readable_by_1_0_rea
         assert digests[16 * row : 16 * row + 16] == hashlib.blake2b(data[at : at + size], digest_size=16).digest()
 
 
+def test_by_default_a_save_without_a_parent_writes_no_hashes_and_a_child_of_it_warns_and_writes_everything(
+    tmp_path: Path,
+) -> None:
+    """Hashing costs 30-50% of a save on one core: only saves that may be parents pay it, and a child of a save
+    that did not is told why nothing was referenced (never a silent full rewrite)."""
+    state = state_of()
+    shardckpt.save(state, str(tmp_path / "step-1"), block_size=BLOCK)
+    own = local(tmp_path / "step-1")
+    assert own.version == (1, 0) and (own.references is None or own.references.piece_hash is None)
+    with pytest.warns(UnhashedParentWarning, match="no piece hashes"):
+        shardckpt.save(state, str(tmp_path / "step-2"), block_size=BLOCK, parent=str(tmp_path / "step-1"))
+    assert sorted(written_names(tmp_path / "step-2")) == sorted(state)
+    assert referenced_rows(tmp_path / "step-2") == {}
+    # The child hashed its own pieces (it compared them): it can be the next save's parent.
+    child = local(tmp_path / "step-2")
+    assert child.references is not None and child.references.piece_hash is not None
+
+
 def test_unchanged_pieces_are_referenced_and_one_flipped_element_is_written(tmp_path: Path) -> None:
     state = state_of()
-    shardckpt.save(state, str(tmp_path / "step-1"), step=1, block_size=BLOCK)
+    shardckpt.save(state, str(tmp_path / "step-1"), step=1, block_size=BLOCK, piece_hashes=True)
     state["train.w"][3, 5] = torch.nextafter(state["train.w"][3, 5], torch.tensor(9.0))  # one ulp: one bit or so
     state["train.s"] += 1
     shardckpt.save(state, str(tmp_path / "step-2"), step=2, block_size=BLOCK, parent=str(tmp_path / "step-1"))
@@ -132,7 +150,8 @@ def test_a_parent_that_was_itself_incremental_is_never_referenced_for_bytes_it_d
     for step in (1, 2, 3):
         state["train.w"] += 1  # changes every save; the frozen tensors never do
         parent = None if step == 1 else str(tmp_path / f"step-{step - 1}")
-        shardckpt.save(state, str(tmp_path / f"step-{step}"), step=step, block_size=BLOCK, parent=parent)
+        url = str(tmp_path / f"step-{step}")
+        shardckpt.save(state, url, step=step, block_size=BLOCK, parent=parent, piece_hashes=True)
     rows = referenced_rows(tmp_path / "step-3")
     assert sorted(rows) == ["frozen.a", "frozen.b", "train.s"]
     # No chains: frozen pieces name step-1's file (their holder), train.s names step-1's too (step-2 referenced
@@ -150,7 +169,10 @@ def test_a_parent_of_another_world_size_is_referenced_only_where_pieces_match(tm
     gen = torch.Generator().manual_seed(3)
     w, x = torch.randn(4, 300, generator=gen), torch.randn(500, generator=gen)
     parent = str(tmp_path / "step-1")
-    writers = [shardckpt.ShardWriter(parent, rank=r, world_size=2, attempt="p1", block_size=BLOCK) for r in range(2)]
+    writers = [
+        shardckpt.ShardWriter(parent, rank=r, world_size=2, attempt="p1", block_size=BLOCK, piece_hashes=True)
+        for r in range(2)
+    ]
     writers[0].add("w", w[:2].clone(), global_shape=(4, 300), offsets=(0, 0))
     writers[1].add("w", w[2:].clone(), global_shape=(4, 300), offsets=(2, 0))
     writers[0].add("x", x.clone())
@@ -167,7 +189,7 @@ def test_a_parent_of_another_world_size_is_referenced_only_where_pieces_match(tm
 
 def test_a_parent_deleted_before_the_commit_fails_the_save_and_commits_nothing(tmp_path: Path) -> None:
     state = state_of()
-    shardckpt.save(state, str(tmp_path / "step-1"), block_size=BLOCK)
+    shardckpt.save(state, str(tmp_path / "step-1"), block_size=BLOCK, piece_hashes=True)
     child = str(tmp_path / "step-2")
     parent = open_parent(open_storage(str(tmp_path)), "step-1", set(state))
     writer = shardckpt.ShardWriter(child, rank=0, world_size=1, attempt="c1", block_size=BLOCK, parent=parent)
@@ -195,7 +217,7 @@ def test_after_the_first_save_a_frozen_base_state_writes_its_changed_bytes_and_m
     gen = torch.Generator().manual_seed(5)
     state = {f"base.{i}": torch.randn(256, 256, generator=gen) for i in range(8)}  # 2 MiB frozen
     state.update({"head.w": torch.randn(64, 64, generator=gen), "head.b": torch.randn(64, generator=gen)})
-    shardckpt.save(state, str(tmp_path / "step-1"), block_size=BLOCK)
+    shardckpt.save(state, str(tmp_path / "step-1"), block_size=BLOCK, piece_hashes=True)
     for step in (2, 3):
         state["head.w"] += 0.5
         state["head.b"] += 0.5

@@ -86,7 +86,9 @@ TARGETS: dict[str, tuple[Callable[[bytes], None], tuple[type[BaseException], ...
 def seeds(target: str) -> list[bytes]:
     """Valid inputs of the target, from the golden vectors."""
     found: list[bytes] = []
-    for case in sorted(path for path in VALID.iterdir() if path.is_dir()):
+    # A case is a checkpoint, or a root of several (format 1.1 references): every checkpoint of it seeds.
+    checkpoints = sorted(marker.parent for marker in VALID.glob("**/COMMITTED"))
+    for case in checkpoints:
         if target == "global":
             found += [path.read_bytes() for path in sorted(case.glob("manifest-*.msgpack"))]
         elif target == "local":

@@ -255,10 +255,16 @@ def save(
         payload = _pack({"error": _describe(exc)})
     gathered = _gather(group, payload, coordinator)
     outcome = None
+    committed: GlobalManifest | None = None
     if group.rank == coordinator:
         assert gathered is not None and storage is not None
         try:
-            outcome = _pack(_commit_gathered(storage, gathered, coordinator, attempt, step, metadata, root))
+            reply = _commit_gathered(storage, gathered, coordinator, attempt, step, metadata, root)
+            committed = reply.get("manifest")
+            if committed is not None:
+                # The coordinator keeps what commit built; the others decode it (a solo save has no others).
+                reply = {"manifest": b"" if solo else encode_global_manifest(committed)}
+            outcome = _pack(reply)
         except Exception as exc:
             if solo:
                 raise
@@ -266,6 +272,8 @@ def save(
     result = _unpack(_broadcast(group, outcome, coordinator))
     if "failures" in result:
         raise DistributedError("save", {int(r): cause for r, cause in result["failures"].items()}) from local_error
+    if committed is not None:
+        return committed
     where = storage.describe(layout.global_manifest_path(attempt)) if storage is not None else str(url)
     return decode_global_manifest(result["manifest"], where)
 
@@ -298,7 +306,7 @@ def _commit_gathered(
         local_manifests=[reply["manifest"] for reply in replies],
         root=root,
     )
-    return {"manifest": encode_global_manifest(manifest)}
+    return {"manifest": manifest}
 
 
 @_collector_paused_on_the_calling_thread

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -186,3 +187,23 @@ def _reference_rank(
     raw = pack_value(document)
     local_file.write_bytes(raw)
     return len(raw), crc32c.crc32c(raw)
+
+
+def edit_local_manifest(ckpt: Path, rank: int, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Apply `edit` to the decoded local manifest of `rank` and re-seal the chain above it (global manifest's
+    index_size and index_crc32c, COMMITTED's manifest_size and manifest_crc32c), as a writer would have."""
+    marker = _committed(ckpt)
+    attempt = marker["attempt"]
+    local_file = ckpt / local_manifest_path(rank, attempt)
+    document = _unpack(local_file.read_bytes())
+    edit(document)
+    raw_local = pack_value(document)
+    local_file.write_bytes(raw_local)
+    manifest_file = ckpt / global_manifest_path(attempt)
+    manifest = _unpack(manifest_file.read_bytes())
+    (entry,) = [entry for entry in manifest["files"] if entry["rank"] == rank]
+    entry["index_size"], entry["index_crc32c"] = len(raw_local), crc32c.crc32c(raw_local)
+    raw = pack_value(manifest)
+    manifest_file.write_bytes(raw)
+    marker["manifest_size"], marker["manifest_crc32c"] = len(raw), crc32c.crc32c(raw)
+    (ckpt / "COMMITTED").write_text(json.dumps(marker))

@@ -14,10 +14,11 @@ import torch
 from safetensors.torch import load_file
 
 import shardckpt
+from shardckpt.ops.verify import verify
 from shardckpt.tools.diff import diff
 from shardckpt.tools.export import export_hf_safetensors
 from tests.helpers.checkpoints import save_sharded
-from tests.helpers.references import CHILD, PARENT, save_incremental
+from tests.helpers.references import CHILD, PARENT, edit_local_manifest, save_incremental
 
 ENTRY_POINT = str(Path(sys.executable).with_name("shardckpt"))
 
@@ -107,3 +108,22 @@ def test_diff_and_export_read_referenced_pieces(root: Path, tmp_path: Path) -> N
         exported.update(load_file(str(file)))
     assert torch.equal(exported["base"], parent["base"]) and torch.equal(exported["head"], changed["head"])
     assert shardckpt.open(str(root / CHILD)).step == 2
+
+
+def _flip_first_hash(document: dict) -> None:
+    column = document["referenced"]["hash"]
+    column["data"] = bytes([column["data"][0] ^ 1]) + column["data"][1:]
+
+
+def test_verify_checks_carried_piece_hashes_which_a_load_does_not_need(root: Path) -> None:
+    edit_local_manifest(root / CHILD, 1, _flip_first_hash)
+    state = {"base": torch.zeros(40, 32), "head": torch.zeros(4, 8)}
+    shardckpt.load(state, str(root / CHILD))  # SPEC 6.3: a reader does not need hashes
+    assert torch.equal(state["base"], _states()[0]["base"])
+    report = verify(str(root / CHILD))
+    problems = [str(problem) for problem in report.problems]
+    attempt = json.loads((root / PARENT / "COMMITTED").read_text())["attempt"]
+    held = str(root / PARENT / "data" / f"00001-{attempt}.safetensors")
+    # The bytes do not hash to the carried hash (the 1.0 parent records none to compare with); nothing else is wrong.
+    assert len(problems) == 1, problems
+    assert held in problems[0] and "does not match its recorded blake2b-128 hash" in problems[0], problems

@@ -63,8 +63,10 @@ class SaveRecord:
     url: str
     stall_seconds: float
     save_seconds: float
-    bytes: int
+    bytes: int  # the data files written (for an incremental save: the changed pieces only)
     warning: str | None = None
+    logical_bytes: int = 0  # the bytes of every tensor saved, written or stored by reference
+    parent: str | None = None  # an incremental save's parent
 
 
 class Checkpointer:
@@ -84,6 +86,11 @@ class Checkpointer:
     "auto"): the coordinator appends a start/restart event at the first restore_latest or save, a preemption
     event when a signal made it save, and an end event at close() (a run that crashes never writes one).
     clock: Unix seconds, for event times and the cadence's measurements (tests pass a fake one).
+
+    incremental: each save uses the newest committed checkpoint under root as its parent (shardckpt.save(parent=)):
+    pieces whose bytes did not change are stored by reference to the file that holds them; every `full_every`-th
+    save of this Checkpointer (the first one included) is a full save, which bounds how many checkpoints references
+    keep alive (SPEC 14).
     """
 
     def __init__(
@@ -107,6 +114,8 @@ class Checkpointer:
         record_failures: bool | None = None,
         on_cadence: Callable[[Cadence], None] | None = None,
         clock: Callable[[], float] = time.time,
+        incremental: bool = False,
+        full_every: int = knobs.FULL_EVERY,
     ) -> None:
         self.auto = every_steps == "auto"
         self.bounds = Bounds(min_every_steps, max_every_steps, min_every_seconds, max_every_seconds)
@@ -120,6 +129,10 @@ class Checkpointer:
                 f"every_steps (or default_every_steps with 'auto') must be >= 1, keep_last >= 1, got "
                 f"{every_steps!r}, {keep_last!r}"
             )
+        if not isinstance(full_every, int) or full_every < 1:
+            raise ShardckptUsageError(f"full_every must be an integer >= 1, got {full_every!r}")
+        self.incremental, self.full_every = incremental, full_every
+        self._saves = 0  # saves this Checkpointer made: every full_every-th one is full
         if not mtbf_prior_seconds >= 0:
             raise ShardckptUsageError(f"mtbf_prior_seconds must be >= 0, got {mtbf_prior_seconds!r}")
         self.root, self.every_steps, self.keep_last, self.async_save = (
@@ -238,11 +251,12 @@ class Checkpointer:
         began = self.clock()
         self.wait()  # one save at a time: a second one queues behind the first
         url = f"{self.root}/step-{step:08d}"
+        parent = self._parent_for(url)
         if not self.async_save:
             # protocol.save builds a callable state itself: a rank whose state fails tells every other rank.
-            manifest, warning = self._save(state, url, step)
+            manifest, warning = self._save(state, url, step, parent)
             elapsed = self.clock() - began
-            self._record(SaveRecord(step, url, elapsed, elapsed, manifest.total_bytes, warning))
+            self._record(_record_of(step, url, elapsed, elapsed, manifest, warning, parent))
             self._saved(step, elapsed)
             return
         failed: BaseException | None = None
@@ -253,7 +267,7 @@ class Checkpointer:
             failed = exc
             staged = _failing(exc)
         stall = self.clock() - began
-        self._pending = threading.Thread(target=self._background, args=(staged, url, step, stall), daemon=True)
+        self._pending = threading.Thread(target=self._background, args=(staged, url, step, stall, parent), daemon=True)
         self._pending.start()
         if wait or failed is not None:
             self.wait()
@@ -278,7 +292,17 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------------------- internals
 
-    def _save(self, state: State, url: str, step: int) -> tuple[GlobalManifest, str | None]:
+    def _parent_for(self, url: str) -> str | None:
+        """(all ranks) The parent of the next save: the newest committed checkpoint, unless this save is full."""
+        if not self.incremental:
+            return None
+        number, self._saves = self._saves, self._saves + 1
+        if number % self.full_every == 0:
+            return None
+        newest = self.latest_url()
+        return None if newest is None or _name_of(newest) == _name_of(url) else newest
+
+    def _save(self, state: State, url: str, step: int, parent: str | None = None) -> tuple[GlobalManifest, str | None]:
         """Save, then (coordinator) retention; the manifest and the warning about a newer checkpoint, if any."""
         manifest = protocol.save(
             state,
@@ -287,6 +311,7 @@ class Checkpointer:
             storage_options=self.storage_options,
             step=step,
             block_size=self.block_size,
+            parent=parent,
         )
         warning = None
         if self.group.rank == 0:
@@ -312,14 +337,14 @@ class Checkpointer:
         self.last_saved_step = step
         return manifest, warning
 
-    def _background(self, staged: State, url: str, step: int, stall: float) -> None:
+    def _background(self, staged: State, url: str, step: int, stall: float, parent: str | None = None) -> None:
         began = self.clock()
         try:
-            manifest, warning = self._save(staged, url, step)
+            manifest, warning = self._save(staged, url, step, parent)
         except BaseException as exc:  # surfaced by the next wait() on the training thread
             self._pending_error = exc
             return
-        self._record(SaveRecord(step, url, stall, self.clock() - began, manifest.total_bytes, warning))
+        self._record(_record_of(step, url, stall, self.clock() - began, manifest, warning, parent))
 
     def _record(self, record: SaveRecord) -> None:
         self.records.append(record)
@@ -430,6 +455,19 @@ class Checkpointer:
     def _step_of(self, url: str) -> int | None:
         marker = read_commit_marker(open_storage(url, self.storage_options))
         return None if marker is None else marker.step
+
+
+def _record_of(
+    step: int,
+    url: str,
+    stall: float,
+    seconds: float,
+    manifest: GlobalManifest,
+    warning: str | None,
+    parent: str | None,
+) -> SaveRecord:
+    logical = sum(entry.nbytes for entry in manifest.tensors)
+    return SaveRecord(step, url, stall, seconds, manifest.total_bytes, warning, logical, parent)
 
 
 def _name_of(url: str) -> str:

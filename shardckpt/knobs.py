@@ -33,6 +33,10 @@ WRITE_CHUNK = int(_knob("WRITE_CHUNK", 16 << 20))  # bytes handed to the backend
 WRITE_THREADS = int(_knob("WRITE_THREADS", 2))  # streams filling one large data file
 PARALLEL_MIN_BYTES = int(_knob("PARALLEL_MIN_BYTES", 64 << 20))  # below this one stream is as fast as several
 HOT_CHUNK = int(_knob("HOT_CHUNK", 2 << 20))  # checksummed then written while still in the CPU cache
+# 1: record a BLAKE2b-128 hash of every piece written (format 1.1, SPEC 6.3), what incremental saves compare; 0: a
+# 1.0 local manifest without them (its pieces can never be referenced). Benchmarks toggle it to price the hashing.
+PIECE_HASHES = int(_knob("PIECE_HASHES", 1))
+FULL_EVERY = int(_knob("FULL_EVERY", 10))  # Checkpointer(incremental=True): every n-th save is a full one
 WRITE_BEHIND_MIN = int(_knob("WRITE_BEHIND_MIN", 1 << 20))  # smaller writes are left to the kernel's writeback
 
 # Importing (interop/pickle_window.py)

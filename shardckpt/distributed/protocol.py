@@ -44,6 +44,7 @@ from shardckpt.statedict.optimizer import optimizer_hint
 from shardckpt.statedict.replicas import Digest, replica_digest, replica_disagreements
 from shardckpt.storage import Storage, open_storage
 from shardckpt.write.commit import commit
+from shardckpt.write.parent import open_parent, parent_of
 from shardckpt.write.writer import ShardWriter
 
 T = TypeVar("T")
@@ -157,6 +158,7 @@ def save(
     step: int | None = None,
     metadata: dict[str, Any] | None = None,
     block_size: int = knobs.BLOCK_SIZE,
+    parent: str | None = None,
 ) -> GlobalManifest:
     """Save `state_dict` as a committed checkpoint at `url` (a new location); collective over the group.
 
@@ -166,6 +168,10 @@ def save(
     process_group: the group to save over; default: the default group if torch.distributed is initialized.
     state_dict may be a callable returning the state: it is built inside the protocol, so a failure to build it
     on one rank reaches every rank.
+    parent: the URL of a committed checkpoint in the same root as `url` (an incremental save, format 1.1): every
+    piece whose bytes hash equal to the parent's piece of the same tensor and box is stored by reference to the
+    file that holds it, the others are written; any world size. Before committing, the coordinator checks that
+    every referenced checkpoint is still committed (else the save fails and commits nothing).
     """
     group = resolve_group(process_group)
     if not 0 <= coordinator < group.size:
@@ -175,10 +181,14 @@ def save(
     # through the protocol's own collectives, so every rank raises the same DistributedError, never waits.
     local_error: BaseException | None = None
     storage: Storage | None = None
+    root: Storage | None = None
+    parent_name = ""
     leaves: list[Leaf] = []
     digest: Digest = []
     try:
         storage = open_storage(url, storage_options)
+        if parent is not None:
+            root, parent_name = parent_of(storage.url, parent, storage_options)
         if metadata is not None:
             check_plain(metadata, "metadata")  # before any rank writes a byte, not at commit
         # A callable state is built here, so that its failure on one rank reaches every rank like any other.
@@ -215,10 +225,18 @@ def save(
         if local_error is not None:
             raise local_error
         assert storage is not None
-        writer = ShardWriter(
-            storage, rank=group.rank, world_size=group.size, attempt=attempt, block_size=block_size, step=step
-        )
         items = save_items(leaves, group.rank, group.size)
+        # Every rank reads the parent's manifests it needs itself (its own boxes): nothing to ship between ranks.
+        parent_pieces = None if root is None else open_parent(root, parent_name, {name for name, _, _ in items.pieces})
+        writer = ShardWriter(
+            storage,
+            rank=group.rank,
+            world_size=group.size,
+            attempt=attempt,
+            block_size=block_size,
+            step=step,
+            parent=parent_pieces,
+        )
         for name, tensor, placement in items.pieces:
             writer.add(name, tensor, **placement)
         for name, value, per_rank in items.objects:
@@ -236,7 +254,7 @@ def save(
     if group.rank == coordinator:
         assert gathered is not None and storage is not None
         try:
-            outcome = _pack(_commit_gathered(storage, gathered, coordinator, attempt, step, metadata))
+            outcome = _pack(_commit_gathered(storage, gathered, coordinator, attempt, step, metadata, root))
         except Exception as exc:
             if solo:
                 raise
@@ -255,6 +273,7 @@ def _commit_gathered(
     attempt: str,
     step: int | None,
     metadata: dict[str, Any] | None,
+    root: Storage | None = None,
 ) -> dict[str, Any]:
     """(coordinator) The outcome of a save from every rank's reply: the ranks' failures, or the committed manifest.
 
@@ -273,6 +292,7 @@ def _commit_gathered(
         step=step,
         metadata=metadata,
         local_manifests=[reply["manifest"] for reply in replies],
+        root=root,
     )
     return {"manifest": encode_global_manifest(manifest)}
 

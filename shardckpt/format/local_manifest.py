@@ -26,7 +26,12 @@ from shardckpt.format.columns import (
 )
 from shardckpt.format.dtypes import DTYPE_SIZES
 from shardckpt.format.layout import parse_data_path
-from shardckpt.format.references import LocalReferences, decode_local_references
+from shardckpt.format.references import (
+    FEATURE,
+    LocalReferences,
+    decode_local_references,
+    encode_local_references,
+)
 from shardckpt.format.strict import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -162,6 +167,10 @@ def encode_local_manifest(manifest: LocalManifest) -> bytes:
         "crc32c": encode_u32_column(manifest.crc32c),
         "objects": [{"name": o.name, "rank": o.rank, "value": o.value} for o in manifest.objects],
     }
+    if manifest.references is not None:
+        document.update(encode_local_references(manifest.references))
+        if manifest.references.pieces is not None:
+            document["must_understand"] = [FEATURE]  # a 1.0 reader refuses it rather than miss pieces
     return pack_value(document)
 
 
@@ -260,7 +269,9 @@ def _column_bytes(column: object) -> tuple[Any, ...]:
     return (repr(type(column)),)
 
 
-@functools.lru_cache(maxsize=16)
+# Ranks of one expert-parallel group send one table, so a job sends as many distinct tables as it has EP
+# coordinates (64-256 for DeepSeek-V3-class jobs): a cache smaller than that misses on every rank in rotation.
+@functools.lru_cache(maxsize=256)
 def _tensor_table(
     count: int,
     names_joined: str,

@@ -35,7 +35,14 @@ from shardckpt.format.layout import (
     parse_local_manifest_path,
 )
 from shardckpt.format.local_manifest import LAYOUTS, NAME_SEPARATOR
-from shardckpt.format.references import GlobalReference, decode_committed_references, decode_global_references
+from shardckpt.format.references import (
+    FEATURE,
+    GlobalReference,
+    decode_committed_references,
+    decode_global_references,
+    encode_committed_references,
+    encode_global_references,
+)
 from shardckpt.format.strict import (
     DOCUMENT_DEPTH,
     FORMAT_NAME,
@@ -576,6 +583,9 @@ def encode_global_manifest(manifest: GlobalManifest) -> bytes:
         "objects": [{"name": o.name, "rank": o.rank, "value": o.value} for o in manifest.objects],
         "metadata": manifest.metadata,
     }
+    if manifest.references:
+        document["must_understand"] = [FEATURE]
+        document["references"] = encode_global_references(manifest.references)
     return pack_value(document)
 
 
@@ -660,6 +670,9 @@ def encode_commit_marker(marker: CommitMarker) -> bytes:
         "step": marker.step,
         "created": marker.created,
     }
+    if marker.references:
+        document["must_understand"] = [FEATURE]
+        document["references"] = encode_committed_references(marker.references)
     return (json.dumps(document, indent=1) + "\n").encode()
 
 

@@ -16,7 +16,14 @@ import numpy as np
 
 from shardckpt.errors import FormatError, IntegrityError
 from shardckpt.format import limits
-from shardckpt.format.columns import Int64Array, UInt32Array, decode_int_column, decode_u32_column
+from shardckpt.format.columns import (
+    Int64Array,
+    UInt32Array,
+    decode_int_column,
+    decode_u32_column,
+    encode_int_column,
+    encode_u32_column,
+)
 from shardckpt.format.layout import data_path, validate_attempt
 from shardckpt.format.strict import Fields
 
@@ -215,6 +222,21 @@ def decode_committed_references(fields: Fields, version: tuple[int, int]) -> tup
     return tuple(pairs)
 
 
+def encode_global_references(entries: Sequence[GlobalReference]) -> list[dict[str, Any]]:
+    """The global manifest's `references` array (the inverse of decode_global_references)."""
+    return [{"rank": e.rank, "path": e.file.path, "data_size": e.file.data_size} for e in entries]
+
+
+def encode_committed_references(pairs: Sequence[tuple[str, str]]) -> list[dict[str, str]]:
+    """COMMITTED's `references` array: (checkpoint, attempt) pairs as maps, in the order given (sorted by name)."""
+    return [{"checkpoint": name, "attempt": attempt} for name, attempt in pairs]
+
+
+def committed_references(entries: Sequence[GlobalReference]) -> tuple[tuple[str, str], ...]:
+    """The distinct (checkpoint, attempt) pairs a manifest's references name, sorted by name: COMMITTED's list."""
+    return tuple(sorted({(e.file.target.checkpoint, e.file.target.attempt) for e in entries}))
+
+
 # -------------------------------------------------------------------------------- referenced piece table
 
 
@@ -285,6 +307,29 @@ class LocalReferences:
     piece_hash: bytes | None
     files: tuple[ReferencedFile, ...]
     pieces: ReferencedPieces | None
+
+
+def encode_local_references(references: LocalReferences) -> dict[str, Any]:
+    """The 1.1 fields of a local manifest (piece_hash, references, referenced), each only when present."""
+    document: dict[str, Any] = {}
+    if references.piece_hash is not None:
+        document["piece_hash"] = encode_hash_column(
+            [references.piece_hash[i : i + HASH_BYTES] for i in range(0, len(references.piece_hash), HASH_BYTES)]
+        )
+    pieces = references.pieces
+    if pieces is not None:
+        document["references"] = [{"path": f.path, "data_size": f.data_size} for f in references.files]
+        document["referenced"] = {
+            "count": pieces.count,
+            "tensor": encode_int_column(pieces.tensor),
+            "source": encode_int_column(pieces.source),
+            "offset": encode_int_column(pieces.offset),
+            "start": encode_int_column(pieces.start),
+            "length": encode_int_column(pieces.length),
+            "crc32c": encode_u32_column(pieces.crc32c),
+            "hash": encode_hash_column([pieces.digest(row) for row in range(pieces.count)]),
+        }
+    return document
 
 
 def decode_local_references(

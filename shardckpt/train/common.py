@@ -65,6 +65,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "continue the old run)",
     )
     parser.add_argument("--async-save", action="store_true", help="stage to host memory, write in the background")
+    parser.add_argument(
+        "--freeze-base",
+        action="store_true",
+        help="FSDP2 engine: train only the last block, the final norm and the head (embeddings and the other blocks "
+        "frozen), so most of the checkpointed state never changes",
+    )
+    parser.add_argument(
+        "--incremental",
+        action="store_true",
+        help="incremental checkpoints: pieces unchanged since the newest checkpoint are stored by reference to it "
+        "(the log shows bytes written against bytes saved)",
+    )
+    parser.add_argument(
+        "--full-every",
+        type=int,
+        default=knobs.FULL_EVERY,
+        metavar="N",
+        help="with --incremental: every N-th checkpoint is a full one (default %(default)d)",
+    )
     parser.add_argument("--global-batch", type=int, default=12, help="samples per step over all ranks")
     parser.add_argument("--lr", type=float, default=1e-2, help="peak learning rate")
     parser.add_argument("--warmup", type=int, default=5, help="linear warmup steps")
@@ -110,6 +129,14 @@ def _every(text: str) -> int | str:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a number of steps >= 1 or 'auto', got {value}")
     return value
+
+
+def freeze_base(model: Any) -> None:
+    """--freeze-base: only the last block, the final norm and the head of a GPT keep training."""
+    kept = [model.blocks[-1], model.ln_f, model.head]
+    trainable = {id(parameter) for module in kept for parameter in module.parameters()}
+    for parameter in model.parameters():
+        parameter.requires_grad_(id(parameter) in trainable)
 
 
 # AdamW's settings, shared with the DeepSpeed variant of the loop so that their checkpoints interchange.

@@ -26,6 +26,7 @@ from shardckpt.train.common import (
     ADAMW_BETAS,
     ADAMW_WEIGHT_DECAY,
     WarmupCosine,
+    freeze_base,
     rng_state,
     schedule_steps,
     set_rng_state,
@@ -59,10 +60,14 @@ class Trainer:
             max_every_seconds=args.ckpt_every_max_seconds,
             mtbf_prior_seconds=args.ckpt_mtbf_prior,
             on_cadence=self.on_cadence,
+            incremental=args.incremental,
+            full_every=args.full_every,
         )
 
     def build(self, model: GPT) -> None:
         """Shard the model with FSDP2 and make its optimizer and schedule (DeepSpeedTrainer does it with DeepSpeed)."""
+        if self.args.freeze_base:  # before sharding: fully_shard keeps each parameter's requires_grad
+            freeze_base(model)
         mesh = init_device_mesh(self.device.type, (self.world,))
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
@@ -161,6 +166,12 @@ class Trainer:
             f"checkpoint step {record.step}: {size:.2f} MiB in {record.save_seconds:.3f} s "
             f"({size / max(record.save_seconds, 1e-9):.1f} MiB/s){stall} -> {record.url}"
         )
+        if self.args.incremental:
+            kind = "full" if record.parent is None else f"incremental on {record.parent.rstrip('/').rsplit('/', 1)[-1]}"
+            self._say(
+                f"checkpoint step {record.step}: wrote {record.bytes} bytes of {record.logical_bytes} logical "
+                f"({record.bytes / max(record.logical_bytes, 1):.1%}, {kind})"
+            )
         if record.warning:
             self._say(f"WARNING: {record.warning}")
 

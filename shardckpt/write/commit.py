@@ -2,7 +2,8 @@
 
 (coordinator only) 1. read or receive the W local manifests of one attempt and check each against its data file;
 2. validate: same dtype/shape/layout on every rank, pieces cover every tensor exactly once;
-3. write manifest-<attempt>.msgpack (create-only); 4. create COMMITTED atomically — always the last write.
+3. write manifest-<attempt>.msgpack (create-only); 4. (1.1) re-check that every referenced checkpoint is still
+committed by the referenced attempt; 5. create COMMITTED atomically — always the last write.
 """
 
 from __future__ import annotations
@@ -36,8 +37,11 @@ from shardckpt.format.manifest import (
     encode_commit_marker,
     encode_global_manifest,
 )
+from shardckpt.format.references import FIRST_VERSION, GlobalReference, committed_references
+from shardckpt.format.strict import FORMAT_VERSION
 from shardckpt.storage import Storage, open_storage
 from shardckpt.write.merge import merge_objects, merge_tensors
+from shardckpt.write.parent import check_referenced_files, recheck_referenced, split_url
 
 
 @gc_paused()
@@ -50,8 +54,14 @@ def commit(
     metadata: dict[str, Any] | None = None,
     local_manifests: Sequence[bytes] | None = None,
     storage_options: dict[str, Any] | None = None,
+    root: Storage | None = None,
 ) -> GlobalManifest:
     """Validate the local manifests of one attempt and commit the checkpoint at `url` atomically.
+
+    root: the storage of the directory that holds `url`, where the checkpoints that pieces are stored by reference
+    in live (default: the parent directory of `url`). Such a commit first checks that every referenced data file
+    has its size and, just before COMMITTED, that every referenced checkpoint is still committed by the referenced
+    attempt (NotCommittedError otherwise: nothing is committed).
 
     `local_manifests`: the encoded local manifests, rank-ordered, when the caller gathered them (distributed
     saves); otherwise they are read from storage. Re-committing the attempt that already committed (or whose
@@ -68,6 +78,12 @@ def commit(
     locals_ = _decode_all(storage, local_manifests, attempt, world_size)
     attempt, world_size = locals_[0].attempt, locals_[0].world_size
     _check_data_files(storage, locals_)
+    references = tuple(
+        GlobalReference(m.rank, file) for m in locals_ if m.references is not None for file in m.references.files
+    )
+    if references:
+        root = root if root is not None else open_storage(split_url(storage.url)[0], storage_options)
+        check_referenced_files(root, [entry.file for entry in references], storage.url)
     manifest = GlobalManifest(
         attempt=attempt,
         world_size=world_size,
@@ -83,10 +99,16 @@ def commit(
         step=step if step is not None else _agree(locals_, "step"),
         created=time.time(),
         metadata=dict(metadata or {}),
+        version=FIRST_VERSION if references else FORMAT_VERSION,
+        references=references,
     )
     crash_point("before_global_manifest")
     manifest, encoded = _write_manifest(storage, manifest, step, metadata)
     crash_point("before_commit")
+    if manifest.references:
+        # A collector may have deleted a referenced checkpoint since the save chose it (SPEC 9 phase 3, 14).
+        assert root is not None
+        recheck_referenced(root, committed_references(manifest.references), storage.url)
     marker = CommitMarker(
         attempt=attempt,
         manifest=layout.global_manifest_path(attempt),
@@ -96,6 +118,8 @@ def commit(
         total_bytes=manifest.total_bytes,
         step=manifest.step,
         created=manifest.created,
+        version=manifest.version,
+        references=committed_references(manifest.references),
     )
     marker_bytes = encode_commit_marker(marker)
     try:

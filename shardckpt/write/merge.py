@@ -20,10 +20,29 @@ from shardckpt.planner import check_cover
 
 
 def merge_tensors(manifests: Sequence[LocalManifest]) -> tuple[TensorEntry, ...]:
-    """One global entry per tensor, pieces of every rank (file index = position in `manifests`), cover checked."""
+    """One global entry per tensor, pieces of every rank (file index = position in `manifests`), cover checked.
+
+    Format 1.1: a rank's referenced pieces get file index len(manifests) + j, j counting the referenced files of
+    all ranks in rank order (the global manifest's `references`, SPEC 6.2), and count towards cover like others.
+    """
     specs, layouts, mappings = _global_table(manifests)
     tensor_ids, files, offsets, starts, lengths, positions, flat_piece = [], [], [], [], [], [], []
     value_base = 0
+    reference_base = len(manifests)
+    for manifest, mapping in zip(manifests, mappings):
+        held = None if manifest.references is None else manifest.references.pieces
+        if held is None or not held.count:
+            continue
+        tensor_ids.append(mapping[held.tensor])
+        files.append(held.source + reference_base)
+        offsets.append(held.offset)
+        starts.append(held.start)
+        lengths.append(held.length)
+        positions.append(held.position + value_base)
+        layout_of = np.array([spec.layout == "flat" for spec in manifest.tensors], dtype=bool)
+        flat_piece.append(layout_of[held.tensor])
+        value_base += held.start.size
+        reference_base += len(manifest.references.files) if manifest.references is not None else 0
     for file_index, (manifest, mapping) in enumerate(zip(manifests, mappings)):
         pieces = manifest.pieces
         global_ids = mapping[pieces.tensor] if pieces.count else pieces.tensor
@@ -83,11 +102,13 @@ def _global_table(
     layouts: list[str] = []
     owner: list[int] = []
     mappings: list[np.ndarray] = []
-    previous: tuple[TensorSpec, ...] | None = None
-    previous_mapping = np.zeros(0, np.int64)
+    # Identical tables decode to one shared tuple (the decoder's cache): its mapping is made and checked once,
+    # however the ranks that send it interleave (expert-parallel groups send theirs in rotation).
+    by_table: dict[int, np.ndarray] = {}
     for manifest in manifests:
-        if manifest.tensors is previous:  # decoded from an identical table: same mapping, already checked
-            mappings.append(previous_mapping)
+        seen = by_table.get(id(manifest.tensors))
+        if seen is not None:
+            mappings.append(seen)
             continue
         mapping = np.empty(len(manifest.tensors), dtype=np.int64)
         for local, spec in enumerate(manifest.tensors):
@@ -107,7 +128,7 @@ def _global_table(
             elif spec.layout == "flat":
                 layouts[number] = "flat"  # a tensor stored flat anywhere is described flat everywhere
             mapping[local] = number
-        previous, previous_mapping = manifest.tensors, mapping
+        by_table[id(manifest.tensors)] = mapping
         mappings.append(mapping)
     return specs, layouts, mappings
 

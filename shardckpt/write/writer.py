@@ -6,6 +6,7 @@ every block while the bytes are hot, makes the file durable, and only then write
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -23,12 +24,15 @@ from shardckpt.crashpoints import crash_point
 from shardckpt.errors import IntegrityError, ShardckptError, ShardckptUsageError
 from shardckpt.format import layout
 from shardckpt.format.bulk import gc_paused
+from shardckpt.format.dtypes import itemsize
 from shardckpt.format.limits import MAX_BLOCK_SIZE, MAX_LOCAL_MANIFEST_BYTES, MIN_BLOCK_SIZE
 from shardckpt.format.local_manifest import LocalManifest, LocalPieces, TensorSpec, encode_local_manifest
+from shardckpt.format.references import FIRST_VERSION, HASH_BYTES, LocalReferences, ReferencedPieces
 from shardckpt.format.strict import FORMAT_VERSION, ObjectEntry, check_name, check_shape
 from shardckpt.format.values import check_plain
 from shardckpt.storage import Storage, open_storage
 from shardckpt.torch_bytes import format_dtype, host_bytes
+from shardckpt.write.parent import Holder, ParentPieces
 
 WRITE_CHUNK = knobs.WRITE_CHUNK  # bytes handed to the backend per call
 PARALLEL_MIN_BYTES = knobs.PARALLEL_MIN_BYTES  # below this one stream is as fast as several
@@ -54,8 +58,14 @@ class _TensorInfo(NamedTuple):
 
 @dataclass(frozen=True)
 class WriteStats:
-    bytes_written: int
+    bytes_written: int  # the data file, header included
     seconds: float
+    referenced_bytes: int = 0  # piece bytes stored by reference to the parent's holders instead of written
+
+
+def piece_digest(data: Any) -> bytes:
+    """BLAKE2b-128 of a piece's bytes (SPEC 6.3); hashlib releases the GIL for large buffers, so threads overlap."""
+    return hashlib.blake2b(data, digest_size=HASH_BYTES).digest()
 
 
 class _SmallPieces:
@@ -63,8 +73,9 @@ class _SmallPieces:
     bytes by one torch.cat, checksummed one by one, written at once, so the backend sees a few large writes rather
     than one call per tensor, and no piece costs a numpy view of its own."""
 
-    def __init__(self, handle: Any, block_size: int) -> None:
+    def __init__(self, handle: Any, block_size: int, digests: list[bytes] | None) -> None:
         self.handle, self.limit = handle, max(HOT_CHUNK, block_size)
+        self.digests = digests  # appended to in piece order, when the writer hashes while writing
         self.pending: list[_Piece] = []
         self.crcs: list[int] = []
         self.size = 0
@@ -96,6 +107,8 @@ class _SmallPieces:
         position = 0
         for piece in pieces:
             self.crcs.append(int(crc32c.crc32c(view[position : position + piece.nbytes])))
+            if self.digests is not None:
+                self.digests.append(piece_digest(view[position : position + piece.nbytes]))
             position += piece.nbytes
         self.handle.write(view)
 
@@ -118,7 +131,12 @@ class ShardWriter:
         step: int | None = None,
         storage_options: dict[str, Any] | None = None,
         write_threads: int = DEFAULT_WRITE_THREADS,
+        parent: ParentPieces | None = None,
+        piece_hashes: bool | None = None,
     ) -> None:
+        """parent: an incremental save's parent (write.parent.open_parent): a piece whose bytes hash equal to the
+        parent's piece of the same identity is stored by reference to the file that holds it (SPEC 6.2).
+        piece_hashes: record the hash of every piece written (default knobs.PIECE_HASHES; needed by a parent)."""
         if not 0 <= rank < world_size:
             raise ShardckptUsageError(f"rank {rank} is outside 0..{world_size - 1}")
         if not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE or block_size & (block_size - 1):
@@ -127,6 +145,10 @@ class ShardWriter:
         self.rank, self.world_size, self.block_size, self.step = rank, world_size, block_size, step
         self.write_threads = max(1, write_threads)
         self.attempt = layout.validate_attempt(attempt)
+        self.parent = parent
+        self.piece_hashes = bool(knobs.PIECE_HASHES) if piece_hashes is None else piece_hashes
+        if parent is not None and not self.piece_hashes:
+            raise ShardckptUsageError("an incremental save (parent=) compares piece hashes: piece_hashes must be on")
         self._pieces: list[_Piece] = []
         self._tensors: dict[str, _TensorInfo] = {}
         self._keys: set[str] = set()
@@ -220,6 +242,13 @@ class ShardWriter:
         self._closed = True
         began = time.perf_counter()
         data_path = layout.data_path(self.rank, self.attempt)
+        referenced: list[tuple[_Piece, Holder, bytes]] = []
+        digests: list[bytes] | None = [] if self.piece_hashes else None
+        hash_now = self.piece_hashes
+        if self.parent is not None:
+            # Hashed before anything is written: a piece equal to the parent's is not written at all.
+            digests, referenced = self._match_parent(self.parent)
+            hash_now = False
         header = self._header()
         offsets: list[int] = []
         crcs: list[np.ndarray] = []
@@ -233,18 +262,23 @@ class ShardWriter:
             parallel = getattr(handle, "supports_write_at", False) and self.write_threads > 1 and 2 * small < total
             if parallel and total >= PARALLEL_MIN_BYTES and all(p.tensor.device.type == "cpu" for p in self._pieces):
                 handle.write_at(header, 0)
-                offsets, crcs = self._write_parallel(handle, len(header))
+                offsets, crcs, hashed = self._write_parallel(handle, len(header), hash_now)
+                if hash_now and digests is not None:
+                    digests.extend(hashed)
                 position += total
             else:
                 handle.write(header)
-                buffered = _SmallPieces(handle, self.block_size)
+                buffered = _SmallPieces(handle, self.block_size, digests if hash_now else None)
                 for piece in self._pieces:
                     offsets.append(position)
                     if piece.nbytes <= self.block_size and piece.tensor.device.type == "cpu":
                         buffered.add(piece)
                     else:
                         crcs.extend(buffered.flush())
-                        crcs.append(self._write_piece(handle, piece))
+                        piece_crcs, digest = self._write_piece(handle, piece, hash_now)
+                        crcs.append(piece_crcs)
+                        if hash_now and digests is not None:
+                            digests.append(digest)
                     position += piece.nbytes
                     crash_point("writing_data", self.rank)
                 crcs.extend(buffered.flush())
@@ -252,6 +286,11 @@ class ShardWriter:
         if stored != position:  # a backend that lost bytes without an error must not get this far
             raise IntegrityError(f"{self.storage.describe(data_path)} holds {stored} bytes after writing {position}")
         specs, pieces = self._table(offsets)
+        references = None
+        if digests is not None:
+            if len(digests) != pieces.count:  # a lost hash would make a later save reference the wrong bytes
+                raise ShardckptError(f"rank {self.rank}: {len(digests)} piece hashes for {pieces.count} pieces")
+            references = self._references(specs, b"".join(digests), referenced)
         manifest = LocalManifest(
             attempt=self.attempt,
             rank=self.rank,
@@ -266,7 +305,8 @@ class ShardWriter:
             crc32c=np.concatenate(crcs).astype(np.uint32) if crcs else np.zeros(0, np.uint32),
             objects=tuple(self._objects.values()),
             step=self.step,
-            version=FORMAT_VERSION,
+            version=FORMAT_VERSION if references is None else FIRST_VERSION,
+            references=references,
         )
         self.encoded_manifest = encode_local_manifest(manifest)
         manifest_path = layout.local_manifest_path(self.rank, self.attempt)
@@ -274,8 +314,75 @@ class ShardWriter:
         if self.storage.read_small(manifest_path, MAX_LOCAL_MANIFEST_BYTES) != self.encoded_manifest:
             raise IntegrityError(f"{self.storage.describe(manifest_path)} does not hold the bytes just written")
         crash_point("after_local_manifest", self.rank)
-        self.stats = WriteStats(position, time.perf_counter() - began)
+        self.stats = WriteStats(position, time.perf_counter() - began, sum(p.nbytes for p, _, _ in referenced))
         return manifest
+
+    # ------------------------------------------------------------------------------------- incremental
+
+    def _match_parent(self, parent: ParentPieces) -> tuple[list[bytes], list[tuple[_Piece, Holder, bytes]]]:
+        """Hash every piece; keep to write those the parent lacks or holds with other bytes, return the others
+        with their holders. Equality is decided by content only (SPEC 6.3): same identity, size and hash."""
+        hashes = self._hash_pieces(self._pieces)
+        written: list[_Piece] = []
+        digests: list[bytes] = []
+        referenced: list[tuple[_Piece, Holder, bytes]] = []
+        for piece, digest in zip(self._pieces, hashes):
+            info = self._tensors[piece.name]
+            holder = parent.holders.get((piece.name, info.dtype, info.shape, info.layout, piece.start, piece.length))
+            if holder is not None and holder.nbytes == piece.nbytes and holder.digest == digest:
+                referenced.append((piece, holder, digest))
+            else:
+                written.append(piece)
+                digests.append(digest)
+        self._pieces = written
+        return digests, referenced
+
+    def _hash_pieces(self, pieces: Sequence[_Piece]) -> list[bytes]:
+        """The hash of every piece, large ones on write_threads threads (hashlib runs them in parallel)."""
+
+        def run(piece: _Piece) -> bytes:
+            data = host_bytes(piece.tensor)
+            if data.size != piece.nbytes:
+                raise ShardckptError(f"tensor {piece.name!r}: changed size while being saved")
+            return piece_digest(data.data)
+
+        if self.write_threads == 1 or len(pieces) < 2:
+            return [run(piece) for piece in pieces]
+        with ThreadPoolExecutor(max_workers=self.write_threads) as pool:
+            return list(pool.map(run, pieces))
+
+    def _references(
+        self, specs: tuple[TensorSpec, ...], piece_hash: bytes, referenced: list[tuple[_Piece, Holder, bytes]]
+    ) -> LocalReferences:
+        """The 1.1 part of the local manifest: the written pieces' hashes and the referenced piece table."""
+        if not referenced:
+            return LocalReferences(piece_hash, (), None)
+        paths = sorted({holder.file.path for _, holder, _ in referenced})
+        files = {holder.file.path: holder.file for _, holder, _ in referenced}
+        rows = sorted(referenced, key=lambda row: (paths.index(row[1].file.path), row[1].offset))
+        index = {spec.name: number for number, spec in enumerate(specs)}
+        crcs = [self._carried_crcs(piece, holder) for piece, holder, _ in rows]
+        table = ReferencedPieces(
+            np.array([index[piece.name] for piece, _, _ in rows], dtype=np.int64),
+            np.array([paths.index(holder.file.path) for _, holder, _ in rows], dtype=np.int64),
+            np.array([holder.offset for _, holder, _ in rows], dtype=np.int64),
+            np.array([value for piece, _, _ in rows for value in piece.start], dtype=np.int64),
+            np.array([value for piece, _, _ in rows for value in piece.length], dtype=np.int64),
+            np.concatenate(crcs).astype(np.uint32) if crcs else np.zeros(0, np.uint32),
+            b"".join(digest for _, _, digest in rows),
+            k_of=np.array([spec.k for spec in specs], dtype=np.int64),
+            size_of=np.array([itemsize(spec.dtype) for spec in specs], dtype=np.int64),
+            block_size=self.block_size,
+        )
+        return LocalReferences(piece_hash, tuple(files[path] for path in paths), table)
+
+    def _carried_crcs(self, piece: _Piece, holder: Holder) -> np.ndarray:
+        """The block checksums a reference carries: the holder's when block sizes agree, else of the (equal) bytes."""
+        if holder.block_size == self.block_size:
+            return np.asarray(holder.crc32c, dtype=np.uint32)
+        view = host_bytes(piece.tensor).data
+        block = self.block_size
+        return np.array([crc32c.crc32c(view[at : at + block]) for at in range(0, piece.nbytes, block)], np.uint32)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -305,16 +412,22 @@ class ShardWriter:
         text += b" " * (-len(text) % 8)
         return len(text).to_bytes(8, "little") + text
 
-    def _write_parallel(self, handle: Any, header_size: int) -> tuple[list[int], list[np.ndarray]]:
+    def _write_parallel(
+        self, handle: Any, header_size: int, hash_now: bool
+    ) -> tuple[list[int], list[np.ndarray], list[bytes]]:
         """Several streams into one file: chunks checksummed and written at their offsets by a thread pool.
 
-        CRC32C and pwrite both release the GIL, so a rank writes at the disk's multi-stream rate.
+        CRC32C, BLAKE2b and pwrite all release the GIL, so a rank writes at the disk's multi-stream rate. A piece's
+        hash is one sequential pass, so each piece is hashed by one job queued right after its chunks (its bytes
+        then come from the shared cache when it keeps up, from memory otherwise).
         """
         block = self.block_size
         chunk_size = max(WRITE_CHUNK // block, 1) * block
-        offsets, crcs, jobs = [], [], []
+        offsets, crcs = [], []
+        jobs: list[Any] = []
+        digests: list[bytes] = [b""] * len(self._pieces) if hash_now else []
         position = header_size
-        for piece in self._pieces:
+        for number, piece in enumerate(self._pieces):
             data = host_bytes(piece.tensor)
             if data.size != piece.nbytes:
                 raise ShardckptError(f"tensor {piece.name!r}: changed size while being saved")
@@ -330,11 +443,16 @@ class ShardWriter:
                         chunk_start // block,
                     )
                 )
+            if hash_now:
+                jobs.append((data.data, number))
             position += piece.nbytes
 
         step = max(HOT_CHUNK // block, 1) * block
 
-        def run(job: tuple[memoryview, int, np.ndarray, int]) -> None:
+        def run(job: Any) -> None:
+            if len(job) == 2:  # a whole piece to hash
+                digests[job[1]] = piece_digest(job[0])
+                return
             chunk, file_offset, piece_crcs, first_block = job
             # Checksum a cache-sized part, then write it while its bytes are still in cache: the copy into the
             # page cache then reads them from cache, not from memory a second time.
@@ -347,9 +465,9 @@ class ShardWriter:
             for number, _ in enumerate(pool.map(run, jobs)):
                 if number == 0:
                     crash_point("writing_data", self.rank)
-        return offsets, crcs
+        return offsets, crcs, digests
 
-    def _write_piece(self, handle: Any, piece: _Piece) -> np.ndarray:
+    def _write_piece(self, handle: Any, piece: _Piece, hash_now: bool) -> tuple[np.ndarray, bytes]:
         data = host_bytes(piece.tensor)
         if data.size != piece.nbytes:
             raise ShardckptError(f"tensor {piece.name!r}: changed size while being saved")
@@ -360,12 +478,15 @@ class ShardWriter:
         # chunks (checksummed while hot); streaming backends large ones (each may become an upload part).
         target = HOT_CHUNK if getattr(handle, "supports_write_at", False) else WRITE_CHUNK
         chunk_size = max(target // block, 1) * block
+        hasher = hashlib.blake2b(digest_size=HASH_BYTES) if hash_now else None
         for chunk_start in range(0, piece.nbytes, chunk_size):
             chunk = view[chunk_start : chunk_start + chunk_size]
             for offset in range(0, len(chunk), block):
                 crcs[(chunk_start + offset) // block] = crc32c.crc32c(chunk[offset : offset + block])
+            if hasher is not None:
+                hasher.update(chunk)  # while the chunk is still in cache, like its checksums
             handle.write(chunk)
-        return crcs
+        return crcs, b"" if hasher is None else hasher.digest()
 
     def _table(self, offsets: list[int]) -> tuple[tuple[TensorSpec, ...], LocalPieces]:
         """The tensor table (in order of first add) and the pieces in file order."""

@@ -1,0 +1,178 @@
+"""The parent of an incremental save (SPEC 6.2, 6.3, 9): its pieces with their recorded hashes, found by identity,
+and the re-check of every referenced checkpoint that a save makes just before it commits.
+
+A piece is referenced only when the parent records a hash equal to the new bytes' hash for the same tensor name,
+dtype, shape, layout and box; the reference names the file that physically holds the bytes, never the parent's
+own reference to it (no chains).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from shardckpt.catalog.chain import read_commit_marker, read_opening
+from shardckpt.errors import FormatError, IntegrityError, NotCommittedError, ShardckptUsageError
+from shardckpt.format import limits
+from shardckpt.format.local_manifest import LocalManifest, decode_local_manifest
+from shardckpt.format.manifest import FileEntry, crc32c_of
+from shardckpt.format.references import ReferencedFile, ReferencePath, check_checkpoint_name
+from shardckpt.storage import Storage, open_storage
+
+# What makes two pieces the same piece: name, dtype, global shape, layout, start, length.
+PieceKey = tuple[str, str, tuple[int, ...], str, tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Where a parent's piece physically lies, with the holder's block checksums and recorded hash."""
+
+    file: ReferencedFile
+    offset: int
+    nbytes: int
+    block_size: int
+    crc32c: np.ndarray  # the piece's blocks of `block_size`, as the holder (or the parent's reference) records them
+    digest: bytes
+
+
+@dataclass(frozen=True)
+class ParentPieces:
+    """The committed parent `name` (attempt `attempt`) of a save: the pieces one rank may reference, by identity."""
+
+    name: str
+    attempt: str
+    holders: dict[PieceKey, Holder]
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """(root URL, checkpoint name) of a checkpoint URL: its parent directory and its last path component."""
+    stripped = url.rstrip("/")
+    if "/" not in stripped:
+        raise ShardckptUsageError(f"{url!r} has no parent directory: an incremental save needs ROOT/NAME urls")
+    root, name = stripped.rsplit("/", 1)
+    return root, name
+
+
+def parent_of(url: str, parent: str, storage_options: dict[str, object] | None = None) -> tuple[Storage, str]:
+    """The root storage and the parent's checkpoint name, after checking the parent is a sibling of `url`."""
+    own_root, own_name = split_url(str(url))
+    parent_root, name = split_url(str(parent))
+    root = open_storage(own_root, storage_options)
+    if open_storage(parent_root, storage_options).url.rstrip("/") != root.url.rstrip("/"):
+        raise ShardckptUsageError(
+            f"parent {parent} is not in the root of {url} ({root.url}): references never leave their root"
+        )
+    try:
+        check_checkpoint_name(name)
+    except FormatError as exc:
+        raise ShardckptUsageError(f"parent {parent}: {exc}") from None
+    if name == own_name:
+        raise ShardckptUsageError(f"parent {parent} is the checkpoint being saved")
+    return root, name
+
+
+def open_parent(root: Storage, name: str, tensors: Collection[str]) -> ParentPieces:
+    """Open the committed checkpoint `name` of `root` (COMMITTED, global manifest, checked) and read the local
+    manifests of the ranks that hold pieces of `tensors` (each checked against the global manifest)."""
+    storage = root.child(name)
+    opening = read_opening(storage)
+    manifest, attempt = opening.manifest, opening.marker.attempt
+    wanted = set(tensors)
+    ranks: set[int] = set()
+    own_files = len(manifest.files)
+    for entry in manifest.tensors:
+        if entry.name in wanted and entry.pieces.count:
+            for file in np.unique(entry.pieces.arrays()[0]).tolist():
+                ranks.add(file if file < own_files else manifest.references[file - own_files].rank)
+    holders: dict[PieceKey, Holder] = {}
+    for rank in sorted(ranks):
+        local = _local_manifest(storage, manifest.files[rank])
+        _add_holders(holders, local, name, wanted)
+    return ParentPieces(name, attempt, holders)
+
+
+def _local_manifest(storage: Storage, entry: FileEntry) -> LocalManifest:
+    path = entry.index
+    raw = storage.read_small(path, limits.MAX_LOCAL_MANIFEST_BYTES)
+    size, crc = entry.index_size, entry.index_crc32c
+    if len(raw) != size or crc32c_of(raw) != crc:
+        raise IntegrityError(
+            f"{storage.describe(path)}: {len(raw)} bytes with CRC32C {crc32c_of(raw):#010x}, but the global manifest "
+            f"promises {size} bytes with CRC32C {crc:#010x}"
+        )
+    return decode_local_manifest(raw, storage.describe(path))
+
+
+def _first_blocks(nbytes: np.ndarray, block_size: int) -> np.ndarray:
+    blocks = -(-nbytes // block_size)
+    return np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64) if blocks.size else blocks
+
+
+def _add_holders(holders: dict[PieceKey, Holder], local: LocalManifest, name: str, wanted: set[str]) -> None:
+    block = local.block_size
+    refs = local.references
+    specs = local.tensors
+    pieces = local.pieces
+    if refs is not None and refs.piece_hash is not None:  # pieces without a recorded hash are never referenced
+        own = ReferencedFile(ReferencePath(name, local.rank, local.attempt), local.data_size)
+        first = _first_blocks(pieces.nbytes, block)
+        for row in range(pieces.count):
+            spec = specs[int(pieces.tensor[row])]
+            if spec.name not in wanted:
+                continue
+            at, k = int(pieces.position[row]), int(pieces.k[row])
+            key = (spec.name, spec.dtype, spec.shape, spec.layout, _ints(pieces.start[at : at + k]),
+                   _ints(pieces.length[at : at + k]))  # fmt: skip
+            nbytes = int(pieces.nbytes[row])
+            blocks = -(-nbytes // block)
+            digest = refs.piece_hash[16 * row : 16 * (row + 1)]
+            crcs = local.crc32c[int(first[row]) : int(first[row]) + blocks]
+            holders[key] = Holder(own, int(pieces.offset[row]), nbytes, block, crcs, digest)
+    table = None if refs is None else refs.pieces
+    if table is None or refs is None:
+        return
+    for row in range(table.count):
+        spec = specs[int(table.tensor[row])]
+        if spec.name not in wanted:
+            continue
+        start, length = table.box(row)
+        nbytes = int(table.nbytes[row])
+        first_block = int(table.first_block[row])
+        crcs = table.crc32c[first_block : first_block + -(-nbytes // block)]
+        # The parent's own reference: the new one names the same holder (SPEC 6.2 "No chains").
+        file = refs.files[int(table.source[row])]
+        key = (spec.name, spec.dtype, spec.shape, spec.layout, start, length)
+        holders[key] = Holder(file, int(table.offset[row]), nbytes, block, crcs, table.digest(row))
+
+
+def _ints(values: np.ndarray) -> tuple[int, ...]:
+    return tuple(int(v) for v in values.tolist())
+
+
+def recheck_referenced(root: Storage, pairs: Sequence[tuple[str, str]], referencing: str) -> None:
+    """(coordinator, just before COMMITTED) Every referenced checkpoint is still committed by the attempt the
+    references name (SPEC 9 phase 3, 14): NotCommittedError otherwise, and the save must commit nothing."""
+    for name, attempt in pairs:
+        storage = root.child(name)
+        marker = read_commit_marker(storage)
+        if marker is None or marker.attempt != attempt:
+            found = "no COMMITTED" if marker is None else f"COMMITTED of attempt {marker.attempt}"
+            raise NotCommittedError(
+                f"{referencing} references {storage.url} attempt {attempt}, which now has {found} (deleted or "
+                "replaced since the save chose it): nothing was committed; save again (a full save, or with another "
+                "parent)"
+            )
+
+
+def check_referenced_files(root: Storage, files: Sequence[ReferencedFile], referencing: str) -> None:
+    """(coordinator) Every referenced data file exists with the size the references carry."""
+    for file in {entry.path: entry for entry in files}.values():
+        storage = root.child(file.target.checkpoint)
+        size = storage.size(file.target.data)
+        if size != file.data_size:
+            raise IntegrityError(
+                f"{referencing} references {storage.describe(file.target.data)} as {file.data_size} bytes; it holds "
+                f"{size}"
+            )

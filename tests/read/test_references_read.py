@@ -15,6 +15,7 @@ import shardckpt
 from shardckpt.catalog.chain import read_opening
 from shardckpt.errors import IntegrityError, NotCommittedError
 from shardckpt.format.layout import data_path
+from shardckpt.ops.verify import verify
 from shardckpt.planner import Box
 from shardckpt.read.checkpoint import Checkpoint
 from shardckpt.storage import LocalStorage, open_storage
@@ -188,3 +189,27 @@ def test_the_golden_root_reads_from_a_copy_too(tmp_path: Path) -> None:
     checkpoint = shardckpt.open(str(tmp_path / "copy" / "step-2"))
     assert checkpoint.read("w").shape == (4, 3)
     assert checkpoint.describe_file(2) == str(tmp_path / "copy" / "step-1" / data_path(0, "golden1"))
+
+
+def test_a_chain_of_incremental_saves_loads_and_verifies_each_step(tmp_path: Path) -> None:
+    """shardckpt.save(parent=) of the write side: step-3 references step-1 for base (unchanged twice) and step-2
+    for emb (changed once); every step loads and verifies, reading each piece from its physical holder."""
+    parent, changed = _states()
+    steps = [parent, {**parent, **changed}, {**parent, **changed, "emb": parent["emb"] + 1}]
+    previous = None
+    for number, state in enumerate(steps, start=1):
+        url = str(tmp_path / f"step-{number}")
+        shardckpt.save(state, url, step=number, block_size=4096, parent=previous)
+        previous = url
+    checkpoint = shardckpt.open(previous)
+    holders = {checkpoint.source(file)[1].split("/")[0] for file in range(1, 1 + len(checkpoint.manifest.references))}
+    assert holders == {"step-1", "step-2"}
+    for number, state in enumerate(steps, start=1):
+        url = str(tmp_path / f"step-{number}")
+        loaded = {name: torch.zeros_like(tensor) for name, tensor in state.items()}
+        shardckpt.load(loaded, url)
+        for name, tensor in state.items():
+            if not torch.equal(loaded[name], tensor):
+                pytest.fail(f"step-{number}: {name} differs")
+        report = verify(url)
+        assert report.ok, [str(problem) for problem in report.problems]

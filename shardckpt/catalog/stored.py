@@ -117,6 +117,7 @@ class StoredCheckpoint:
         self.data_storage = storage.parent() if manifest.references else storage
         self._data_prefix = f"{own}/" if manifest.references else ""
         self._referenced_checked = False
+        self._by_rank: dict[int, list[GlobalReference]] | None = None
         self._checked: set[str] = set()
         self._indexes: dict[int, FileIndex] = {}
         self._index_failures: dict[int, ShardckptError] = {}
@@ -258,9 +259,18 @@ class StoredCheckpoint:
         ):
             raise FormatError(f"{where}: does not describe {entry.data} of attempt {self.manifest.attempt}")
         files = local.references.files if local.references is not None else ()
-        check_local_references(files, self.manifest.references, entry.rank, where)
+        check_local_references(files, self._references_of(entry.rank), entry.rank, where)
         # decode_local_manifest checked that pieces are in file order, packed, and that checksums count right.
         return FileIndex(local)
+
+    def _references_of(self, rank: int) -> list[GlobalReference]:
+        """The global manifest's reference entries of `rank` (grouped once: a verifier checks every rank)."""
+        with self._lock:
+            if self._by_rank is None:
+                self._by_rank = {}
+                for reference in self.manifest.references:
+                    self._by_rank.setdefault(reference.rank, []).append(reference)
+            return self._by_rank.get(rank, [])
 
     def _referenced_index(self, file: int, reference: GlobalReference) -> FileIndex:
         """The referenced pieces of rank `reference.rank` in its file, from that rank's checked local manifest."""

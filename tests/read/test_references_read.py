@@ -13,7 +13,7 @@ import torch
 
 import shardckpt
 from shardckpt.catalog.chain import read_opening
-from shardckpt.errors import IntegrityError, NotCommittedError
+from shardckpt.errors import FormatError, IntegrityError, NotCommittedError
 from shardckpt.format.layout import data_path
 from shardckpt.ops.verify import verify
 from shardckpt.planner import Box
@@ -213,3 +213,14 @@ def test_a_chain_of_incremental_saves_loads_and_verifies_each_step(tmp_path: Pat
                 pytest.fail(f"step-{number}: {name} differs")
         report = verify(url)
         assert report.ok, [str(problem) for problem in report.problems]
+
+
+def test_a_checkpoint_whose_references_name_itself_is_refused(tmp_path: Path) -> None:
+    """Renamed so that it bears the name it references: SPEC 6.2 refuses a reference to the checkpoint itself."""
+    root = tmp_path / "root"
+    shutil.copytree(VECTORS / "valid" / "references_basic", root)
+    (root / "step-1").rename(root / "old")
+    (root / "step-2").rename(root / "step-1")
+    with pytest.raises(FormatError) as caught:
+        shardckpt.open(str(root / "step-1"))
+    assert "references name the checkpoint itself" in str(caught.value)

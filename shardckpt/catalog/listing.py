@@ -7,6 +7,7 @@ root (with plain data/ and ranks/) are ever entered for deletion: never a link, 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
@@ -91,23 +92,73 @@ class Listing:
         committed = self.committed()
         return committed[-1] if committed else None
 
-    def to_prune(self, keep_last: int, *, keep: Collection[str] = ()) -> list[Entry]:
-        """Committed checkpoints retention deletes to keep the newest `keep_last`, oldest first.
+    def to_prune(
+        self,
+        keep_last: int,
+        *,
+        keep: Collection[str] = (),
+        grace: float = 0.0,
+        now: float | None = None,
+        pinned: Collection[str] = (),
+    ) -> list[Entry]:
+        """Committed checkpoints retention deletes to keep the newest `keep_last`, in the order to delete them.
 
         Only plain directories of the root count and go (a checkpoint behind a link is not this root's to delete);
         names in `keep` (the checkpoint just saved) stay whatever their place in the order. keep_last >= 1, so
-        the newest committed checkpoint is never among them.
+        the newest committed checkpoint is never among them. Format 1.1 (SPEC 14): on a root whose checkpoints
+        reference others (or with `pinned` names, which saves in progress reference), what kept checkpoints
+        reference stays (kept_names), nothing goes while a COMMITTED is unreadable, and a referencing checkpoint
+        goes before those it references (a crash between two deletions leaves every committed one whole).
         """
         if keep_last < 1:
             raise ShardckptUsageError(
                 f"keep_last must be >= 1 (the newest checkpoint is never deleted), got {keep_last}"
             )
         owned = [entry for entry in self.committed() if entry.owned]
-        if any(entry.marker is not None and entry.marker.references for entry in owned):
-            # SPEC 14 (format 1.1): a checkpoint that a kept one references is kept; until retention computes that
-            # set, a root with references loses no committed checkpoint.
-            return []
-        return [entry for entry in owned[: max(0, len(owned) - keep_last)] if entry.name not in keep]
+        candidates = [entry for entry in owned[: max(0, len(owned) - keep_last)] if entry.name not in keep]
+        if not self.uses_references() and not pinned:
+            return candidates  # format 1.0 roots: the policy alone decides
+        if any(entry.error is not None for entry in self.entries):
+            return []  # an unreadable COMMITTED may reference any of them: delete no committed checkpoint
+        policy = {entry.name for entry in self.committed()} - {entry.name for entry in candidates} | set(pinned)
+        kept = self.kept_names(policy, grace, now)
+        return _referencing_first([entry for entry in candidates if entry.name not in kept])
+
+    def uses_references(self) -> bool:
+        return any(entry.marker is not None and entry.marker.references for entry in self.entries)
+
+    def kept_names(self, policy: Collection[str], grace: float = 0.0, now: float | None = None) -> set[str]:
+        """SPEC 14's set K: the least set holding `policy`'s names, every committed checkpoint whose next newer one
+        was created less than `grace` seconds before `now` (or that has none: a save in progress may have chosen it
+        as its parent), and every checkpoint a COMMITTED of the set references."""
+        committed = self.committed()
+        now = time.time() if now is None else now
+        kept = set(policy)
+        for older, newer in zip(committed, [*committed[1:], None]):
+            if newer is None or (newer.marker is not None and now - newer.marker.created < grace):
+                kept.add(older.name)
+        by_name = {entry.name: entry for entry in self.entries}
+        todo = list(kept)
+        while todo:
+            entry = by_name.get(todo.pop())
+            marker = entry.marker if entry is not None else None
+            for name, _ in marker.references if marker is not None else ():
+                if name not in kept:
+                    kept.add(name)
+                    todo.append(name)
+        return kept
+
+
+def _referencing_first(doomed: list[Entry]) -> list[Entry]:
+    """`doomed` ordered so that a checkpoint comes before every doomed checkpoint it references (oldest first
+    otherwise): references point at checkpoints committed earlier, so there is no cycle to break."""
+    left, ordered = list(doomed), []
+    while left:
+        referenced = {name for entry in left if entry.marker is not None for name, _ in entry.marker.references}
+        free = [entry for entry in left if entry.name not in referenced] or left[:1]  # a cycle: hostile markers
+        ordered += free
+        left = [entry for entry in left if entry not in free]
+    return ordered
 
 
 def list_root(root_url: str | Storage, *, storage_options: dict[str, Any] | None = None) -> Listing:

@@ -13,11 +13,12 @@ import crc32c
 import numpy as np
 import numpy.typing as npt
 
-from shardckpt.catalog.chain import read_opening
-from shardckpt.errors import FormatError, IntegrityError, ShardckptError, ShardckptUsageError
+from shardckpt.catalog.chain import read_commit_marker, read_opening
+from shardckpt.errors import FormatError, IntegrityError, NotCommittedError, ShardckptError, ShardckptUsageError
 from shardckpt.format import limits
 from shardckpt.format.local_manifest import LocalManifest, decode_local_manifest
 from shardckpt.format.manifest import CommitMarker, GlobalManifest, TensorEntry, crc32c_of
+from shardckpt.format.references import GlobalReference, ReferencedPieces, check_local_references
 from shardckpt.planner import Box, VerifySpan, check_cover
 from shardckpt.planner.box import box_as_flat_range, linear_index
 from shardckpt.storage import Storage, open_storage
@@ -30,6 +31,7 @@ class FileIndex:
 
     def __init__(self, local: LocalManifest) -> None:
         self.local = local
+        self.table: Any = local.pieces  # the rows this file's pieces are (a subclass: referenced rows)
         self.offsets, self.sizes, self.crcs = local.pieces.offset, local.pieces.nbytes, local.crc32c
         blocks = -(-self.sizes // local.block_size)
         self.first_block = np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64) if blocks.size else blocks
@@ -40,10 +42,9 @@ class FileIndex:
     def lists(self) -> tuple[dict[int, int], list[int], list[int], list[int], list[int], list[int], list[int]]:
         """(position of each piece offset, tensor, first value, start, length, first block, checksums) as ints."""
         if self._lists is None:
-            pieces = self.local.pieces
-            offsets = pieces.offset.tolist()
+            pieces = self.table
             self._lists = (
-                dict(zip(offsets, range(len(offsets)))),  # offsets are distinct: pieces lie back to back
+                self._positions_by_offset(),
                 pieces.tensor.tolist(),
                 pieces.position.tolist(),
                 pieces.start.tolist(),
@@ -52,6 +53,10 @@ class FileIndex:
                 self.crcs.tolist(),
             )
         return self._lists
+
+    def _positions_by_offset(self) -> dict[int, int]:
+        offsets = self.local.pieces.offset.tolist()
+        return dict(zip(offsets, range(len(offsets))))  # offsets are distinct: pieces lie back to back
 
     def find(self, entry: TensorEntry, piece: int) -> int | str:
         """Position of piece `piece` of `entry` in this file, or why the local manifest does not hold it."""
@@ -77,20 +82,42 @@ class FileIndex:
         return position
 
 
+class ReferencedIndex(FileIndex):
+    """The pieces a rank stores by reference in one referenced file (SPEC 6.2): rows of its local manifest's
+    `referenced` table with that source, their checksums the ones this manifest carries (SPEC 8)."""
+
+    def __init__(self, local: LocalManifest, source: int) -> None:
+        assert local.references is not None and local.references.pieces is not None  # the caller found `source`
+        pieces: ReferencedPieces = local.references.pieces
+        self.local, self.table, self.source = local, pieces, source
+        self.rows = np.nonzero(pieces.source == source)[0]
+        self.offsets, self.sizes, self.crcs = pieces.offset[self.rows], pieces.nbytes[self.rows], pieces.crc32c
+        self.first_block = pieces.first_block
+        self._lists = None
+
+    def _positions_by_offset(self) -> dict[int, int]:
+        rows = self.rows.tolist()
+        return dict(zip(self.table.offset[self.rows].tolist(), rows))  # one source's pieces do not overlap
+
+
 class StoredCheckpoint:
     """A committed checkpoint's manifests and checks, without torch. Use `open_stored(url)` (or shardckpt.open,
     whose Checkpoint adds reading into tensors)."""
 
     def __init__(self, storage: Storage, marker: CommitMarker, manifest: GlobalManifest) -> None:
-        if manifest.references:
-            # Format 1.1 documents decode (format/references.py); following their references is the next step.
-            names = sorted({entry.file.target.checkpoint for entry in manifest.references})
-            raise FormatError(
-                f"{storage.url}: stores pieces by reference to {names} (format 1.1 'references'); this version of "
-                "shardckpt decodes such checkpoints but does not read them yet"
-            )
         self.storage, self.marker, self.manifest = storage, marker, manifest
         self.url = storage.url
+        own = storage.name
+        for name, _ in marker.references:
+            if name == own:
+                raise FormatError(f"{storage.url}: references name the checkpoint itself ({own!r}), not an earlier one")
+        # Data files are read through one storage: this checkpoint's, or its root's when pieces are stored by
+        # reference (own files as <name>/data/..., referenced ones by their paths relative to the root), so a
+        # plan's range reads stay one batch and one reader whichever checkpoint holds the bytes.
+        self.data_storage = storage.parent() if manifest.references else storage
+        self._data_prefix = f"{own}/" if manifest.references else ""
+        self._referenced_checked = False
+        self._by_rank: dict[int, list[GlobalReference]] | None = None
         self._checked: set[str] = set()
         self._indexes: dict[int, FileIndex] = {}
         self._index_failures: dict[int, ShardckptError] = {}
@@ -146,6 +173,52 @@ class StoredCheckpoint:
 
     # ------------------------------------------------------------------------------------- integrity
 
+    def source(self, file: int) -> tuple[Storage, str]:
+        """Where the data file of piece-table file index `file` is: (storage, path there). Index len(files) + j is
+        the manifest's references[j], a data file of another checkpoint of the root (SPEC 6.2)."""
+        files = self.manifest.files
+        if file < len(files):
+            return self.data_storage, self._data_prefix + files[file].data
+        return self.data_storage, self.manifest.references[file - len(files)].file.path
+
+    def data_size(self, file: int) -> int:
+        files = self.manifest.files
+        return (
+            files[file].data_size if file < len(files) else self.manifest.references[file - len(files)].file.data_size
+        )
+
+    def describe_file(self, file: int) -> str:
+        storage, path = self.source(file)
+        return storage.describe(path)
+
+    def reference(self, file: int) -> GlobalReference | None:
+        """The reference entry of file index `file`, None for a data file of this checkpoint."""
+        files = self.manifest.files
+        return None if file < len(files) else self.manifest.references[file - len(files)]
+
+    def check_referenced(self) -> None:
+        """SPEC 8 step 2a: every checkpoint this one references is committed, as the attempt the references name.
+        Reads each referenced COMMITTED once; NotCommittedError naming both checkpoints and both attempts."""
+        if self._referenced_checked or not self.marker.references:
+            return
+        root = self.data_storage
+        for name, attempt in self.marker.references:
+            held = root.child(name)
+            try:
+                marker = read_commit_marker(held)
+            except ShardckptError as exc:
+                raise NotCommittedError(
+                    f"{self.url} (attempt {self.marker.attempt}) references {held.url} (attempt {attempt}), whose "
+                    f"COMMITTED cannot be read: {exc}"
+                ) from exc
+            if marker is None or marker.attempt != attempt:
+                found = "no COMMITTED" if marker is None else f"COMMITTED names attempt {marker.attempt}"
+                raise NotCommittedError(
+                    f"{self.url} (attempt {self.marker.attempt}) references attempt {attempt} of {held.url}, which "
+                    f"is not committed ({found}): the pieces stored by reference there cannot be trusted"
+                )
+        self._referenced_checked = True
+
     def file_index(self, file: int) -> FileIndex:
         """File `file`'s checked local manifest, read once: a failure is remembered and raised again, not re-read."""
         with self._lock:
@@ -164,6 +237,9 @@ class StoredCheckpoint:
         return index
 
     def _load_index(self, file: int) -> FileIndex:
+        reference = self.reference(file)
+        if reference is not None:
+            return self._referenced_index(file, reference)
         entry = self.manifest.files[file]
         where = self.storage.describe(entry.index)
         raw = self.storage.read_small(entry.index, limits.MAX_LOCAL_MANIFEST_BYTES)
@@ -182,26 +258,48 @@ class StoredCheckpoint:
             self.manifest.block_size,
         ):
             raise FormatError(f"{where}: does not describe {entry.data} of attempt {self.manifest.attempt}")
+        files = local.references.files if local.references is not None else ()
+        check_local_references(files, self._references_of(entry.rank), entry.rank, where)
         # decode_local_manifest checked that pieces are in file order, packed, and that checksums count right.
         return FileIndex(local)
+
+    def _references_of(self, rank: int) -> list[GlobalReference]:
+        """The global manifest's reference entries of `rank` (grouped once: a verifier checks every rank)."""
+        with self._lock:
+            if self._by_rank is None:
+                self._by_rank = {}
+                for reference in self.manifest.references:
+                    self._by_rank.setdefault(reference.rank, []).append(reference)
+            return self._by_rank.get(rank, [])
+
+    def _referenced_index(self, file: int, reference: GlobalReference) -> FileIndex:
+        """The referenced pieces of rank `reference.rank` in its file, from that rank's checked local manifest."""
+        self.check_referenced()
+        local = self.file_index(reference.rank).local  # files are in rank order: index r is rank r's own file
+        listed = local.references.files if local.references is not None else ()
+        # check_local_references made the rank's list the global entries of that rank, in order.
+        source = [entry.path for entry in listed].index(reference.file.path)
+        return ReferencedIndex(local, source)
 
     def _check_data_size(self, file: int) -> None:
         """A data file of another size than the manifest says is truncated or has grown: refuse it (once per file)."""
         if file in self._sized:
             return
-        entry = self.manifest.files[file]
-        actual = self.storage.size(entry.data)
-        if actual != entry.data_size:
-            kind = "truncated" if actual < entry.data_size else "has trailing bytes"
-            raise IntegrityError(
-                f"{self.storage.describe(entry.data)} {kind}: {actual} bytes, the manifest says {entry.data_size}"
-            )
+        storage, path = self.source(file)
+        expected, actual = self.data_size(file), storage.size(path)
+        if actual != expected:
+            kind = "truncated" if actual < expected else "has trailing bytes"
+            raise IntegrityError(f"{storage.describe(path)} {kind}: {actual} bytes, the manifest says {expected}")
         with self._lock:
             self._sized.add(file)
 
     def _position(self, file: int, span: VerifySpan) -> int:
         """Where the span's piece sits in its file's local manifest (checked once, then remembered)."""
         return self._piece_position(file, span.tensor, span.piece)
+
+    def piece_position(self, file: int, tensor: str, piece: int) -> int:
+        """Where piece `piece` of `tensor` sits in file `file`'s index; IntegrityError if it is not the same piece."""
+        return self._piece_position(file, tensor, piece)
 
     def _piece_position(self, file: int, tensor: str, piece: int) -> int:
         key = (file, tensor, piece)
@@ -210,8 +308,7 @@ class StoredCheckpoint:
             return position
         found = self.file_index(file).find(self.entry(tensor), piece)
         if isinstance(found, str):
-            path = self.storage.describe(self.manifest.files[file].data)
-            raise IntegrityError(f"{path}: tensor {tensor!r}: {found}")
+            raise IntegrityError(f"{self.describe_file(file)}: tensor {tensor!r}: {found}")
         self._positions[key] = found
         return found
 
@@ -254,7 +351,7 @@ class StoredCheckpoint:
             actual = crc32c.crc32c(view[lo : min(lo + block, piece_end)])
             if actual != expected:
                 lo, hi = lo + fetched_start, min(lo + block, piece_end) + fetched_start
-                path = self.storage.describe(self.manifest.files[file].data)
+                path = self.describe_file(file)
                 raise IntegrityError(
                     f"{path}: tensor {span.tensor!r}: block {number} of the piece at byte {span.piece_offset} "
                     f"(file bytes {lo}:{hi}) fails its checksum (stored {expected:#010x}, read {actual:#010x})"
@@ -265,4 +362,6 @@ def open_stored(url: str | Storage, *, storage_options: dict[str, Any] | None = 
     """Open the committed checkpoint at `url` for checking, without torch; NotCommittedError if it is not."""
     storage = open_storage(url, storage_options)
     opening = read_opening(storage)
-    return StoredCheckpoint(storage, opening.marker, opening.manifest)
+    checkpoint = StoredCheckpoint(storage, opening.marker, opening.manifest)
+    checkpoint.check_referenced()
+    return checkpoint

@@ -9,10 +9,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardckpt.catalog.chain import read_commit_marker
+import numpy as np
+
+from shardckpt.catalog.chain import read_commit_marker, read_opening
 from shardckpt.catalog.listing import ALIAS, classify, list_root
 from shardckpt.errors import FormatError, NotFoundError, ShardckptError
 from shardckpt.format import layout
+from shardckpt.format.dtypes import itemsize
+from shardckpt.format.manifest import GlobalManifest
 from shardckpt.storage import Storage, open_storage
 
 MAX_DEPTH = 8  # how deep foreign directories inside a checkpoint are walked
@@ -31,6 +35,12 @@ class CheckpointUsage:
     leftover_bytes: int = 0  # files of other attempts (all layout files when nothing committed)
     leftover_files: int = 0
     other_bytes: int = 0  # files the layout does not name (and, when broken, everything)
+    # Format 1.1: bytes of pieces stored by reference in other checkpoints' data files (counted there, once), and
+    # the logical size, data_bytes + referenced_bytes: what the checkpoint would hold stored whole. data_bytes is
+    # then its unique bytes: the root's totals count every physical file once.
+    referenced_bytes: int = 0
+    logical_bytes: int = 0
+    references: list[str] = field(default_factory=list)  # the checkpoints it references
     error: str | None = None
 
     @property
@@ -85,7 +95,26 @@ def checkpoint_usage(storage: Storage, name: str) -> CheckpointUsage:
             usage.leftover_files += 1
         else:
             usage.other_bytes += size
+    usage.logical_bytes = usage.data_bytes
+    if marker is not None and marker.references:
+        usage.references = [name for name, _ in marker.references]
+        try:
+            usage.referenced_bytes = referenced_bytes(read_opening(storage).manifest)
+        except ShardckptError as exc:
+            usage.error = str(exc)
+        usage.logical_bytes += usage.referenced_bytes
     return usage
+
+
+def referenced_bytes(manifest: GlobalManifest) -> int:
+    """Bytes of the pieces a checkpoint stores by reference (piece-table file index past its own files)."""
+    own, total = len(manifest.files), 0
+    for entry in manifest.tensors:
+        file, _, _, length = entry.pieces.arrays()
+        if file.size and int(file.max()) >= own:
+            sizes = np.prod(length[file >= own], axis=1, dtype=np.int64)
+            total += int(sizes.sum()) * itemsize(entry.dtype)
+    return total
 
 
 def _classify(path: str, committed: str | None) -> str:

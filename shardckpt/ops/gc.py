@@ -17,7 +17,8 @@ from shardckpt import knobs
 from shardckpt.catalog import DIRECTORIES, delete_objects, layout_objects, list_root, read_commit_marker
 from shardckpt.crashpoints import crash_point
 from shardckpt.errors import NotFoundError, ShardckptError, ShardckptUsageError
-from shardckpt.format import layout
+from shardckpt.format import layout, limits
+from shardckpt.format.manifest import decode_global_manifest
 from shardckpt.storage import Storage, open_storage
 
 DEFAULT_GRACE = knobs.GC_GRACE
@@ -106,6 +107,8 @@ def plan_gc(
     now = time.time() if now is None else now
     plan = GcPlan(root, grace, keep_last)
     listing = list_root(root)
+    pinned: set[str] = set()  # checkpoints that saves in progress reference (SPEC 14 rule 3)
+    unknown: list[str] = []  # saves in progress whose references cannot be read
     for entry in listing.entries:
         name = entry.name
         if entry.not_owned is not None:
@@ -118,15 +121,23 @@ def plan_gc(
             continue
         objects = layout_objects(checkpoint)
         if entry.marker is None:
-            if objects:
-                _plan_incomplete(plan, name, checkpoint, objects, now)
-            else:
+            if objects and not _plan_incomplete(plan, name, checkpoint, objects, now):
+                try:
+                    pinned |= _references_in_progress(checkpoint, objects)
+                except ShardckptError as exc:
+                    unknown.append(f"{name}: {exc}")
+            elif not objects:
                 _plan_skeleton(plan, name, checkpoint, now)
             continue
         stale = [(path, attempt) for path, attempt in objects if attempt != entry.marker.attempt]
         if stale:
             _plan_leftovers(plan, name, checkpoint, stale, now)
-    doomed = listing.to_prune(keep_last) if keep_last is not None else []
+    doomed = []
+    if keep_last is not None and unknown:
+        reason = f"no committed checkpoint pruned: what a save in progress references is unreadable ({unknown[0]})"
+        plan.skipped.append(Skipped(unknown[0].split(":", 1)[0], reason))
+    elif keep_last is not None:
+        doomed = listing.to_prune(keep_last, grace=grace, now=now, pinned=pinned)
     pruned = {entry.name for entry in doomed}
     plan.actions = [action for action in plan.actions if action.checkpoint not in pruned]  # pruning covers them
     plan.skipped = [skipped for skipped in plan.skipped if skipped.checkpoint not in pruned]
@@ -184,17 +195,32 @@ def gc(
 # --------------------------------------------------------------------------------------------- planning
 
 
-def _plan_incomplete(plan: GcPlan, name: str, checkpoint: Storage, objects: list[tuple[str, str]], now: float) -> None:
+def _plan_incomplete(plan: GcPlan, name: str, checkpoint: Storage, objects: list[tuple[str, str]], now: float) -> bool:
+    """Plan deleting an uncommitted checkpoint untouched for the grace period; False when it may be a running save."""
     ages = [_age(checkpoint, path, now) for path, _ in objects]
     youngest = math.nan if any(math.isnan(age) for age in ages) else min(ages)
     if not youngest >= plan.grace:
         when = "of unknown age" if math.isnan(youngest) else f"modified {youngest:.0f} s ago"
         reason = f"not committed, but an object is {when}: a save may be running (grace {plan.grace:g} s)"
         plan.skipped.append(Skipped(name, reason))
-        return
+        return False
     reason = f"never committed; nothing in it changed for {youngest:.0f} s (a failed save)"
     objects_sized = _sized(checkpoint, [path for path, _ in objects])
     plan.actions.append(Action(name, "incomplete", reason, objects_sized, list(DIRECTORIES)))
+    return True
+
+
+def _references_in_progress(checkpoint: Storage, objects: list[tuple[str, str]]) -> set[str]:
+    """The checkpoints named by the references of the global manifests a save in progress has written (before its
+    COMMITTED: SPEC 14 rule 3 keeps them); FormatError for a manifest that cannot be decoded."""
+    names: set[str] = set()
+    for path, _ in objects:
+        if "/" in path or not path.startswith("manifest-"):
+            continue
+        raw = checkpoint.read_small(path, limits.MAX_GLOBAL_MANIFEST_BYTES)
+        manifest = decode_global_manifest(raw, checkpoint.describe(path))
+        names |= {entry.file.target.checkpoint for entry in manifest.references}
+    return names
 
 
 def _plan_skeleton(plan: GcPlan, name: str, checkpoint: Storage, now: float) -> None:

@@ -1,4 +1,5 @@
-"""What `shardckpt inspect` shows: a checkpoint's status, step, tensors, ranks and objects, from its manifests only.
+"""What `shardckpt inspect` shows: a checkpoint's status, step, tensors, ranks, objects and (format 1.1) the pieces it
+stores by reference and where, from its manifests only.
 
 Torch-free: the manifests are read and checked through catalog (COMMITTED, then the global manifest's checksum).
 """
@@ -8,9 +9,13 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import numpy as np
+
 from shardckpt.catalog.chain import INCOMPLETE, not_a_checkpoint, read_commit_marker, read_opening, what_is
 from shardckpt.errors import ShardckptError
 from shardckpt.format import layout
+from shardckpt.format.dtypes import itemsize
+from shardckpt.format.manifest import TensorEntry
 from shardckpt.storage import Storage, open_storage
 
 
@@ -24,20 +29,34 @@ def inspect_checkpoint(url: str | Storage, *, storage_options: dict[str, Any] | 
             raise not_a_checkpoint(storage)  # nothing there, a root, a DCP checkpoint...: say which, and what to do
         return _incomplete(storage)
     manifest = read_opening(storage).manifest
+    own = len(manifest.files)
+    # The rank of every piece-table file index: own data files, then the references (SPEC 6.2).
+    rank_of = [f.rank for f in manifest.files] + [entry.rank for entry in manifest.references]
+    by_reference: dict[int, list[int]] = {j: [0, 0] for j in range(len(manifest.references))}  # pieces, bytes
     tensors: list[dict[str, Any]] = []
     for entry in manifest.tensors:
-        files = entry.pieces.file
-        tensors.append(
-            {
-                "name": entry.name,
-                "dtype": entry.dtype,
-                "shape": list(entry.shape),
-                "layout": entry.layout,
-                "bytes": entry.nbytes,
-                "pieces": entry.pieces.count,
-                "pieces_per_rank": dict(Counter(manifest.files[int(f)].rank for f in files.tolist())),
+        files = entry.pieces.file.tolist()
+        summary: dict[str, Any] = {
+            "name": entry.name,
+            "dtype": entry.dtype,
+            "shape": list(entry.shape),
+            "layout": entry.layout,
+            "bytes": entry.nbytes,
+            "pieces": entry.pieces.count,
+            "pieces_per_rank": dict(Counter(rank_of[f] for f in files)),
+        }
+        if manifest.references:
+            sizes = _piece_bytes(entry)
+            referenced = [(f - own, size) for f, size in zip(files, sizes) if f >= own]
+            for j, size in referenced:
+                by_reference[j][0] += 1
+                by_reference[j][1] += size
+            summary["referenced"] = {
+                "pieces": len(referenced),
+                "bytes": sum(size for _, size in referenced),
+                "from": sorted({manifest.references[j].file.path for j, _ in referenced}),
             }
-        )
+        tensors.append(summary)
     ranks = [
         {
             "rank": f.rank,
@@ -61,7 +80,27 @@ def inspect_checkpoint(url: str | Storage, *, storage_options: dict[str, Any] | 
         "ranks": ranks,
         "objects": [{"name": o.name, "rank": o.rank, "value": o.value} for o in manifest.objects],
         "metadata": manifest.metadata,
+        # Format 1.1: the data files of other checkpoints of the root that pieces are stored in (paths relative
+        # to the root), with what each rank reads there.
+        "references": [
+            {
+                "rank": entry.rank,
+                "path": entry.file.path,
+                "checkpoint": entry.file.target.checkpoint,
+                "attempt": entry.file.target.attempt,
+                "data_size": entry.file.data_size,
+                "pieces": by_reference[j][0],
+                "bytes": by_reference[j][1],
+            }
+            for j, entry in enumerate(manifest.references)
+        ],
     }
+
+
+def _piece_bytes(entry: TensorEntry) -> list[int]:
+    """The stored size of each piece of a tensor (its box's elements times the element size)."""
+    _, _, _, length = entry.pieces.arrays()
+    return (np.prod(length, axis=1, dtype=np.int64) * itemsize(entry.dtype)).tolist()  # type: ignore[no-any-return]
 
 
 def _incomplete(storage: Storage) -> dict[str, Any]:

@@ -5,6 +5,7 @@ Collects every problem it finds (file, tensor, what is wrong) instead of stoppin
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,12 +15,13 @@ import numpy as np
 import numpy.typing as npt
 
 from shardckpt import knobs
-from shardckpt.catalog.stored import FileIndex, StoredCheckpoint, open_stored
-from shardckpt.errors import ShardckptError
+from shardckpt.catalog.stored import FileIndex, ReferencedIndex, StoredCheckpoint, open_stored
+from shardckpt.errors import IntegrityError, ShardckptError
 from shardckpt.format.columns import Int64Array
 from shardckpt.format.data_header import header_problems
 from shardckpt.format.local_manifest import LocalManifest, TensorSpec
 from shardckpt.format.manifest import GlobalManifest, TensorEntry
+from shardckpt.format.references import HASH_ALG, HASH_BYTES, PieceIdentity, check_target
 from shardckpt.storage import Storage, open_storage
 
 READ_CHUNK = knobs.VERIFY_CHUNK
@@ -74,7 +76,7 @@ def verify(
             checkpoint.entry(entry.name)
         except ShardckptError as exc:
             report.problems.append(Problem(storage.url, entry.name, str(exc)))
-    for file_number in range(len(manifest.files)):
+    for file_number in range(len(manifest.files) + len(manifest.references)):
         report.files += 1
         _verify_file(checkpoint, file_number, report, progress)
     _check_global_pieces(checkpoint, report)
@@ -84,71 +86,121 @@ def verify(
 def _verify_file(
     checkpoint: StoredCheckpoint, file_number: int, report: VerifyReport, progress: Callable[[int], None] | None
 ) -> None:
-    storage, entry = checkpoint.storage, checkpoint.manifest.files[file_number]
-    path = storage.describe(entry.data)
+    storage, data = checkpoint.source(file_number)
+    path = storage.describe(data)
+    expected_size = checkpoint.data_size(file_number)
     try:
-        local = checkpoint.file_index(file_number).local  # read once, checked against the global manifest's CRC32C
-        actual_size = storage.size(entry.data)
+        index = checkpoint.file_index(file_number)  # read once, checked against the global manifest's CRC32C
+        actual_size = storage.size(data)
     except ShardckptError as exc:
         report.problems.append(Problem(path, None, str(exc)))
         return
-    if actual_size != entry.data_size:
-        kind = "truncated" if actual_size < entry.data_size else "has trailing bytes"
-        report.problems.append(Problem(path, None, f"{kind}: {actual_size} bytes, manifest says {entry.data_size}"))
-        if actual_size < entry.data_size:
+    if actual_size != expected_size:
+        kind = "truncated" if actual_size < expected_size else "has trailing bytes"
+        report.problems.append(Problem(path, None, f"{kind}: {actual_size} bytes, manifest says {expected_size}"))
+        if actual_size < expected_size:
             return
     problems_before = len(report.problems)
-    _check_header(checkpoint, local, path, report)
-    _check_blocks(checkpoint, local, path, report, progress, problems_before)
+    local = index.local
+    hashes: list[bytes] | None
+    if isinstance(index, ReferencedIndex):
+        _check_holder(checkpoint, file_number, index, path, report)
+        table = index.table
+        rows = index.rows
+        hashes = [table.digest(row) for row in rows.tolist()]
+        blocks = _Blocks(table.offset[rows], table.nbytes[rows], table.tensor[rows], table.first_block[rows], hashes)
+    else:
+        _check_header(storage, data, local, path, report)
+        pieces = local.pieces
+        digests = local.references.piece_hash if local.references is not None else None
+        hashes = (
+            None if digests is None else [digests[HASH_BYTES * i : HASH_BYTES * (i + 1)] for i in range(pieces.count)]
+        )
+        blocks = _Blocks(pieces.offset, pieces.nbytes, pieces.tensor, index.first_block, hashes)
+    _check_blocks(storage, data, path, local, index.crcs, blocks, report, progress, problems_before)
+
+
+@dataclass(frozen=True)
+class _Blocks:
+    """The pieces of one file to check, in file order: offsets, sizes, local tensor numbers, the index of each
+    piece's first checksum, and the content hash each must have (None where none is recorded)."""
+
+    offset: Int64Array
+    nbytes: Int64Array
+    tensor: Int64Array
+    first_block: Int64Array
+    hashes: list[bytes] | None
 
 
 def _check_blocks(
-    checkpoint: StoredCheckpoint,
-    local: LocalManifest,
+    storage: Storage,
+    data: str,
     path: str,
+    local: LocalManifest,
+    crcs: npt.NDArray[np.uint32],
+    pieces: _Blocks,
     report: VerifyReport,
     progress: Callable[[int], None] | None,
     problems_before: int,
 ) -> None:
-    """Check every block of the data area against its checksum, reading READ_CHUNK bytes at a time (pieces are
-    back to back, so one read spans many small pieces): one read per chunk, not per piece."""
-    pieces, block = local.pieces, local.block_size
-    if not pieces.count:
+    """Check every block of the pieces against its checksum, and each whole piece against its recorded hash,
+    reading READ_CHUNK bytes at a time (pieces are back to back, so one read spans many small pieces): one read
+    per chunk, not per piece."""
+    block = local.block_size
+    count = int(pieces.offset.size)
+    if not count:
         return
     counts = -(-pieces.nbytes // block)
-    owner = np.repeat(np.arange(pieces.count, dtype=np.int64), counts)
+    owner = np.repeat(np.arange(count, dtype=np.int64), counts)
     first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
     number = np.arange(owner.size, dtype=np.int64) - first[owner]
     lows = pieces.offset[owner] + number * block
     highs = np.minimum(lows + block, (pieces.offset + pieces.nbytes)[owner])
     lo_list, hi_list, owners, numbers = lows.tolist(), highs.tolist(), owner.tolist(), number.tolist()
-    expected = local.crc32c.tolist()
+    expected = crcs[pieces.first_block[owner] + number].tolist()
+    last_block = (counts - 1).tolist()
     offsets, tensors = pieces.offset.tolist(), pieces.tensor.tolist()
     failed: set[int] = set()
+    hasher = None
     begin = 0
     while begin < len(lo_list):
         end = max(begin + 1, int(np.searchsorted(lows, lo_list[begin] + READ_CHUNK, side="right")))
         chunk_start, chunk_end = lo_list[begin], hi_list[end - 1]
         try:
-            data = checkpoint.storage.read_range(local.data, chunk_start, chunk_end)
+            raw = storage.read_range(data, chunk_start, chunk_end)
         except ShardckptError as exc:
             report.problems.append(Problem(path, local.tensors[tensors[owners[begin]]].name, str(exc)))
-            data = None
-        if data is not None:
-            view = memoryview(data)
+            raw = None
+            failed.update(owners[begin:end])
+        if raw is not None:
+            view = memoryview(raw)
             for b in range(begin, end):
                 piece = owners[b]
                 if piece in failed:
                     continue
                 report.blocks_checked += 1
-                if crc32c.crc32c(view[lo_list[b] - chunk_start : hi_list[b] - chunk_start]) == expected[b]:
-                    continue
-                failed.add(piece)
-                message = (
-                    f"block {numbers[b]} of the piece at byte {offsets[piece]} (file bytes {lo_list[b]}:{hi_list[b]}) "
-                    "fails its checksum"
-                )
-                report.problems.append(Problem(path, local.tensors[tensors[piece]].name, message))
+                part = view[lo_list[b] - chunk_start : hi_list[b] - chunk_start]
+                if pieces.hashes is not None:
+                    if numbers[b] == 0:
+                        hasher = hashlib.blake2b(digest_size=HASH_BYTES)
+                    if hasher is not None:
+                        hasher.update(part)
+                if crc32c.crc32c(part) != expected[b]:
+                    failed.add(piece)
+                    message = (
+                        f"block {numbers[b]} of the piece at byte {offsets[piece]} (file bytes {lo_list[b]}:"
+                        f"{hi_list[b]}) fails its checksum"
+                    )
+                    report.problems.append(Problem(path, local.tensors[tensors[piece]].name, message))
+                elif (
+                    pieces.hashes is not None
+                    and hasher is not None
+                    and numbers[b] == last_block[piece]
+                    and hasher.digest() != pieces.hashes[piece]
+                ):
+                    failed.add(piece)
+                    message = f"the piece at byte {offsets[piece]} does not match its recorded {HASH_ALG} hash"
+                    report.problems.append(Problem(path, local.tensors[tensors[piece]].name, message))
             report.bytes_checked += chunk_end - chunk_start
             if progress is not None:
                 progress(chunk_end - chunk_start)
@@ -158,10 +210,62 @@ def _check_blocks(
         begin = end
 
 
-def _check_header(checkpoint: StoredCheckpoint, local: LocalManifest, path: str, report: VerifyReport) -> None:
+def _check_holder(
+    checkpoint: StoredCheckpoint, file_number: int, index: ReferencedIndex, path: str, report: VerifyReport
+) -> None:
+    """SPEC 8 step 6: the referenced file's own checkpoint holds every referenced piece there itself (not by
+    reference: a chain), at the same offset, as the same piece with the same hash, in a file of the same size."""
+    reference = checkpoint.reference(file_number)
+    assert reference is not None  # a ReferencedIndex is built for reference entries only
+    target = reference.file.target
+    try:
+        holder = open_stored(checkpoint.data_storage.child(target.checkpoint))
+        if target.rank >= len(holder.manifest.files):
+            raise IntegrityError(f"{holder.url} has no rank {target.rank} (world size {holder.manifest.world_size})")
+        holder_file = holder.manifest.files[target.rank]
+        if holder_file.data_size != reference.file.data_size:
+            raise IntegrityError(
+                f"{holder.url} says its rank-{target.rank} file has {holder_file.data_size} bytes, the reference "
+                f"{reference.file.data_size}"
+            )
+        held = holder.file_index(target.rank).local
+    except ShardckptError as exc:
+        report.problems.append(Problem(path, None, str(exc)))
+        return
+    stored = [
+        (offset, _identity(held, held.pieces, row), _digest(held, row))
+        for row, offset in enumerate(held.pieces.offset.tolist())
+    ]
+    by_reference = held.references.pieces if held.references is not None else None
+    holder_referenced = (
+        [_identity(held, by_reference, row) for row in range(by_reference.count)] if by_reference is not None else []
+    )
+    table = index.table
+    for row in index.rows.tolist():
+        piece = _identity(index.local, table, row)
+        try:
+            check_target(piece, int(table.offset[row]), table.digest(row), stored, holder_referenced, path)
+        except ShardckptError as exc:
+            report.problems.append(Problem(path, piece.name, str(exc)))
+
+
+def _identity(local: LocalManifest, table: Any, row: int) -> PieceIdentity:
+    spec = local.tensors[int(table.tensor[row])]
+    first = int(table.position[row])
+    start = tuple(table.start[first : first + spec.k].tolist())
+    length = tuple(table.length[first : first + spec.k].tolist())
+    return PieceIdentity(spec.name, spec.dtype, spec.shape, spec.layout, start, length)
+
+
+def _digest(local: LocalManifest, row: int) -> bytes | None:
+    digests = local.references.piece_hash if local.references is not None else None
+    return None if digests is None else digests[HASH_BYTES * row : HASH_BYTES * (row + 1)]
+
+
+def _check_header(storage: Storage, data: str, local: LocalManifest, path: str, report: VerifyReport) -> None:
     """The data file must be a safetensors file whose header agrees with the local manifest."""
     try:
-        raw = checkpoint.storage.read_range(local.data, 0, local.header_size)
+        raw = storage.read_range(data, 0, local.header_size)
     except ShardckptError as exc:
         report.problems.append(Problem(path, None, f"cannot read the safetensors header: {exc}"))
         return
@@ -192,10 +296,11 @@ def _check_global_pieces(checkpoint: StoredCheckpoint, report: VerifyReport) -> 
             continue  # reported with the tensor
     if not tables:
         return
-    claimed = np.bincount(np.concatenate([table[2] for table in tables]), minlength=len(manifest.files))
+    total = len(manifest.files) + len(manifest.references)
+    claimed = np.bincount(np.concatenate([table[2] for table in tables]), minlength=total)
     for file_number, index in list(indexes.items()):
         if int(claimed[file_number]) > index.offsets.size:
-            path = checkpoint.storage.describe(manifest.files[file_number].data)
+            path = checkpoint.describe_file(file_number)
             message = (
                 f"the global manifest assigns {int(claimed[file_number])} pieces to this file, its local manifest "
                 f"holds {index.offsets.size}"
@@ -203,7 +308,7 @@ def _check_global_pieces(checkpoint: StoredCheckpoint, report: VerifyReport) -> 
             report.problems.append(Problem(path, None, message))
             del indexes[file_number]
     lookup = _PieceLookup(manifest, indexes)
-    usable = np.zeros(len(manifest.files), dtype=bool)
+    usable = np.zeros(total, dtype=bool)
     usable[list(indexes)] = True
     queries = [
         (number, entry, np.nonzero(usable[file])[0], file, offset, start, length)
@@ -229,8 +334,30 @@ def _check_global_pieces(checkpoint: StoredCheckpoint, report: VerifyReport) -> 
             message = found if isinstance(found, str) else f"piece {piece} does not match its local manifest"
             if len(odd) > 1:
                 message += f" (and {len(odd) - 1} more pieces of this tensor)"
-            path = checkpoint.storage.describe(manifest.files[int(file[piece])].data)
+            path = checkpoint.describe_file(int(file[piece]))
             report.problems.append(Problem(path, entry.name, message))
+    _check_referenced_pieces(checkpoint, tables, report)
+
+
+def _check_referenced_pieces(
+    checkpoint: StoredCheckpoint,
+    tables: list[tuple[int, TensorEntry, Int64Array, Int64Array, Int64Array, Int64Array]],
+    report: VerifyReport,
+) -> None:
+    """SPEC 8 step 4 for pieces stored by reference: each is a row of its rank's referenced table (same file,
+    offset, tensor and box); one problem per tensor and file, as for the own files."""
+    own = len(checkpoint.manifest.files)
+    for _, entry, file, _, _, _ in tables:
+        reported: set[int] = set()
+        for piece in np.nonzero(file >= own)[0].tolist():
+            number = int(file[piece])
+            if number in reported:
+                continue
+            try:
+                checkpoint.piece_position(number, entry.name, piece)
+            except ShardckptError as exc:
+                reported.add(number)
+                report.problems.append(Problem(checkpoint.describe_file(number), entry.name, str(exc)))
 
 
 class _PieceLookup:

@@ -127,9 +127,10 @@ class Checkpoint(StoredCheckpoint):
         """Whether the bytes of requests (file, start, end) are in memory already, judged by probing the start and
         middle of up to RESIDENT_PROBES of them, spread over the plan."""
         step = max(1, len(requests) // RESIDENT_PROBES)
-        files = self.manifest.files
-        places = [(files[file].data, at) for file, start, end in requests[::step] for at in (start, (start + end) // 2)]
-        return self.storage.resident(places) is True
+        places = [
+            (self.source(file)[1], at) for file, start, end in requests[::step] for at in (start, (start + end) // 2)
+        ]
+        return self.data_storage.resident(places) is True
 
     # ---------------------------------------------------------------------------------------- reading
 
@@ -230,7 +231,7 @@ class Checkpoint(StoredCheckpoint):
         Worker threads each read a request into a slot of one reused buffer, verify it and copy it out while the
         next requests are read. Batched backends (object stores) fetch whole waves instead, then verify and copy.
         """
-        if self.storage.batched_reads:
+        if self.data_storage.batched_reads:
             for wave in self.waves(plan):
                 for request, fetched in self.fetch_wave(wave):
                     self.copy(request, fetched, destinations)
@@ -241,16 +242,16 @@ class Checkpoint(StoredCheckpoint):
             self.copy(request, slot, destinations)  # this request's blocks all matched their checksums
 
         workers = self._workers(len(plan.requests))
-        ordered = self.storage.ordered_reads
+        ordered = self.data_storage.ordered_reads
         # Ordered: this thread reads while the workers finish, so the ring holds a slot for it too.
         size = fetching.ring_size(plan.requests, self.max_in_flight, workers + ordered)
         with (
-            self.storage.reader() as reader,
+            self.data_storage.reader() as reader,
             self._read_buffer(size) as buffer,
             ThreadPoolExecutor(max_workers=workers) as pool,
         ):
             read = functools.partial(self.read_request, reader)
-            files, requests = self.manifest.files, plan.requests
+            requests = plan.requests
             hinted = [0]  # requests up to this number have been hinted (or need no hint)
 
             def prefetch(number: int) -> None:
@@ -260,7 +261,7 @@ class Checkpoint(StoredCheckpoint):
                     if following > hinted[0]:
                         before, request = requests[following - 1], requests[following]
                         if request.file != before.file or request.start != before.end:
-                            reader.prefetch(files[request.file].data, request.start, request.size)
+                            reader.prefetch(self.source(request.file)[1], request.start, request.size)
                         hinted[0] = following
                     ahead += requests[following].size
                     following += 1
@@ -294,9 +295,8 @@ class Checkpoint(StoredCheckpoint):
 
     def fetch_wave(self, wave: list[ReadRequest]) -> list[tuple[ReadRequest, ByteArray]]:
         """Read a wave's ranges concurrently and verify every block of them; nothing is copied."""
-        files = self.manifest.files
         try:
-            blobs = self.storage.read_ranges([(files[r.file].data, r.start, r.end) for r in wave])
+            blobs = self.data_storage.read_ranges([(self.source(r.file)[1], r.start, r.end) for r in wave])
         except TruncatedError as exc:
             names = sorted({span.tensor for r in wave for span in r.verify})
             raise IntegrityError(f"{exc} while reading tensors {names[:5]}") from exc
@@ -304,7 +304,7 @@ class Checkpoint(StoredCheckpoint):
         for request, blob in zip(wave, blobs):
             if len(blob) != request.size:
                 raise IntegrityError(
-                    f"{self.storage.describe(files[request.file].data)}: short read of bytes "
+                    f"{self.describe_file(request.file)}: short read of bytes "
                     f"{request.start}:{request.end} (got {len(blob)})"
                 )
             fetched = np.frombuffer(blob, dtype=np.uint8)
@@ -314,7 +314,7 @@ class Checkpoint(StoredCheckpoint):
 
     def read_request(self, reader: RangeReader, request: ReadRequest, slot: ByteArray) -> None:
         """Read one request's bytes into `slot` (request.size bytes) through `reader`; nothing is verified yet."""
-        path = self.manifest.files[request.file].data
+        path = self.source(request.file)[1]
         try:
             reader.read_into(path, request.start, slot.data)
         except TruncatedError as exc:
@@ -335,7 +335,8 @@ class Checkpoint(StoredCheckpoint):
         and copies (extra threads only contend for them and for the GIL); with ordered reads, the reading thread
         keeps a core busy itself."""
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        return max(1, min(self.storage.read_threads, cores - self.storage.ordered_reads, jobs))
+        storage = self.data_storage
+        return max(1, min(storage.read_threads, cores - storage.ordered_reads, jobs))
 
     def worker_pool(self, jobs: int) -> ThreadPoolExecutor:
         return ThreadPoolExecutor(max_workers=self._workers(jobs))
@@ -391,7 +392,7 @@ class PendingRead:
     def fetch(self) -> None:
         checkpoint, requests = self.checkpoint, self.plan.requests
         fetched: list[tuple[ReadRequest, ByteArray]] = []
-        if checkpoint.storage.batched_reads:
+        if checkpoint.data_storage.batched_reads:
             for wave in checkpoint.waves(self.plan):
                 fetched.extend(checkpoint.fetch_wave(wave))
         else:  # one buffer for everything (kept until apply), filled and verified by the workers
@@ -400,8 +401,8 @@ class PendingRead:
             for request in requests:
                 fetched.append((request, buffer[position : position + request.size]))
                 position += request.size
-            slots, ordered = [slot for _, slot in fetched], checkpoint.storage.ordered_reads
-            with checkpoint.storage.reader() as reader, checkpoint.worker_pool(len(fetched)) as pool:
+            slots, ordered = [slot for _, slot in fetched], checkpoint.data_storage.ordered_reads
+            with checkpoint.data_storage.reader() as reader, checkpoint.worker_pool(len(fetched)) as pool:
                 read = functools.partial(checkpoint.read_request, reader)
                 fetching.fetch_all(requests, slots, pool, read, checkpoint.verify, ordered=ordered)
         self._fetched = fetched
@@ -432,7 +433,7 @@ def open_checkpoint(
     """Open the committed checkpoint at `url`; NotCommittedError if it has no COMMITTED marker."""
     storage = open_storage(url, storage_options)
     opening = read_opening(storage)
-    return Checkpoint(
+    checkpoint = Checkpoint(
         storage,
         opening.marker,
         opening.manifest,
@@ -440,3 +441,5 @@ def open_checkpoint(
         max_gap=max_gap,
         max_request=max_request,
     )
+    checkpoint.check_referenced()  # SPEC 8 step 2a at open: a reference to an uncommitted checkpoint fails here
+    return checkpoint

@@ -94,6 +94,16 @@ class Storage(abc.ABC):
     def child(self, name: str) -> Storage:
         """The storage rooted at `name` below this root."""
 
+    def parent(self) -> Storage:
+        """The storage of the directory (prefix) that holds this root, with the same options and client: a
+        checkpoint's root, whose other checkpoints format 1.1 references name. StorageError where there is none."""
+        raise StorageError(f"{self.url}: this storage backend cannot open the directory above it")
+
+    @property
+    def name(self) -> str:
+        """This root's last path component (a checkpoint's name under its root)."""
+        return self.url.rstrip("/").rsplit("/", 1)[-1]
+
     @abc.abstractmethod
     def open_new(self, path: str) -> NewFile:
         """Start creating `path`; AlreadyExistsError if it exists."""

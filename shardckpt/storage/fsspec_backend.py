@@ -71,6 +71,15 @@ class FsspecStorage(Storage):
             self.fs, self.full(name), f"{self.url.rstrip('/')}/{name}", atomic_create=self.atomic_create
         )
 
+    def parent(self) -> FsspecStorage:
+        above, _, name = self.root.rpartition("/")
+        url = self.url.rstrip("/")
+        if not name:
+            raise StorageError(f"{self.url}: there is no directory above it")
+        # The URL keeps the form the user gave (protocol, host) and loses its last component, as the path does.
+        url_above = url[: -len(name) - 1] if url.endswith(f"/{name}") else url.rpartition("/")[0]
+        return FsspecStorage(self.fs, above or "/", url_above, atomic_create=self.atomic_create)
+
     def open_new(self, path: str) -> NewFile:
         return _FsspecNewFile(self, path)
 

@@ -194,6 +194,12 @@ class LocalStorage(Storage):
     def child(self, name: str) -> LocalStorage:
         return LocalStorage(self.full(name))
 
+    def parent(self) -> LocalStorage:
+        above = os.path.dirname(self.root)
+        if above == self.root:
+            raise StorageError(f"{self.root} is the file system's root: there is no directory above it")
+        return LocalStorage(above)
+
     def open_new(self, path: str) -> NewFile:
         return _LocalNewFile(self, path)
 

@@ -198,6 +198,15 @@ class S3Storage(Storage):
         child.url = f"{self.url}/{name.strip('/')}"
         return child
 
+    def parent(self) -> S3Storage:
+        if not self.prefix:
+            raise StorageError(f"{self.url} is a bucket: there is no prefix above it")
+        above = copy.copy(self)  # same client, settings and probe result, as child()
+        above.root = self.root.rpartition("/")[0]
+        above.prefix = self.prefix.rpartition("/")[0]
+        above.url = self.url.rpartition("/")[0]
+        return above
+
     def run(self, function: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
         """Run a coroutine function on fsspec's event loop (where s3fs's client lives) and wait for it."""
         result: T = fsspec.asyn.sync(self.fs.loop, function, *args)

@@ -47,17 +47,8 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 # Invalid vectors that the library does not refuse as SPEC.md requires yet. Strict: once the library is fixed,
-# the test XPASSes and fails, so the entry gets removed here.
-# Valid cases are listed here too. The format 1.1 reference vectors decode, but the reader does not follow
-# references yet (issue 18: the read side is the next step), so they fail until it does.
-_FOLLOWS_REFERENCES = "the reader does not follow format 1.1 references yet"
-KNOWN_LIBRARY_BUGS: dict[str, str] = {
-    "references_basic": _FOLLOWS_REFERENCES,
-    "reference_uncommitted": _FOLLOWS_REFERENCES,
-    "reference_wrong_size": _FOLLOWS_REFERENCES,
-    "reference_wrong_checksum": _FOLLOWS_REFERENCES,
-    "reference_chain": _FOLLOWS_REFERENCES,
-}
+# the test XPASSes and fails, so the entry gets removed here. Valid cases are listed here too.
+KNOWN_LIBRARY_BUGS: dict[str, str] = {}
 
 
 def _cases(kind: str) -> list[Path]:

@@ -1,0 +1,130 @@
+"""verify, inspect and du of a format 1.1 checkpoint through the real `shardckpt` entry point, and diff / export of
+it: referenced bytes are checked, shown with where they live, and counted once under the root."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import shardckpt
+from shardckpt.ops.verify import verify
+from shardckpt.tools.diff import diff
+from shardckpt.tools.export import export_hf_safetensors
+from tests.helpers.checkpoints import save_sharded
+from tests.helpers.references import CHILD, PARENT, edit_local_manifest, save_incremental
+
+ENTRY_POINT = str(Path(sys.executable).with_name("shardckpt"))
+
+
+def _states() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(7)
+    parent = {"base": torch.randn(40, 32, generator=generator), "head": torch.randn(4, 8, generator=generator)}
+    return parent, {"head": torch.randn(4, 8, generator=generator)}
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    parent, changed = _states()
+    save_incremental(tmp_path / "root", parent, changed, 2)
+    return tmp_path / "root"
+
+
+def shardckpt_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [ENTRY_POINT, *args], capture_output=True, text=True, timeout=120, env=dict(os.environ), check=False
+    )
+
+
+def test_verify_inspect_and_du_follow_references_through_the_cli(root: Path) -> None:
+    verified = shardckpt_cli("verify", str(root / CHILD), "--json")
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    report = json.loads(verified.stdout)
+    parent_attempt = json.loads((root / PARENT / "COMMITTED").read_text())["attempt"]
+    base_bytes = 40 * 32 * 4
+    # Both ranks' own files and the two referenced files; every referenced byte of base was read and checked.
+    assert report["files"] == 4
+    assert report["bytes_checked"] >= base_bytes
+
+    inspected = shardckpt_cli("inspect", str(root / CHILD), "--json")
+    assert inspected.returncode == 0, inspected.stderr
+    summary = json.loads(inspected.stdout)
+    paths = [f"{PARENT}/data/{rank:05d}-{parent_attempt}.safetensors" for rank in range(2)]
+    assert [(entry["rank"], entry["path"], entry["bytes"]) for entry in summary["references"]] == [
+        (0, paths[0], base_bytes // 2),
+        (1, paths[1], base_bytes // 2),
+    ]
+    tensors = {tensor["name"]: tensor for tensor in summary["tensors"]}
+    assert tensors["base"]["referenced"] == {"pieces": 2, "bytes": base_bytes, "from": paths}
+    assert tensors["head"]["referenced"] == {"pieces": 0, "bytes": 0, "from": []}
+    assert tensors["base"]["pieces_per_rank"] == {"0": 1, "1": 1}
+
+    used = shardckpt_cli("du", str(root), "--json")
+    assert used.returncode == 0, used.stderr
+    rows = {row["name"]: row for row in json.loads(used.stdout)["checkpoints"]}
+    parent, child = rows[PARENT], rows[CHILD]
+    assert (child["referenced_bytes"], child["references"]) == (base_bytes, [PARENT])
+    assert child["logical_bytes"] == child["data_bytes"] + base_bytes
+    assert child["data_bytes"] < base_bytes  # the child's own files hold head only
+    assert (parent["referenced_bytes"], parent["logical_bytes"]) == (0, parent["data_bytes"])
+    # The parent's files, which the child references, count once in the root's total.
+    assert json.loads(used.stdout)["total"]["committed_bytes"] == parent["committed_bytes"] + child["committed_bytes"]
+
+
+def test_verify_reports_a_changed_referenced_byte_and_a_missing_parent_commit_through_the_cli(root: Path) -> None:
+    attempt = json.loads((root / PARENT / "COMMITTED").read_text())["attempt"]
+    path = root / PARENT / "data" / f"00001-{attempt}.safetensors"
+    data = bytearray(path.read_bytes())
+    data[8 + int.from_bytes(data[:8], "little")] ^= 1  # base's piece comes first in rank 1's file
+    path.write_bytes(bytes(data))
+    failed = shardckpt_cli("verify", str(root / CHILD))
+    assert failed.returncode == 1, failed.stdout
+    text = " ".join((failed.stdout + failed.stderr).split())
+    assert str(path) in text and "fails its checksum" in text, text
+    (root / PARENT / "COMMITTED").unlink()
+    uncommitted = shardckpt_cli("verify", str(root / CHILD))
+    assert uncommitted.returncode == 1
+    text = " ".join((uncommitted.stdout + uncommitted.stderr).split())
+    assert "not committed" in text and attempt in text, text
+
+
+def test_diff_and_export_read_referenced_pieces(root: Path, tmp_path: Path) -> None:
+    parent, changed = _states()
+    full = str(tmp_path / "full")
+    save_sharded({**parent, **changed}, full, 1, block_size=4096, step=2)
+    result = diff(str(root / CHILD), full, memory_limit=4 << 20)
+    assert [(d.name, d.same) for d in result.tensors] == [("base", True), ("head", True)]
+    against_parent = diff(str(root / CHILD), str(root / PARENT), memory_limit=4 << 20)
+    assert {d.name: d.same for d in against_parent.tensors} == {"base": True, "head": False}
+    export_hf_safetensors(str(root / CHILD), str(tmp_path / "hf"), include=".", memory_limit=4 << 20)
+    exported = {}
+    for file in sorted((tmp_path / "hf").glob("*.safetensors")):
+        exported.update(load_file(str(file)))
+    assert torch.equal(exported["base"], parent["base"]) and torch.equal(exported["head"], changed["head"])
+    assert shardckpt.open(str(root / CHILD)).step == 2
+
+
+def _flip_first_hash(document: dict) -> None:
+    column = document["referenced"]["hash"]
+    column["data"] = bytes([column["data"][0] ^ 1]) + column["data"][1:]
+
+
+def test_verify_checks_carried_piece_hashes_which_a_load_does_not_need(root: Path) -> None:
+    edit_local_manifest(root / CHILD, 1, _flip_first_hash)
+    state = {"base": torch.zeros(40, 32), "head": torch.zeros(4, 8)}
+    shardckpt.load(state, str(root / CHILD))  # SPEC 6.3: a reader does not need hashes
+    assert torch.equal(state["base"], _states()[0]["base"])
+    report = verify(str(root / CHILD))
+    problems = [str(problem) for problem in report.problems]
+    attempt = json.loads((root / PARENT / "COMMITTED").read_text())["attempt"]
+    held = str(root / PARENT / "data" / f"00001-{attempt}.safetensors")
+    # The holder (whose writer records piece hashes) records another hash, and the bytes do not hash to this one.
+    assert len(problems) == 2, problems
+    assert any(held in p and "records another hash" in p for p in problems), problems
+    assert any(held in p and "does not match its recorded blake2b-128 hash" in p for p in problems), problems

@@ -126,6 +126,19 @@ class FaultyStorage(Storage):
         child.prefix = f"{self.prefix}{name}/"
         return child
 
+    def parent(self) -> FaultyStorage:
+        """The directory above, wrapped alike (shared faults, record and random source). Paths stay relative to
+        the storage first wrapped: above it they start with "../" (a root's "step-1/data/x" read from a wrapped
+        checkpoint "step-2" of it is recorded, and matched by fault patterns, as "../step-1/data/x")."""
+        above = FaultyStorage(self.inner.parent(), self.faults)
+        above.calls, above._lock, above._random = self.calls, self._lock, self._random
+        parts = self.prefix.rstrip("/").split("/") if self.prefix else []
+        if parts and parts[-1] != "..":
+            above.prefix = "".join(f"{part}/" for part in parts[:-1])
+        else:
+            above.prefix = f"{self.prefix}../"
+        return above
+
     def open_new(self, path: str) -> NewFile:
         self.trigger("open_new", path)
         return _FaultyNewFile(self, path, self.inner.open_new(path))

@@ -270,3 +270,20 @@ def test_a_local_root_that_is_a_file_is_a_storage_error_not_already_exists(tmp_p
         with pytest.raises(shardckpt.StorageError, match="ck") as caught:
             create()
         assert not isinstance(caught.value, shardckpt.AlreadyExistsError)
+
+
+def test_an_incremental_checkpoint_reads_through_the_wrapper_and_its_parent_faults_reach_the_reader(tmp_path) -> None:
+    """Format 1.1 references read the parent's files through Storage.parent(): the wrapper wraps the directory
+    above alike, records those reads as "../<parent>/...", and a fault there fails the load with a typed error."""
+    state = {"frozen": torch.arange(4096, dtype=torch.float32), "trained": torch.ones(16)}
+    shardckpt.save(state, str(tmp_path / "step-1"), piece_hashes=True)
+    state["trained"] += 1
+    shardckpt.save(state, str(tmp_path / "step-2"), parent=str(tmp_path / "step-1"))
+    storage = FaultyStorage(LocalStorage(str(tmp_path / "step-2")))
+    into = {name: torch.zeros_like(tensor) for name, tensor in state.items()}
+    shardckpt.load(into, storage)
+    assert all(torch.equal(into[name], state[name]) for name in state)
+    assert any(path.startswith("../step-1/data/") for op, path in storage.calls if op.startswith("read_range"))
+    broken = FaultyStorage(LocalStorage(str(tmp_path / "step-2")), [Fault("read_range", "../step-1/data/*", times=0)])
+    with pytest.raises(shardckpt.ShardckptError, match="injected"):
+        shardckpt.load({name: torch.zeros_like(tensor) for name, tensor in state.items()}, broken)

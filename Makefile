@@ -48,7 +48,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.distributed --size-mib 2048 --json benchmarks/distributed.json
 	$(BIN)/python -m benchmarks.dcp_backend --size-mib 2048 --json benchmarks/dcp_backend.json
 	$(BIN)/python -m benchmarks.loop_state --json benchmarks/loop_state.json
-	$(BIN)/python -m benchmarks.scale --ranks 1024 4096 --direct-from 4096 --json benchmarks/scale.json
+	$(BIN)/python -m benchmarks.scale --ranks 1024 4096 --json benchmarks/scale.json
 	$(BIN)/python -m benchmarks.scale_dcp --ranks 1024 4096 --json benchmarks/scale_dcp.json
 	$(BIN)/python -m benchmarks.many --tensors 50000 --scale 200000 --check --json benchmarks/many.json
 	$(BIN)/python -m benchmarks.moe --ranks 4 --experts 420 --json benchmarks/moe.json

@@ -67,9 +67,21 @@ def run(args: argparse.Namespace, console: Console) -> int:
             human_bytes(totals["total_bytes"]),
         ]
     )
-    headers = ("checkpoint", "status", "step", "committed", "leftovers", "other", "total")
-    table = fitted_table(console, headers, table_rows, title=report.root, right=(2, 3, 4, 5, 6))
+    headers: tuple[str, ...] = ("checkpoint", "status", "step", "committed", "leftovers", "other", "total")
+    right: tuple[int, ...] = (2, 3, 4, 5, 6)
+    incremental = any(c.referenced_bytes for c in report.checkpoints)
+    if incremental:  # format 1.1: what each checkpoint reads from older ones (their bytes, counted there)
+        referenced = [human_bytes(c.referenced_bytes) if c.referenced_bytes else "-" for c in report.checkpoints]
+        for row, cell in zip(table_rows, [*referenced, ""]):
+            row.insert(4, cell)
+        headers, right = (*headers[:4], "referenced", *headers[4:]), (2, 3, 4, 5, 6, 7)
+    table = fitted_table(console, headers, table_rows, title=report.root, right=right)
     console.print(table)
+    if incremental:
+        console.print(
+            "referenced: bytes a checkpoint stores by reference to older checkpoints' data files (counted once, "
+            "under the checkpoint that holds them; deleting the referencing checkpoint frees none of them)"
+        )
     if totals["leftover_bytes"]:
         console.print(f"{human_bytes(totals['leftover_bytes'])} of leftovers can be reclaimed by a garbage collector")
     return 0

@@ -81,12 +81,23 @@ def run(args: argparse.Namespace, console: Console) -> int:
         f"format {summary['format_version']}, attempt {summary['attempt']}, {when(summary['created'])}",
         highlight=False,
     )
-    headers = ("tensor", "dtype", "shape", "size", "pieces", "ranks", "layout")
+    references = summary.get("references") or []
+    if references:  # format 1.1: pieces stored by reference to older checkpoints' data files
+        held = sum(r["bytes"] for r in references)
+        sources = sorted({r["checkpoint"] for r in references})
+        console.print(
+            f"{human_bytes(held)} in {plural(sum(r['pieces'] for r in references), 'piece')} stored by reference "
+            f"to {', '.join(sources)}",
+            highlight=False,
+        )
+    headers: tuple[str, ...] = ("tensor", "dtype", "shape", "size", "pieces", "ranks", "layout")
+    if references:
+        headers = (*headers, "referenced")
 
     def row(index: int) -> list[Cell]:
         t = tensors[index]
         shape = "[" + ", ".join(map(str, t["shape"])) + "]"
-        return [
+        cells: list[Cell] = [
             t["name"],
             t["dtype"],
             shape,
@@ -95,10 +106,22 @@ def run(args: argparse.Namespace, console: Console) -> int:
             str(len(t["pieces_per_rank"])),
             t["layout"],
         ]
+        if references:
+            cells.append(_referenced(t.get("referenced")))
+        return cells
 
     def group(indices: list[int]) -> list[Cell]:
         size = human_bytes(sum(tensors[i]["bytes"] for i in indices))
-        return ["", "", Text(plural(len(indices), "tensor"), style="dim"), size, "", "", ""]
+        return [
+            "",
+            "",
+            Text(plural(len(indices), "tensor"), style="dim"),
+            size,
+            "",
+            "",
+            "",
+            *([""] if references else []),
+        ]
 
     names = [t["name"] for t in tensors]
     rows = tree_rows(names, row, group) if args.tree else [row(i) for i in range(len(tensors))]
@@ -116,6 +139,14 @@ def run(args: argparse.Namespace, console: Console) -> int:
         ]
         console.print(fitted_table(console, ("object", "rank", "value"), object_rows, title="objects", crop=2))
     return EXIT_OK
+
+
+def _referenced(referenced: dict[str, Any] | None) -> str:
+    """A tensor's pieces stored by reference: how many of its bytes, from which checkpoints ("-": none)."""
+    if not referenced or not referenced.get("pieces"):
+        return "-"
+    checkpoints = sorted({path.split("/", 1)[0] for path in referenced["from"]})
+    return f"{human_bytes(referenced['bytes'])} in {', '.join(checkpoints)}"
 
 
 def _preview(value: Any, limit: int = 60) -> str:

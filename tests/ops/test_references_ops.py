@@ -128,3 +128,28 @@ def test_verify_checks_carried_piece_hashes_which_a_load_does_not_need(root: Pat
     assert len(problems) == 2, problems
     assert any(held in p and "records another hash" in p for p in problems), problems
     assert any(held in p and "does not match its recorded blake2b-128 hash" in p for p in problems), problems
+
+
+def test_the_inspect_and_du_tables_show_what_is_stored_by_reference_and_where(root: Path) -> None:
+    """The tables a person reads, not only --json: inspect says how much of the checkpoint lives in which older
+    checkpoint, per tensor; du gives each checkpoint's referenced bytes in a column of their own."""
+    env = {**os.environ, "COLUMNS": "120"}
+    run = lambda *args: subprocess.run(  # noqa: E731
+        [ENTRY_POINT, *args], capture_output=True, text=True, timeout=120, env=env, check=False
+    )
+    inspected = run("inspect", str(root / CHILD))
+    assert inspected.returncode == 0, inspected.stderr
+    # base: 40 x 32 fp32 = 5.0 KiB, all of it in the parent's files (the fixture's child changes head only).
+    assert f"5.0 KiB in 2 pieces stored by reference to {PARENT}" in inspected.stdout, inspected.stdout
+    rows = {line.split()[0]: line for line in inspected.stdout.splitlines() if line.split()[:1] in (["base"], ["head"])}
+    assert rows["base"].rstrip().endswith(f"5.0 KiB in {PARENT}"), rows
+    assert rows["head"].rstrip().endswith("-"), rows
+    assert "referenced" not in run("inspect", str(root / PARENT)).stdout  # a full checkpoint: no such column
+
+    used = run("du", str(root))
+    assert used.returncode == 0, used.stderr
+    header = next(line for line in used.stdout.splitlines() if line.startswith("checkpoint"))
+    assert header.split()[:5] == ["checkpoint", "status", "step", "committed", "referenced"]
+    child = next(line for line in used.stdout.splitlines() if line.startswith(CHILD))
+    assert "5.0 KiB" in child, used.stdout
+    assert "stored by reference" not in used.stdout and "referenced: bytes a checkpoint stores" in used.stdout

@@ -31,7 +31,7 @@ def _state(step: int) -> dict[str, torch.Tensor]:
 def _save(root: Path, step: int, parent: int | None, value: int | None = None) -> None:
     parent_url = str(root / f"step-{parent}") if parent is not None else None
     state = _state(step if value is None else value)
-    shardckpt.save(state, str(root / f"step-{step}"), step=step, block_size=4096, parent=parent_url)
+    shardckpt.save(state, str(root / f"step-{step}"), step=step, block_size=4096, parent=parent_url, piece_hashes=True)
 
 
 @pytest.fixture

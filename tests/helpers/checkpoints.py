@@ -42,12 +42,19 @@ def save_sharded(
     block_size: int = 4096,
     flat: tuple[str, ...] = (),
     step: int | None = 1,
+    piece_hashes: bool | None = None,
 ) -> str:
     """Write `state` as `world` ranks (Shard(0) rows; flat ranges for names in `flat`) and commit."""
     attempt = attempt or new_attempt()
     for rank in range(world):
         writer = shardckpt.ShardWriter(
-            url, rank=rank, world_size=world, attempt=attempt, block_size=block_size, step=step
+            url,
+            rank=rank,
+            world_size=world,
+            attempt=attempt,
+            block_size=block_size,
+            step=step,
+            piece_hashes=piece_hashes,
         )
         for name, tensor in state.items():
             if tensor.dim() == 0:

@@ -47,7 +47,10 @@ def save_incremental(
     """ROOT/step-1 holds `parent_state` (a full save of `world` ranks, Shard(0) rows); ROOT/step-2 holds the same
     tensors with `changed` written anew and every other tensor stored by reference to step-1's files (format 1.1).
     Returns the two attempts. Every tensor must be at least 1-D (0-D tensors live on rank 0 only)."""
-    parent_attempt = save_sharded(parent_state, str(root / PARENT), world, block_size=block_size, step=1)
+    # The parent records piece hashes, as a parent written by an incremental series does.
+    parent_attempt = save_sharded(
+        parent_state, str(root / PARENT), world, block_size=block_size, step=1, piece_hashes=True
+    )
     child_attempt = save_sharded(changed, str(root / CHILD), world, block_size=block_size, step=2)
     unchanged = sorted(set(parent_state) - set(changed))
     reference_tensors(root / CHILD, root / PARENT, parent_attempt, unchanged)

@@ -199,7 +199,7 @@ def test_a_chain_of_incremental_saves_loads_and_verifies_each_step(tmp_path: Pat
     previous = None
     for number, state in enumerate(steps, start=1):
         url = str(tmp_path / f"step-{number}")
-        shardckpt.save(state, url, step=number, block_size=4096, parent=previous)
+        shardckpt.save(state, url, step=number, block_size=4096, parent=previous, piece_hashes=True)
         previous = url
     checkpoint = shardckpt.open(previous)
     holders = {checkpoint.source(file)[1].split("/")[0] for file in range(1, 1 + len(checkpoint.manifest.references))}

@@ -41,8 +41,8 @@ demo: $(STAMP)
 # Every benchmark row, about 8 minutes on 2 cores plus ~25 for the MoE scale rows and DCP's figures for them: single
 # process and 4 gloo ranks vs DCP on the issue's reference state (2 GiB: 64 fp32 tensors of 32 MiB), dcp.save /
 # dcp.load through shardckpt.dcp vs DCP's own FileSystemWriter/Reader on it, the training loop's own state, metadata
-# scale (dense and DeepSeek-V3 MoE), many small (MoE) tensors vs safetensors and DCP, S3, a DeepSpeed ZeRO-3 engine
-# vs DeepSpeed's own checkpoints and ds_to_universal.
+# scale (dense and DeepSeek-V3 MoE), many small (MoE) tensors vs safetensors and DCP, incremental saves of a
+# frozen-base fine-tuning state, S3, a DeepSpeed ZeRO-3 engine vs DeepSpeed's own checkpoints and ds_to_universal.
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks --size-mib 2048 --repeats 5 --json benchmarks/results.json
 	$(BIN)/python -m benchmarks.distributed --size-mib 2048 --json benchmarks/distributed.json
@@ -51,6 +51,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.scale --ranks 1024 4096 --json benchmarks/scale.json
 	$(BIN)/python -m benchmarks.scale_dcp --ranks 1024 4096 --json benchmarks/scale_dcp.json
 	$(BIN)/python -m benchmarks.many --tensors 50000 --scale 200000 --check --json benchmarks/many.json
+	$(BIN)/python -m benchmarks.incremental --frozen-mib 1024 --trainable-mib 16 --json benchmarks/incremental.json
 	$(BIN)/python -m benchmarks.moe --ranks 4 --experts 420 --json benchmarks/moe.json
 	$(BIN)/python -m benchmarks.s3
 	$(BIN)/python -m benchmarks.ds_engine --json benchmarks/ds_engine.json

@@ -1,7 +1,8 @@
 """ShardWriter: one rank's part of a save — its data file (safetensors) and its local manifest.
 
 Pieces are collected by `add`, then `close` streams them into a create-only file, computing the CRC32C of
-every block while the bytes are hot, makes the file durable, and only then writes the local manifest.
+every block while the bytes are hot (and piece hashes on threads of their own), makes the file durable, and only
+then writes the local manifest.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ import hashlib
 import json
 import math
 import time
+from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -39,6 +41,8 @@ PARALLEL_MIN_BYTES = knobs.PARALLEL_MIN_BYTES  # below this one stream is as fas
 DEFAULT_WRITE_THREADS = knobs.WRITE_THREADS
 # Checksummed, then written at once while still in the core's cache; also the local backend's write-behind unit.
 HOT_CHUNK = knobs.HOT_CHUNK
+DEFAULT_HASH_THREADS = knobs.HASH_THREADS
+HASH_IN_FLIGHT = knobs.HASH_IN_FLIGHT  # bytes of copies made for hashing, not yet hashed
 
 
 class _Piece(NamedTuple):  # a tuple: a MoE rank adds 100,000+ of them
@@ -68,21 +72,79 @@ def piece_digest(data: Any) -> bytes:
     return hashlib.blake2b(data, digest_size=HASH_BYTES).digest()
 
 
+class _PieceHasher:
+    """Piece hashes on a small thread pool of their own while the writer goes on writing the same buffers.
+
+    hashlib releases the GIL for buffers over 2 KiB, so a hashed save takes about max(write, hash / threads) rather
+    than their sum; each hash is of the very buffer written (no second read of storage). Buffers made for the save
+    (staged device copies, gathered small pieces) are bounded: past `copy_limit` bytes not yet hashed, `submit`
+    waits for the oldest. threads=0 hashes in the caller's thread (the serial reference).
+    """
+
+    def __init__(self, count: int, threads: int, copy_limit: int | None = None) -> None:
+        self.digests: list[bytes | None] = [None] * count  # by piece number; each slot written by one job
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="shardckpt-hash") if threads else None
+        self.jobs: list[Future[None]] = []
+        self.copies: deque[tuple[Future[None], int]] = deque()
+        self.copy_bytes, self.copy_limit = 0, HASH_IN_FLIGHT if copy_limit is None else copy_limit
+
+    def submit(self, items: list[tuple[int, Any]], *, copy: bool) -> None:
+        """Hash each (piece number, buffer); `copy`: the buffers exist for this save only (bounded, see above)."""
+        if self.pool is None:
+            self._run(items)
+            return
+        job = self.pool.submit(self._run, items)
+        self.jobs.append(job)
+        if copy:
+            self.copies.append((job, sum(len(buffer) for _, buffer in items)))
+            self.copy_bytes += self.copies[-1][1]
+            while self.copy_bytes > self.copy_limit:
+                oldest, nbytes = self.copies.popleft()
+                oldest.result()
+                self.copy_bytes -= nbytes
+
+    def _run(self, items: list[tuple[int, Any]]) -> None:
+        for number, buffer in items:
+            self.digests[number] = piece_digest(buffer)
+
+    def finish(self) -> list[bytes]:
+        """Every piece's hash in piece order, once all are done (a job's error is raised here)."""
+        for job in self.jobs:
+            job.result()
+        self.close()
+        missing = [number for number, digest in enumerate(self.digests) if digest is None]
+        if missing:  # a lost hash would make a later save reference the wrong bytes
+            raise ShardckptError(f"{len(missing)} of {len(self.digests)} pieces were not hashed (first: {missing[0]})")
+        return [digest for digest in self.digests if digest is not None]
+
+    def close(self) -> None:
+        """Stop the threads; jobs not started are dropped (after an error nothing will read their hashes)."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _is_copy(tensor: torch.Tensor) -> bool:
+    """Whether host_bytes(tensor) makes a buffer of its own rather than a view of the tensor's memory."""
+    return tensor.device.type != "cpu" or not tensor.is_contiguous()
+
+
 class _SmallPieces:
     """Pieces of one block or less (a MoE model has 100,000+ of them): gathered into one buffer of up to HOT_CHUNK
     bytes by one torch.cat, checksummed one by one, written at once, so the backend sees a few large writes rather
     than one call per tensor, and no piece costs a numpy view of its own."""
 
-    def __init__(self, handle: Any, block_size: int, digests: list[bytes] | None) -> None:
+    def __init__(self, handle: Any, block_size: int, hasher: _PieceHasher | None) -> None:
         self.handle, self.limit = handle, max(HOT_CHUNK, block_size)
-        self.digests = digests  # appended to in piece order, when the writer hashes while writing
+        self.hasher = hasher  # given each gathered buffer, when the writer hashes while writing
         self.pending: list[_Piece] = []
+        self.numbers: list[int] = []  # each pending piece's number in the file (its hash's slot)
         self.crcs: list[int] = []
         self.size = 0
 
-    def add(self, piece: _Piece) -> None:
-        """Take a host piece; its bytes are read when the buffer fills (before close returns)."""
+    def add(self, piece: _Piece, number: int) -> None:
+        """Take host piece number `number`; its bytes are read when the buffer fills (before close returns)."""
         self.pending.append(piece)
+        self.numbers.append(number)
         self.size += piece.nbytes
         if self.size >= self.limit:
             self._write()
@@ -96,7 +158,7 @@ class _SmallPieces:
     def _write(self) -> None:
         if not self.pending:
             return
-        pieces, self.pending, self.size = self.pending, [], 0
+        pieces, numbers, self.pending, self.numbers, self.size = self.pending, self.numbers, [], [], 0
         with torch.no_grad():  # plain bytes: no autograd record of the views and the gather
             flats = [piece.tensor.reshape(-1).view(torch.uint8) for piece in pieces]
             gathered = torch.cat(flats) if len(flats) > 1 else flats[0].clone()
@@ -105,11 +167,13 @@ class _SmallPieces:
                 raise ShardckptError(f"tensor {piece.name!r}: changed size while being saved")
         view = gathered.numpy().data
         position = 0
-        for piece in pieces:
+        spans = []
+        for piece, number in zip(pieces, numbers):
             self.crcs.append(int(crc32c.crc32c(view[position : position + piece.nbytes])))
-            if self.digests is not None:
-                self.digests.append(piece_digest(view[position : position + piece.nbytes]))
+            spans.append((number, view[position : position + piece.nbytes]))
             position += piece.nbytes
+        if self.hasher is not None:  # one job per buffer: a job per 1 KiB piece would cost more than its hash
+            self.hasher.submit(spans, copy=True)
         self.handle.write(view)
 
 
@@ -133,11 +197,12 @@ class ShardWriter:
         write_threads: int = DEFAULT_WRITE_THREADS,
         parent: ParentPieces | None = None,
         piece_hashes: bool | None = None,
+        hash_threads: int = DEFAULT_HASH_THREADS,
     ) -> None:
         """parent: an incremental save's parent (write.parent.open_parent): a piece whose bytes hash equal to the
         parent's piece of the same identity is stored by reference to the file that holds it (SPEC 6.2).
         piece_hashes: record the hash of every piece written, which a parent needs (default: knobs.PIECE_HASHES, or
-        on when there is a parent)."""
+        on when there is a parent). hash_threads: threads hashing pieces while they are written (0: in line)."""
         if not 0 <= rank < world_size:
             raise ShardckptUsageError(f"rank {rank} is outside 0..{world_size - 1}")
         if not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE or block_size & (block_size - 1):
@@ -145,6 +210,7 @@ class ShardWriter:
         self.storage = open_storage(url, storage_options)
         self.rank, self.world_size, self.block_size, self.step = rank, world_size, block_size, step
         self.write_threads = max(1, write_threads)
+        self.hash_threads = max(0, hash_threads)
         self.attempt = layout.validate_attempt(attempt)
         self.parent = parent
         # An incremental save hashes its own pieces: it compares them, and it is the next save's parent.
@@ -245,45 +311,23 @@ class ShardWriter:
         began = time.perf_counter()
         data_path = layout.data_path(self.rank, self.attempt)
         referenced: list[tuple[_Piece, Holder, bytes]] = []
-        digests: list[bytes] | None = [] if self.piece_hashes else None
-        hash_now = self.piece_hashes
+        digests: list[bytes] | None = None
+        hasher: _PieceHasher | None = None
         if self.parent is not None:
             # Hashed before anything is written: a piece equal to the parent's is not written at all.
             digests, referenced = self._match_parent(self.parent)
-            hash_now = False
+        elif self.piece_hashes:
+            hasher = _PieceHasher(len(self._pieces), self.hash_threads)
         header = self._header()
         offsets: list[int] = []
         crcs: list[np.ndarray] = []
-        position = len(header)
-        with self.storage.open_new(data_path) as handle:
-            total = sum(piece.nbytes for piece in self._pieces)
-            small = sum(piece.nbytes for piece in self._pieces if piece.nbytes <= self.block_size)
-            # Host tensors only: device tensors would all need host copies at once (the sequential path stages one).
-            # Mostly small pieces (a MoE state) go the sequential way, which writes them in buffers: a thread-pool
-            # job per piece would cost more than its bytes.
-            parallel = getattr(handle, "supports_write_at", False) and self.write_threads > 1 and 2 * small < total
-            if parallel and total >= PARALLEL_MIN_BYTES and all(p.tensor.device.type == "cpu" for p in self._pieces):
-                handle.write_at(header, 0)
-                offsets, crcs, hashed = self._write_parallel(handle, len(header), hash_now)
-                if hash_now and digests is not None:
-                    digests.extend(hashed)
-                position += total
-            else:
-                handle.write(header)
-                buffered = _SmallPieces(handle, self.block_size, digests if hash_now else None)
-                for piece in self._pieces:
-                    offsets.append(position)
-                    if piece.nbytes <= self.block_size and piece.tensor.device.type == "cpu":
-                        buffered.add(piece)
-                    else:
-                        crcs.extend(buffered.flush())
-                        piece_crcs, digest = self._write_piece(handle, piece, hash_now)
-                        crcs.append(piece_crcs)
-                        if hash_now and digests is not None:
-                            digests.append(digest)
-                    position += piece.nbytes
-                    crash_point("writing_data", self.rank)
-                crcs.extend(buffered.flush())
+        try:
+            position = self._write_data(data_path, header, hasher, offsets, crcs)
+            if hasher is not None:
+                digests = hasher.finish()
+        finally:
+            if hasher is not None:
+                hasher.close()
         stored = self.storage.size(data_path)
         if stored != position:  # a backend that lost bytes without an error must not get this far
             raise IntegrityError(f"{self.storage.describe(data_path)} holds {stored} bytes after writing {position}")
@@ -319,6 +363,36 @@ class ShardWriter:
         self.stats = WriteStats(position, time.perf_counter() - began, sum(p.nbytes for p, _, _ in referenced))
         return manifest
 
+    def _write_data(
+        self, data_path: str, header: bytes, hasher: _PieceHasher | None, offsets: list[int], crcs: list[np.ndarray]
+    ) -> int:
+        """Write the data file: the header, then the pieces, filling `offsets` and `crcs`; returns its size."""
+        position = len(header)
+        with self.storage.open_new(data_path) as handle:
+            total = sum(piece.nbytes for piece in self._pieces)
+            small = sum(piece.nbytes for piece in self._pieces if piece.nbytes <= self.block_size)
+            # Host tensors only: device tensors would all need host copies at once (the sequential path stages one).
+            # Mostly small pieces (a MoE state) go the sequential way, which writes them in buffers: a thread-pool
+            # job per piece would cost more than its bytes.
+            parallel = getattr(handle, "supports_write_at", False) and self.write_threads > 1 and 2 * small < total
+            if parallel and total >= PARALLEL_MIN_BYTES and all(p.tensor.device.type == "cpu" for p in self._pieces):
+                handle.write_at(header, 0)
+                self._write_parallel(handle, len(header), hasher, offsets, crcs)
+                return position + total
+            handle.write(header)
+            buffered = _SmallPieces(handle, self.block_size, hasher)
+            for number, piece in enumerate(self._pieces):
+                offsets.append(position)
+                if piece.nbytes <= self.block_size and piece.tensor.device.type == "cpu":
+                    buffered.add(piece, number)
+                else:
+                    crcs.extend(buffered.flush())
+                    crcs.append(self._write_piece(handle, piece, number, hasher))
+                position += piece.nbytes
+                crash_point("writing_data", self.rank)
+            crcs.extend(buffered.flush())
+        return position
+
     # ------------------------------------------------------------------------------------- incremental
 
     def _match_parent(self, parent: ParentPieces) -> tuple[list[bytes], list[tuple[_Piece, Holder, bytes]]]:
@@ -340,18 +414,30 @@ class ShardWriter:
         return digests, referenced
 
     def _hash_pieces(self, pieces: Sequence[_Piece]) -> list[bytes]:
-        """The hash of every piece, large ones on write_threads threads (hashlib runs them in parallel)."""
-
-        def run(piece: _Piece) -> bytes:
-            data = host_bytes(piece.tensor)
-            if data.size != piece.nbytes:
-                raise ShardckptError(f"tensor {piece.name!r}: changed size while being saved")
-            return piece_digest(data.data)
-
-        if self.write_threads == 1 or len(pieces) < 2:
-            return [run(piece) for piece in pieces]
-        with ThreadPoolExecutor(max_workers=self.write_threads) as pool:
-            return list(pool.map(run, pieces))
+        """The hash of every piece on the hash threads: the largest first, so that no long hash starts last (one
+        piece is one sequential BLAKE2b pass); small pieces a buffer's worth per job."""
+        hasher = _PieceHasher(len(pieces), self.hash_threads)
+        try:
+            batch: list[tuple[int, Any]] = []
+            batch_bytes = 0
+            for number in sorted(range(len(pieces)), key=lambda n: -pieces[n].nbytes):
+                piece = pieces[number]
+                data = host_bytes(piece.tensor)
+                if data.size != piece.nbytes:
+                    raise ShardckptError(f"tensor {piece.name!r}: changed size while being saved")
+                if piece.nbytes > self.block_size:
+                    hasher.submit([(number, data.data)], copy=_is_copy(piece.tensor))
+                    continue
+                batch.append((number, data.data))
+                batch_bytes += piece.nbytes
+                if batch_bytes >= HOT_CHUNK:
+                    hasher.submit(batch, copy=True)
+                    batch, batch_bytes = [], 0
+            if batch:
+                hasher.submit(batch, copy=True)
+            return hasher.finish()
+        finally:
+            hasher.close()
 
     def _references(
         self, specs: tuple[TensorSpec, ...], piece_hash: bytes, referenced: list[tuple[_Piece, Holder, bytes]]
@@ -415,24 +501,26 @@ class ShardWriter:
         return len(text).to_bytes(8, "little") + text
 
     def _write_parallel(
-        self, handle: Any, header_size: int, hash_now: bool
-    ) -> tuple[list[int], list[np.ndarray], list[bytes]]:
+        self, handle: Any, header_size: int, hasher: _PieceHasher | None, offsets: list[int], crcs: list[np.ndarray]
+    ) -> None:
         """Several streams into one file: chunks checksummed and written at their offsets by a thread pool.
 
         CRC32C, BLAKE2b and pwrite all release the GIL, so a rank writes at the disk's multi-stream rate. A piece's
-        hash is one sequential pass, so each piece is hashed by one job queued right after its chunks (its bytes
-        then come from the shared cache when it keeps up, from memory otherwise).
+        hash is one sequential pass, so each piece is one job of the hash threads, the largest first, all queued
+        before the first write: hashing runs alongside the whole write, and no long hash starts at its end.
         """
         block = self.block_size
         chunk_size = max(WRITE_CHUNK // block, 1) * block
-        offsets, crcs = [], []
         jobs: list[Any] = []
-        digests: list[bytes] = [b""] * len(self._pieces) if hash_now else []
         position = header_size
-        for number, piece in enumerate(self._pieces):
-            data = host_bytes(piece.tensor)
+        datas = [host_bytes(piece.tensor) for piece in self._pieces]
+        for piece, data in zip(self._pieces, datas):
             if data.size != piece.nbytes:
                 raise ShardckptError(f"tensor {piece.name!r}: changed size while being saved")
+        if hasher is not None:  # the copies (non-contiguous pieces) are held by the write jobs anyway
+            for number in sorted(range(len(datas)), key=lambda n: -self._pieces[n].nbytes):
+                hasher.submit([(number, datas[number].data)], copy=False)
+        for piece, data in zip(self._pieces, datas):
             piece_crcs = np.empty(-(-piece.nbytes // block), dtype=np.uint32)
             offsets.append(position)
             crcs.append(piece_crcs)
@@ -445,16 +533,11 @@ class ShardWriter:
                         chunk_start // block,
                     )
                 )
-            if hash_now:
-                jobs.append((data.data, number))
             position += piece.nbytes
 
         step = max(HOT_CHUNK // block, 1) * block
 
         def run(job: Any) -> None:
-            if len(job) == 2:  # a whole piece to hash
-                digests[job[1]] = piece_digest(job[0])
-                return
             chunk, file_offset, piece_crcs, first_block = job
             # Checksum a cache-sized part, then write it while its bytes are still in cache: the copy into the
             # page cache then reads them from cache, not from memory a second time.
@@ -467,28 +550,27 @@ class ShardWriter:
             for number, _ in enumerate(pool.map(run, jobs)):
                 if number == 0:
                     crash_point("writing_data", self.rank)
-        return offsets, crcs, digests
 
-    def _write_piece(self, handle: Any, piece: _Piece, hash_now: bool) -> tuple[np.ndarray, bytes]:
+    def _write_piece(self, handle: Any, piece: _Piece, number: int, hasher: _PieceHasher | None) -> np.ndarray:
+        """Write piece `number` in checksummed chunks, its hash running alongside; returns its block checksums."""
         data = host_bytes(piece.tensor)
         if data.size != piece.nbytes:
             raise ShardckptError(f"tensor {piece.name!r}: changed size while being saved")
+        view = data.data
+        if hasher is not None:  # the hash threads read the very buffer written below
+            hasher.submit([(number, view)], copy=_is_copy(piece.tensor))
         block = self.block_size
         crcs = np.empty(-(-piece.nbytes // block), dtype=np.uint32)
-        view = data.data
         # A whole number of blocks per chunk, so a block never straddles two chunks. Disks take cache-sized
         # chunks (checksummed while hot); streaming backends large ones (each may become an upload part).
         target = HOT_CHUNK if getattr(handle, "supports_write_at", False) else WRITE_CHUNK
         chunk_size = max(target // block, 1) * block
-        hasher = hashlib.blake2b(digest_size=HASH_BYTES) if hash_now else None
         for chunk_start in range(0, piece.nbytes, chunk_size):
             chunk = view[chunk_start : chunk_start + chunk_size]
             for offset in range(0, len(chunk), block):
                 crcs[(chunk_start + offset) // block] = crc32c.crc32c(chunk[offset : offset + block])
-            if hasher is not None:
-                hasher.update(chunk)  # while the chunk is still in cache, like its checksums
             handle.write(chunk)
-        return crcs, b"" if hasher is None else hasher.digest()
+        return crcs
 
     def _table(self, offsets: list[int]) -> tuple[tuple[TensorSpec, ...], LocalPieces]:
         """The tensor table (in order of first add) and the pieces in file order."""

@@ -63,38 +63,64 @@ def window_starts(data: bytes | memoryview, a: npt.NDArray[np.uint8], begin: int
     lengths = _lengths(chunk)  # clipped at the chunk's end: the last opcode's own length is taken below
     begins = np.arange(0, n, _BLOCK, dtype=np.int64)
     ends = np.minimum(begins + _BLOCK, n)
-    visited = np.zeros(n, dtype=bool)
-    cursor, live = begins.copy(), np.arange(len(begins))
-    while live.size:  # every block's chain one opcode a step; a chain from a wrong byte falls into step soon
-        at = cursor[live]
-        visited[at] = True
-        at = at + lengths[at]
-        cursor[live] = at
-        live = live[at < ends[live]]
-    # The pickle's chain enters block 0 at 0 and each next block where it left the last; where the block's own chain
-    # does not pass there (a few blocks in 100 of a DCP .metadata), the pickle's is followed through that block.
-    in_step = visited[np.minimum(cursor, n - 1)].tolist()
-    exits, entry = cursor.tolist(), [n] * len(begins)
-    position, synced = 0, True
+    chained = np.zeros(n, dtype=bool)  # on its block's own chain, from the block's first byte
+    exits = _follow(lengths, chained, begins, ends).tolist()
+    # The pickle's chain enters block 0 at 0 and each next block where it left the last. Where the block's own chain
+    # does not pass there (a few blocks in 100 of a DCP .metadata), the pickle's is followed from there until it
+    # meets the block's chain: for all such blocks at once, guessing that the pickle entered where the last block's
+    # chain left it (true unless a payload or an unmet chain crossed a block end).
+    guess = np.concatenate(([0], exits[:-1])).astype(np.int64)
+    missed = np.flatnonzero((guess < ends) & ~chained[np.minimum(guess, n - 1)])
+    detour = np.zeros(n, dtype=bool)
+    detour_from = [-1] * len(exits)
+    met = _follow(lengths, detour, guess[missed], ends[missed], chained).tolist()
+    for block, at in zip(missed.tolist(), guess[missed].tolist()):
+        detour_from[block] = at
+    joined_at, detours = [n] * len(exits), [False] * len(exits)
+    met_in = dict(zip(missed.tolist(), met))
+    position = 0
     while position < n:
         block = position // _BLOCK
-        if not synced:
-            start = block * _BLOCK
-            sizes, walked, step = lengths[start : start + _BLOCK].tolist(), [], position - start
-            while step < len(sizes):
-                walked.append(step)
-                step += sizes[step]
-            visited[start : start + _BLOCK] = False
-            visited[np.array(walked, dtype=np.int64) + start] = True
-            exits[block] = step = step + start
-            in_step[block] = step >= n or bool(visited[step])
-        entry[block] = position
-        position, synced = exits[block], in_step[block]
-    before_entry = np.arange(n, dtype=np.int32) < np.repeat(np.array(entry, dtype=np.int32), _BLOCK)[:n]
-    visited[before_entry] = False  # chains from a block's start before they fell into the pickle's step
-    starts = np.flatnonzero(visited)
+        if chained[position]:
+            joined_at[block], position = position, exits[block]
+            continue
+        if detour_from[block] == position:
+            detours[block], step = True, met_in[block]
+        else:  # a payload or an unmet chain moved the entry: walk this block here (rare)
+            start, step, detours[block] = position - position % _BLOCK, position, True
+            end = min(start + _BLOCK, n)
+            detour[start:end] = False
+            while step < end and not chained[step]:
+                detour[step] = True
+                step += int(lengths[step])
+        if step < ends[block]:
+            joined_at[block], position = step, exits[block]
+        else:
+            position = step
+    # Each block's chain counts from where the pickle's joined it; detours count in the blocks that took them.
+    joined = np.arange(n, dtype=np.int32) >= np.repeat(np.array(joined_at, dtype=np.int32), _BLOCK)[:n]
+    kept = chained & joined
+    if any(detours):
+        kept |= detour & np.repeat(np.array(detours), _BLOCK)[:n]
+    starts = np.flatnonzero(kept)
     last = int(starts[-1]) + begin
     return starts + begin, last + _length_at(data, last)
+
+
+def _follow(lengths: npt.NDArray[np.int32], mark: Flags, cursor: Ints, ends: Ints, until: Flags | None = None) -> Ints:
+    """Follow a chain of opcodes from each `cursor` to its `ends` (or to the first byte `until` holds), marking each
+    opcode start passed in `mark`; returns where each chain stopped."""
+    cursor, live = cursor.copy(), np.arange(len(cursor))
+    while live.size:
+        at = cursor[live]
+        mark[at] = True
+        at = at + lengths[at]
+        cursor[live] = at
+        going = at < ends[live]
+        live = live[going]
+        if until is not None:
+            live = live[~until[cursor[live]]]
+    return cursor
 
 
 def _lengths(a: npt.NDArray[np.uint8]) -> npt.NDArray[np.int32]:

@@ -1,9 +1,10 @@
 """pickle_bounds' proof run over a pickle a window of bytes at a time: memory stays a constant, any size is proven.
 
-proven_windowed() answers True only when pickle_stack's model could not refuse the pickle; False means "run the model".
+proven_windowed() answers True only when pickle_scan and pickle_stack's model could not refuse the pickle; False
+means "run them" (they say why). It finds the opcodes itself, so a proven pickle is parsed once.
 
-Why: the whole-pickle proof holds ~60 bytes of arrays per pickle byte (a 15 MiB DCP .metadata: 900 MB), so big
-files went to the per-opcode model (~1.5 MiB/s: an hour for 8 GiB). Here each window of opcodes is prefixed with
+Why: a proof of the whole pickle at once holds ~60 bytes of arrays per pickle byte (15 MiB .metadata: 900 MB), so
+big files went to the per-opcode model (~1.5 MiB/s: an hour for 8 GiB). Here each window of opcodes is prefixed with
 what is still live from before it: one pseudo-opcode per stack slot (a value pushed earlier, carrying the weight
 and the depth of everything in its region of the stack) and the open MARKs at their heights, so the bounds of the
 module docstring of pickle_bounds hold across window edges. Memo entries cross edges as (weight, depth) bounds once
@@ -25,10 +26,8 @@ from shardckpt.interop.unpickled import MAX_TREE_DEPTH
 Ints = npt.NDArray[np.int64]
 Flags = npt.NDArray[np.bool_]
 PSEUDO = pb.PSEUDO  # a value pushed before this window: not a leaf, not a finished tuple
-_MARK, _MEMOIZE = 0x28, 0x94
+_MARK, _MEMOIZE, _STOP, _LONG_BINPUT = 0x28, 0x94, 0x2E, 0x72
 _STORE_LENGTH = {_MEMOIZE: 1, ord("q"): 2, ord("r"): 5}
-_KNOWN = pb._KNOWN.copy()
-_KNOWN[PSEUDO] = True
 _MAX_HEIGHT = 1 << 14  # taller stacks are carried into every window: not proven (the model decides)
 _BLOCK = 256  # bytes a chain cursor covers when the window's opcode starts are found
 _FIXED32 = pb._FIXED.astype(np.int32)
@@ -38,22 +37,31 @@ _KIND[list(pb.SHORT_CODES)] = _SHORT_KIND
 _KIND[[code for code, _, _ in pb._PREFIXED] + [code for code, _ in pb._LINES]] = 2
 
 
-def proven_windowed(data: bytes | memoryview, stop: int, budget: int, window: int = 0) -> bool:
-    """True when pickle_stack's model would pass this pickle (its opcodes parse up to the STOP at `stop`)."""
+def proven_windowed(data: bytes | memoryview, budget: int, window: int = 0) -> bool:
+    """True when pickle_scan's checks and pickle_stack's model would pass this pickle: its opcodes parse up to a STOP
+    (found here, as the scan would), memo stores are numbered in order, and the model's bounds hold."""
     a = np.frombuffer(data, dtype=np.uint8)
-    proof, position = _Proof(a, budget), 0
+    proof, position, end = _Proof(a, budget), 0, len(a)
     window = window or knobs.PICKLE_PROOF_WINDOW
-    while position < stop:
-        starts, position = window_starts(data, a, position, min(position + window, stop))
+    while position < end:
+        try:
+            starts, position = window_starts(data, a, position, min(position + window, end))
+        except (IndexError, ValueError):  # the last opcode is cut short or has a negative length: the scan says why
+            return False
         stores = []
-        while position < stop and data[position] in _STORE_LENGTH:  # a store stays with what it stores: a leaf
+        while position < end and data[position] in _STORE_LENGTH:  # a store stays with what it stores: a leaf
             stores.append(position)  # stored in the next window would look like a value from before
             position += _STORE_LENGTH[data[position]]
         if stores:
             starts = np.concatenate((starts, stores))
-        if not proof.window(starts):
+        stop = np.flatnonzero(a[starts] == _STOP)
+        if len(stop):  # the unpickler stops here; what follows is never read
+            starts = starts[: stop[0]]
+        if len(starts) and not proof.window(starts):
             return False
-    return proof.charged <= budget * (1 - 1e-9)
+        if len(stop):
+            return proof.charged <= budget * (1 - 1e-9)
+    return False  # no STOP: the scan says so
 
 
 def window_starts(data: bytes | memoryview, a: npt.NDArray[np.uint8], begin: int, limit: int) -> tuple[Ints, int]:
@@ -158,6 +166,8 @@ def _length_at(data: bytes | memoryview, position: int) -> int:
     for prefixed, width, signed in pb._PREFIXED:
         if code == prefixed:
             size = int.from_bytes(bytes(data[position + 1 : position + 1 + width]), "little", signed=signed)
+            if size < 0:
+                raise ValueError(f"a negative length at byte {position}")
             return 1 + width + size
     for lined, count in pb._LINES:
         if code == lined:
@@ -181,7 +191,7 @@ class _Proof:
         # Per memo index: 0 never stored, 1 a leaf, 2 a value with bounds, 3 attached to a live slot.
         self.state = np.zeros(1024, dtype=np.int8)
         self.memo_weight, self.memo_depth = np.zeros(1024, dtype=np.int64), np.zeros(1024, dtype=np.int16)
-        self.memoized, self.indexed = 0, False
+        self.memoized, self.indexed, self.stored = 0, False, 0  # MEMOIZEs; numbered stores seen; stores
 
     def window(self, positions: Ints) -> bool:
         a, height = self.a, len(self.weight)
@@ -194,7 +204,7 @@ class _Proof:
         ops = np.full(prefix + len(positions), _MARK, dtype=np.uint8)
         ops[pseudo] = PSEUDO
         ops[prefix:] = a[positions]
-        if not _KNOWN[ops].all():
+        if not pb._KNOWN[ops[prefix:]].all():  # a byte 0xFF in the pickle is no PSEUDO but an unknown opcode
             return False
         n = len(ops)
         where = np.concatenate((np.full(prefix, -1, dtype=np.int64), positions))
@@ -329,11 +339,15 @@ class _Window:
                 return None
             proof.indexed = True
             index = pb._memo_index(proof.a, self.where[stores], ops[stores] == ord("q"))
+            numbered = np.flatnonzero(ops[stores] == _LONG_BINPUT)  # the scan's rule: at most the stores before it
+            if (index[numbered] > proof.stored + numbered).any():
+                return None
             proof.grow(int(index.max()) + 1)
             if len(np.unique(index)) != len(index) or (proof.state[index] != 0).any():
                 return None  # an index stored twice: which value a fetch gets depends on when
         else:
             return None
+        proof.stored += len(stores)
         proof.grow(int(index.max(initial=-1)) + 1)
         item_moves = (pb._PUSHES[ops] + self.stack.pops) > 0
         last_move = np.maximum.accumulate(np.where(item_moves, np.arange(n), -1))

@@ -49,6 +49,7 @@ for _codes, _pops, _pushes in (
     _POPS[list(_codes)], _PUSHES[list(_codes)] = _pops, _pushes
 PSEUDO = 0xFF  # no pickle opcode: pickle_window's stand-in for a value pushed before its window (pushes one item)
 _PUSHES[PSEUDO] = 1
+_DELTA = _PUSHES - _POPS  # what each opcode adds to the stack's height
 _KNOWN = _byte_set(_LEAF + _FETCH + _NOTHING + b"}]\x8f)\x85Q\x86R\x81\x93\x87\x92absuetld\x91oi\x90")
 _MARK_CONSUMER = _byte_set(b"tld\x91oiue\x90")  # ... u, e, ADDITEMS: the items go into the object below the MARK
 _MUTATES = _byte_set(b"absue\x90")  # the object below changes
@@ -109,7 +110,7 @@ class _Stack:
         self.before, self.after, self.pops, self.consumers, self.marks = before, after, pops, consumers, marks
 
     @classmethod
-    def of(cls, ops: npt.NDArray[np.uint8]) -> _Stack | None:
+    def of(cls, ops: Ints) -> _Stack | None:
         is_mark, is_consumer = ops == 40, _MARK_CONSUMER[ops]
         depth = np.cumsum(is_mark.astype(np.int64) - is_consumer)  # open MARKs after each opcode
         if depth.min() < 0:  # a consumer with no MARK: the model stops there
@@ -130,7 +131,7 @@ class _Stack:
         levels = sorted_level[closing][by_position]
         # Heights: a consumer leaves its MARK's height plus what it pushes. Solved from the deepest level out: the
         # correction at a consumer cancels what the opcodes between its MARK and it added, inner consumers included.
-        delta = _PUSHES[ops] - _POPS[ops]
+        delta = _DELTA[ops]
         delta[consumers] = 0
         naive = np.cumsum(delta)
         base = _PUSHES[ops[consumers]] - (naive[consumers] - naive[marks])
@@ -144,7 +145,7 @@ class _Stack:
         delta[consumers] = correction
         after = np.cumsum(delta)
         before = after - delta
-        pops = _POPS[ops].copy()
+        pops = _POPS[ops]
         pops[consumers] = before[consumers] - after[marks]
         needs = pops + _MUTATES[ops]
         needs[consumers] = pops[consumers]
@@ -182,9 +183,9 @@ class _FreshPushes:
         if not self.usable or (slot < 0).any() or int(slot.max()) >= 1 << 15:
             return None
         asked = np.argsort(slot.astype(np.int16), kind="stable")  # `at` rises with the query order: keys stay sorted
-        wanted = slot[asked] * self.scale + at[asked]
-        found = np.searchsorted(self.keys, wanted, side="right") - 1
-        if (found < 0).any() or (self.keys[np.maximum(found, 0)] // self.scale != slot[asked]).any():
+        first_key = slot[asked] * self.scale
+        found = np.searchsorted(self.keys, first_key + at[asked], side="right") - 1
+        if (found < 0).any() or (self.keys[np.maximum(found, 0)] < first_key).any():  # none into that slot yet
             return None
         result = np.empty(len(slot), dtype=np.int64)
         result[asked] = self.fresh[found]

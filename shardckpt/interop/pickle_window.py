@@ -31,6 +31,8 @@ _STORE_LENGTH = {_MEMOIZE: 1, ord("q"): 2, ord("r"): 5}
 _MAX_HEIGHT = 1 << 14  # taller stacks are carried into every window: not proven (the model decides)
 _BLOCK = 256  # bytes a chain cursor covers when the window's opcode starts are found
 _FIXED32 = pb._FIXED.astype(np.int32)
+_SPANS = pb._NESTS & ~pb._MARK_CONSUMER  # nests over the slots it consumes (MARK consumers: from their MARK)
+_CHARGES_SPANNED = pb._CHARGES & ~pb._MARK_CONSUMER
 _SHORT_KIND = 1
 _KIND = np.zeros(256, dtype=np.int8)  # 0 fixed size, 1 a one-byte length, 2 a longer length or text lines
 _KIND[list(pb.SHORT_CODES)] = _SHORT_KIND
@@ -134,10 +136,11 @@ def _follow(lengths: npt.NDArray[np.int32], mark: Flags, cursor: Ints, ends: Int
 def _lengths(a: npt.NDArray[np.uint8]) -> npt.NDArray[np.int32]:
     """For every byte, the length of the opcode that would start there, clipped to the end of `a`."""
     n = len(a)
-    lengths = _FIXED32[a]
+    codes = a.astype(np.intp)  # numpy converts a byte index to this for every lookup: once here
+    lengths = _FIXED32[codes]
     if n == 0:
         return lengths
-    kind = _KIND[a]
+    kind = _KIND[codes]
     at = np.flatnonzero(kind == _SHORT_KIND)
     lengths[at] = 2 + a[np.minimum(at + 1, n - 1)].astype(np.int32)
     odd = np.flatnonzero(kind > _SHORT_KIND)  # length prefixes and text lines
@@ -201,7 +204,8 @@ class _Proof:
         at_or_below = np.cumsum(np.bincount(self.marks, minlength=height + 1))
         pseudo = np.arange(height, dtype=np.int64) + at_or_below[:height]
         prefix = height + len(self.marks)
-        ops = np.full(prefix + len(positions), _MARK, dtype=np.uint8)
+        # Opcodes as array indices: every table lookup below (a dozen a window) then skips numpy's conversion.
+        ops = np.full(prefix + len(positions), _MARK, dtype=np.intp)
         ops[pseudo] = PSEUDO
         ops[prefix:] = a[positions]
         if not pb._KNOWN[ops[prefix:]].all():  # a byte 0xFF in the pickle is no PSEUDO but an unknown opcode
@@ -230,7 +234,7 @@ class _Window:
     def __init__(
         self,
         proof: _Proof,
-        ops: npt.NDArray[np.uint8],
+        ops: Ints,
         where: Ints,
         stack: pb._Stack,
         pseudo: Ints,
@@ -243,7 +247,8 @@ class _Window:
 
     def prove(self) -> bool:
         ops, stack, n, proof = self.ops, self.stack, self.n, self.proof
-        fresh_at = np.flatnonzero((pb._PUSHES[ops] == 1) & (stack.pops == 0))
+        pushes = pb._PUSHES[ops]
+        fresh_at = np.flatnonzero((pushes == 1) & (stack.pops == 0))
         fresh = pb._FreshPushes(fresh_at, stack.before[fresh_at], n)
         self.fresh = fresh
         lowest = stack.before - stack.pops
@@ -265,7 +270,7 @@ class _Window:
         if fetched is None:
             return False
         fetches, source = fetched  # in-window fetches of in-window entries that are no leaves
-        spanned = np.flatnonzero(pb._NESTS[ops] & ~pb._MARK_CONSUMER[ops])
+        spanned = np.flatnonzero(_SPANS[ops])
         mutators = np.flatnonzero(pb._MUTATES[ops])
         target = stack.before[mutators] - stack.pops[mutators] - 1
         is_consumer = np.zeros(n, dtype=bool)
@@ -295,7 +300,7 @@ class _Window:
         first = begin[ending]
         weights = depths = np.zeros(len(ending), dtype=np.int64)
         for _ in range(8):
-            pushed = pb._PUSHES[ops] + self.extra_weight
+            pushed = pushes + self.extra_weight
             prefix = np.concatenate(([0], np.cumsum(pushed)))
             deep = cover + self.extra_depth
             weights = prefix[last] - prefix[first]
@@ -309,7 +314,7 @@ class _Window:
             return False
         if int(deep.max(initial=0)) > MAX_TREE_DEPTH or (weights > proof.budget).any():
             return False
-        charging = np.flatnonzero(pb._CHARGES[ops] & ~is_consumer)
+        charging = np.flatnonzero(_CHARGES_SPANNED[ops])
         charges = pb._CHARGES[ops[stack.consumers]]
         charge_begin = np.concatenate((begun[np.searchsorted(spanned, charging)], stack.marks[charges]))
         charge_end = np.concatenate((charging, stack.consumers[charges]))
@@ -349,9 +354,10 @@ class _Window:
             return None
         proof.stored += len(stores)
         proof.grow(int(index.max(initial=-1)) + 1)
-        item_moves = (pb._PUSHES[ops] + self.stack.pops) > 0
-        last_move = np.maximum.accumulate(np.where(item_moves, np.arange(n), -1))
-        producer = last_move[stores]
+        producer = stores - 1  # the opcode whose value a store stores: the last one moving an item
+        if len(stores) and (stores[0] == 0 or not ((pb._PUSHES[ops[producer]] + self.stack.pops[producer]) > 0).all()):
+            item_moves = (pb._PUSHES[ops] + self.stack.pops) > 0
+            producer = np.maximum.accumulate(np.where(item_moves, np.arange(n), -1))[stores]
         made = ops[np.maximum(producer, 0)]
         leafy = (producer >= 0) & pb._LEAF_PUSH[made]
         finished = (producer >= 0) & pb._FINISHED[made]
@@ -377,9 +383,10 @@ class _Window:
         keys = self.drops
         if len(slot) == 0 or len(keys) == 0:
             return np.full(len(slot), n, dtype=np.int64)
-        found = np.minimum(np.searchsorted(keys, (slot + 1) * (n + 1) + after, side="right"), len(keys) - 1)
-        same = keys[found] // (n + 1) == slot + 1
-        return np.where(same & (keys[found] % (n + 1) > after), keys[found] % (n + 1), n)
+        level = (slot + 1) * (n + 1)
+        found = np.minimum(np.searchsorted(keys, level + after, side="right"), len(keys) - 1)
+        at = keys[found] - level  # in 0 .. n - 1 where the key found is of this level
+        return np.where((at > after) & (at < n), at, n)
 
     def _fetches(
         self, index: Ints, stored: Ints, leafy: Flags, finished: Flags, vacated: Ints

@@ -136,11 +136,11 @@ def _follow(lengths: npt.NDArray[np.int32], mark: Flags, cursor: Ints, ends: Int
 def _lengths(a: npt.NDArray[np.uint8]) -> npt.NDArray[np.int32]:
     """For every byte, the length of the opcode that would start there, clipped to the end of `a`."""
     n = len(a)
-    codes = a.astype(np.intp)  # numpy converts a byte index to this for every lookup: once here
-    lengths = _FIXED32[codes]
+    as_index = a.astype(np.intp)  # numpy converts a byte index to this for every lookup: once here
+    lengths = _FIXED32[as_index]
     if n == 0:
         return lengths
-    kind = _KIND[codes]
+    kind = _KIND[as_index]
     at = np.flatnonzero(kind == _SHORT_KIND)
     lengths[at] = 2 + a[np.minimum(at + 1, n - 1)].astype(np.int32)
     odd = np.flatnonzero(kind > _SHORT_KIND)  # length prefixes and text lines

@@ -178,8 +178,13 @@ class _FreshPushes:
 
     def last(self, slot: Ints, at: Ints) -> Ints | None:
         """For each (slot, at): the last fresh push into `slot` at or before `at` (None: one has none)."""
+        found = self.around(slot, at)
+        return None if found is None else found[0]
+
+    def around(self, slot: Ints, at: Ints) -> tuple[Ints, Ints] | None:
+        """last(), and for each (slot, at) the next fresh push into `slot` after `at` (n: none)."""
         if len(slot) == 0:
-            return np.zeros(0, dtype=np.int64)
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         if not self.usable or (slot < 0).any() or int(slot.max()) >= 1 << 15:
             return None
         asked = np.argsort(slot.astype(np.int16), kind="stable")  # `at` rises with the query order: keys stay sorted
@@ -187,6 +192,9 @@ class _FreshPushes:
         found = np.searchsorted(self.keys, first_key + at[asked], side="right") - 1
         if (found < 0).any() or (self.keys[np.maximum(found, 0)] < first_key).any():  # none into that slot yet
             return None
-        result = np.empty(len(slot), dtype=np.int64)
-        result[asked] = self.fresh[found]
-        return result
+        last, following = np.empty(len(slot), dtype=np.int64), np.empty(len(slot), dtype=np.int64)
+        last[asked] = self.fresh[found]
+        after = np.minimum(found + 1, len(self.keys) - 1)
+        same_slot = (found + 1 < len(self.keys)) & (self.keys[after] < first_key + self.scale)
+        following[asked] = np.where(same_slot, self.fresh[after], self.scale - 2)
+        return last, following

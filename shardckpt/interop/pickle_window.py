@@ -9,9 +9,9 @@ what is still live from before it: one pseudo-opcode per stack slot (a value pus
 and the depth of everything in its region of the stack) and the open MARKs at their heights, so the bounds of the
 module docstring of pickle_bounds hold across window edges. Memo entries cross edges as (weight, depth) bounds once
 their value has left the stack; while it is still there an entry stays attached to its slot's pseudo-opcode.
-A memo entry's value has surely left the stack once the stack is lower than its slot again (found for all entries
-at once: the heights each opcode crosses downwards, sorted by height), so its weight and depth are bounded by that
-region, and a fetch of it is proven only from there on.
+A memo entry's value has surely left the stack once another value is pushed into its slot (the next opcode pushing
+into that slot while it is empty: found for all entries at once, with where each value began), so its weight and
+depth are bounded by the opcodes up to there, and a fetch of it is proven only from there on.
 """
 
 from __future__ import annotations
@@ -243,7 +243,6 @@ class _Window:
         self.proof, self.ops, self.where, self.stack, self.pseudo = proof, ops, where, stack, pseudo
         self.extra_weight, self.extra_depth, self.frozen = extras
         self.n = len(ops)
-        self.drops: Ints | None = None
 
     def prove(self) -> bool:
         ops, stack, n, proof = self.ops, self.stack, self.n, self.proof
@@ -258,11 +257,12 @@ class _Window:
         index, stored, leafy, finished = entries
         self.leafy = leafy
         slot = stack.after[stored] - 1
-        begin = fresh.last(slot, stored)
-        if begin is None:
+        # Where each entry's value began, and where it has surely left the stack: the next push into its slot, which
+        # must have been emptied first (n: not in this window).
+        found = fresh.around(slot, stored)
+        if found is None:
             return False
-        # Where each entry's value has surely left the stack: the next push into the empty slot (n: not here).
-        vacated = self._vacated(slot, stored)
+        begin, vacated = found
         height = int(stack.after[-1])
         live = (slot < height) & (vacated == n)  # still in its slot's region at the window's end
         heavy_entry = ~leafy
@@ -369,24 +369,6 @@ class _Window:
             np.concatenate((none, leafy)),
             np.concatenate((none, finished)),
         )
-
-    def _vacated(self, slot: Ints, after: Ints) -> Ints:
-        """For each (slot, opcode): the first later opcode leaving the stack lower than `slot` + 1, or n."""
-        stack, n = self.stack, self.n
-        if self.drops is None:
-            drop = np.maximum(stack.before - stack.after, 0)
-            at = np.repeat(np.arange(n, dtype=np.int64), drop)
-            first_of = np.cumsum(drop) - drop  # heights after+1 .. before are crossed downwards, in order
-            level = np.repeat(stack.after, drop) + 1 + np.arange(len(at), dtype=np.int64) - np.repeat(first_of, drop)
-            order = np.argsort(level.astype(np.int16), kind="stable")  # by height, then position
-            self.drops = level[order] * (n + 1) + at[order]
-        keys = self.drops
-        if len(slot) == 0 or len(keys) == 0:
-            return np.full(len(slot), n, dtype=np.int64)
-        level = (slot + 1) * (n + 1)
-        found = np.minimum(np.searchsorted(keys, level + after, side="right"), len(keys) - 1)
-        at = keys[found] - level  # in 0 .. n - 1 where the key found is of this level
-        return np.where((at > after) & (at < n), at, n)
 
     def _fetches(
         self, index: Ints, stored: Ints, leafy: Flags, finished: Flags, vacated: Ints

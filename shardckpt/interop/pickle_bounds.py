@@ -160,7 +160,12 @@ def _memo_index(a: npt.NDArray[np.uint8], at: Ints, one_byte: npt.NDArray[np.boo
     """The memo index a BINGET/BINPUT (one byte) or LONG_BINGET/LONG_BINPUT (four) names."""
     index = np.empty(len(at), dtype=np.int64)
     index[one_byte] = _little(a, at[one_byte] + 1, 1)
-    index[~one_byte] = _little(a, at[~one_byte] + 1, 4)
+    long = at[~one_byte]
+    if len(long) and long[-1] + 5 <= len(a):  # `at` rises; all four bytes inside: one read each, unaligned
+        words = np.ndarray((len(a) - 3,), dtype="<u4", buffer=a, strides=(1,))
+        index[~one_byte] = words[long + 1]
+    else:
+        index[~one_byte] = _little(a, long + 1, 4)
     return index
 
 

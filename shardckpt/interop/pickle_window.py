@@ -16,6 +16,8 @@ depth are bounded by the opcodes up to there, and a fetch of it is proven only f
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 import numpy.typing as npt
 
@@ -80,21 +82,25 @@ def window_starts(data: bytes | memoryview, a: npt.NDArray[np.uint8], begin: int
     # meets the block's chain: for all such blocks at once, guessing that the pickle entered where the last block's
     # chain left it (true unless a payload or an unmet chain crossed a block end).
     guess = np.concatenate(([0], exits[:-1])).astype(np.int64)
-    missed = np.flatnonzero((guess < ends) & ~chained[np.minimum(guess, n - 1)])
+    inside = guess < ends
+    on_chain = inside & chained[np.minimum(guess, n - 1)]
+    missed = np.flatnonzero(inside & ~on_chain)
     detour = np.zeros(n, dtype=bool)
     detour_from = [-1] * len(exits)
     met = _follow(lengths, detour, guess[missed], ends[missed], chained).tolist()
     for block, at in zip(missed.tolist(), guess[missed].tolist()):
         detour_from[block] = at
-    joined_at, detours = [n] * len(exits), [False] * len(exits)
+    # Python visits only the blocks a run of blocks joined where the one before left them ends at (and skips).
+    joined_at, detours = np.where(on_chain, guess, n).tolist(), [False] * len(exits)
+    run_ends = np.flatnonzero(~on_chain).tolist() + [len(exits)]
     met_in = dict(zip(missed.tolist(), met))
-    position = 0
+    position, before = 0, -1
     while position < n:
         block = position // _BLOCK
+        joined_at[before + 1 : block] = [n] * (block - before - 1)  # inside a payload: not entered
         if chained[position]:
-            joined_at[block], position = position, exits[block]
-            continue
-        if detour_from[block] == position:
+            step = position
+        elif detour_from[block] == position:
             detours[block], step = True, met_in[block]
         else:  # a payload or an unmet chain moved the entry: walk this block here (rare)
             start, step, detours[block] = position - position % _BLOCK, position, True
@@ -103,10 +109,13 @@ def window_starts(data: bytes | memoryview, a: npt.NDArray[np.uint8], begin: int
             while step < end and not chained[step]:
                 detour[step] = True
                 step += int(lengths[step])
-        if step < ends[block]:
-            joined_at[block], position = step, exits[block]
+        if step < ends[block]:  # joined: so are the blocks after it up to the next not entered on its chain
+            joined_at[block] = step
+            before = run_ends[bisect.bisect_right(run_ends, block)] - 1
+            position = exits[before]
         else:
-            position = step
+            before, position = block, step
+    joined_at[before + 1 :] = [n] * (len(exits) - before - 1)  # after the window's last opcode: not entered
     # Each block's chain counts from where the pickle's joined it; detours count in the blocks that took them.
     joined = np.arange(n, dtype=np.int32) >= np.repeat(np.array(joined_at, dtype=np.int32), _BLOCK)[:n]
     kept = chained & joined
@@ -378,15 +387,17 @@ class _Window:
         proof, ops = self.proof, self.ops
         fetches = np.flatnonzero(pb._IS_FETCH[ops])
         wanted = pb._memo_index(proof.a, self.where[fetches], ops[fetches] == ord("h"))
-        order = np.argsort(index, kind="stable")
-        slot = np.minimum(np.searchsorted(index[order], wanted), max(len(index) - 1, 0))
-        here = (index[order][slot] == wanted) if len(index) else np.zeros(len(wanted), dtype=bool)
+        in_order = len(index) < 2 or bool((index[1:] > index[:-1]).all())  # MEMOIZE numbers them in order
+        order = np.arange(len(index)) if in_order else np.argsort(index, kind="stable")
+        ordered = index if in_order else index[order]
+        slot = np.minimum(np.searchsorted(ordered, wanted), max(len(index) - 1, 0))
+        here = (ordered[slot] == wanted) if len(index) else np.zeros(len(wanted), dtype=bool)
         entry = order[slot] if len(index) else np.zeros(len(wanted), dtype=np.int64)
         earlier = wanted[~here]
         if (earlier >= len(proof.state)).any():
             return None
         state = proof.state[earlier]
-        if not np.isin(state, (1, 2)).all():
+        if not ((state == 1) | (state == 2)).all():
             return None  # never stored before this fetch: the model stops there
         bounded = fetches[~here][state == 2]
         self.extra_weight[bounded] = proof.memo_weight[earlier[state == 2]] - 1

@@ -113,8 +113,8 @@ def window_starts(data: bytes | memoryview, a: npt.NDArray[np.uint8], begin: int
             joined_at[block] = step
             before = run_ends[bisect.bisect_right(run_ends, block)] - 1
             position = exits[before]
-        else:
-            before, position = block, step
+        else:  # crossed it off its chain
+            joined_at[block], before, position = n, block, step
     joined_at[before + 1 :] = [n] * (len(exits) - before - 1)  # after the window's last opcode: not entered
     # Each block's chain counts from where the pickle's joined it; detours count in the blocks that took them.
     joined = np.arange(n, dtype=np.int32) >= np.repeat(np.array(joined_at, dtype=np.int32), _BLOCK)[:n]

@@ -108,6 +108,22 @@ def test_window_starts_are_pickletools_positions_across_every_edge() -> None:
         assert position == len(data) - 1, window
 
 
+def test_window_starts_where_no_block_chain_falls_into_step() -> None:
+    # BININT1 'K' runs: a chain from an even byte never meets one from an odd byte. After NONE the pickle's chain is
+    # on odd bytes, so every block's own chain (from its even first byte) is the wrong one and exits exactly where
+    # the next block's begins: nothing of those chains may count.
+    for data in (b"\x80\x04N" + b"K" * 2000 + b".", b"\x80\x04" + b"K" * 2000 + b"."):
+        a = np.frombuffer(data, dtype=np.uint8)
+        expected = [position for _, _, position in pickletools.genops(data)][:-1]
+        for window in (100, 300, 1 << 20):
+            found, position = [], 0
+            while position < len(data) - 1:
+                starts, position = window_starts(data, a, position, min(position + window, len(data) - 1))
+                found += starts.tolist()
+            assert found == expected, window
+        agree(data, windows=(5, 300, 1 << 20))
+
+
 def test_window_starts_of_a_many_block_metadata_are_pickletools_positions() -> None:
     data = dcp_metadata(ranks=16, layers=3)
     assert len(data) > 64 * 1024  # many blocks, so the chains must be joined

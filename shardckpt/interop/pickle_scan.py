@@ -5,11 +5,12 @@ Refuses what would make the C unpickler allocate far beyond the input: a far mem
 Why: the C unpickler grows its memo array to twice any index a PUT or LONG_BINPUT names, so 10 bytes naming
 index 2^32 make it allocate 64 GiB; picklers number memo entries 0, 1, 2, ... in order, so no real file does.
 Finding those opcodes means splitting the whole pickle into opcodes. pickletools.genops does that in Python
-(~5 MiB/s: an hour for an 8 GiB DCP .metadata); here one regular expression matches runs of ordinary opcodes
-(fixed-size arguments, short strings, text lines) inside the C regex engine, and Python only steps over long
-payloads by their length and checks each memo store (30-40 MiB/s on a real .metadata, several times faster
-than unpickling it). Protocol 4+ pickles (DCP's .metadata) store memo entries with MEMOIZE, which takes no index,
-so they are checked in one pass; protocol 2 (torch.save) numbers each store, and a second pass counts them.
+(~5 MiB/s: an hour for an 8 GiB DCP .metadata). pickle_window's proof splits them with numpy and checks these
+rules as it goes, so a pickle it proves is not scanned at all; for the rest, one regular expression here matches
+runs of ordinary opcodes (fixed-size arguments, short strings, text lines) inside the C regex engine, and Python
+only steps over long payloads by their length and checks each memo store, to say what is wrong. Protocol 4+
+pickles (DCP's .metadata) store memo entries with MEMOIZE, which takes no index, so they are checked in one pass;
+protocol 2 (torch.save) numbers each store, and a second pass counts them.
 """
 
 from __future__ import annotations
@@ -88,12 +89,13 @@ _TOKEN = re.compile(b"(?=([hq].|[jr]....|[gp][^\n]*+\n|.))" + _one_opcode({_STOP
 def check_pickle(data: bytes | memoryview, where: str) -> None:
     """Refuse a pickle whose opcodes do not parse, run past its end, name a memo index out of order, nest deeper
     than MAX_TREE_DEPTH or make the unpickler hash more than pickle_stack's budget."""
-    stop = _scan(data, where, counting=False)
-    if stop < 0:
-        stop = _scan(data, where, counting=True)
-    # The proof (numpy, a window at a time) passes only what the model passes; the model decides the rest.
-    if not proven_windowed(data, stop, hash_budget(len(data))):
-        _model(bytes(data), where)
+    # The proof (numpy, a window at a time) parses as the scan does and passes only what the model passes; the scan
+    # and the model decide the rest (and say why).
+    if proven_windowed(data, hash_budget(len(data))):
+        return
+    if _scan(data, where, counting=False) < 0:
+        _scan(data, where, counting=True)
+    _model(bytes(data), where)
 
 
 def _model(data: bytes, where: str) -> None:

@@ -1,19 +1,22 @@
 """pickle_bounds' proof run over a pickle a window of bytes at a time: memory stays a constant, any size is proven.
 
-proven_windowed() answers True only when pickle_stack's model could not refuse the pickle; False means "run the model".
+proven_windowed() answers True only when pickle_scan and pickle_stack's model could not refuse the pickle; False
+means "run them" (they say why). It finds the opcodes itself, so a proven pickle is parsed once.
 
-Why: the whole-pickle proof holds ~60 bytes of arrays per pickle byte (a 15 MiB DCP .metadata: 900 MB), so big
-files went to the per-opcode model (~1.5 MiB/s: an hour for 8 GiB). Here each window of opcodes is prefixed with
+Why: a proof of the whole pickle at once holds ~60 bytes of arrays per pickle byte (15 MiB .metadata: 900 MB), so
+big files went to the per-opcode model (~1.5 MiB/s: an hour for 8 GiB). Here each window of opcodes is prefixed with
 what is still live from before it: one pseudo-opcode per stack slot (a value pushed earlier, carrying the weight
 and the depth of everything in its region of the stack) and the open MARKs at their heights, so the bounds of the
 module docstring of pickle_bounds hold across window edges. Memo entries cross edges as (weight, depth) bounds once
 their value has left the stack; while it is still there an entry stays attached to its slot's pseudo-opcode.
-A memo entry's value has surely left the stack once the stack is lower than its slot again (found for all entries
-at once: the heights each opcode crosses downwards, sorted by height), so its weight and depth are bounded by that
-region, and a fetch of it is proven only from there on.
+A memo entry's value has surely left the stack once another value is pushed into its slot (the next opcode pushing
+into that slot while it is empty: found for all entries at once, with where each value began), so its weight and
+depth are bounded by the opcodes up to there, and a fetch of it is proven only from there on.
 """
 
 from __future__ import annotations
+
+import bisect
 
 import numpy as np
 import numpy.typing as npt
@@ -25,35 +28,44 @@ from shardckpt.interop.unpickled import MAX_TREE_DEPTH
 Ints = npt.NDArray[np.int64]
 Flags = npt.NDArray[np.bool_]
 PSEUDO = pb.PSEUDO  # a value pushed before this window: not a leaf, not a finished tuple
-_MARK, _MEMOIZE = 0x28, 0x94
+_MARK, _MEMOIZE, _STOP, _LONG_BINPUT = 0x28, 0x94, 0x2E, 0x72
 _STORE_LENGTH = {_MEMOIZE: 1, ord("q"): 2, ord("r"): 5}
-_KNOWN = pb._KNOWN.copy()
-_KNOWN[PSEUDO] = True
 _MAX_HEIGHT = 1 << 14  # taller stacks are carried into every window: not proven (the model decides)
 _BLOCK = 256  # bytes a chain cursor covers when the window's opcode starts are found
 _FIXED32 = pb._FIXED.astype(np.int32)
+_SPANS = pb._NESTS & ~pb._MARK_CONSUMER  # nests over the slots it consumes (MARK consumers: from their MARK)
+_CHARGES_SPANNED = pb._CHARGES & ~pb._MARK_CONSUMER
 _SHORT_KIND = 1
 _KIND = np.zeros(256, dtype=np.int8)  # 0 fixed size, 1 a one-byte length, 2 a longer length or text lines
 _KIND[list(pb.SHORT_CODES)] = _SHORT_KIND
 _KIND[[code for code, _, _ in pb._PREFIXED] + [code for code, _ in pb._LINES]] = 2
 
 
-def proven_windowed(data: bytes | memoryview, stop: int, budget: int, window: int = 0) -> bool:
-    """True when pickle_stack's model would pass this pickle (its opcodes parse up to the STOP at `stop`)."""
+def proven_windowed(data: bytes | memoryview, budget: int, window: int = 0) -> bool:
+    """True when pickle_scan's checks and pickle_stack's model would pass this pickle: its opcodes parse up to a STOP
+    (found here, as the scan would), memo stores are numbered in order, and the model's bounds hold."""
     a = np.frombuffer(data, dtype=np.uint8)
-    proof, position = _Proof(a, budget), 0
+    proof, position, end = _Proof(a, budget), 0, len(a)
     window = window or knobs.PICKLE_PROOF_WINDOW
-    while position < stop:
-        starts, position = window_starts(data, a, position, min(position + window, stop))
+    while position < end:
+        try:
+            starts, position = window_starts(data, a, position, min(position + window, end))
+        except (IndexError, ValueError):  # the last opcode is cut short or has a negative length: the scan says why
+            return False
         stores = []
-        while position < stop and data[position] in _STORE_LENGTH:  # a store stays with what it stores: a leaf
+        while position < end and data[position] in _STORE_LENGTH:  # a store stays with what it stores: a leaf
             stores.append(position)  # stored in the next window would look like a value from before
             position += _STORE_LENGTH[data[position]]
         if stores:
             starts = np.concatenate((starts, stores))
-        if not proof.window(starts):
+        stop = np.flatnonzero(a[starts] == _STOP)
+        if len(stop):  # the unpickler stops here; what follows is never read
+            starts = starts[: stop[0]]
+        if len(starts) and not proof.window(starts):
             return False
-    return proof.charged <= budget * (1 - 1e-9)
+        if len(stop):
+            return proof.charged <= budget * (1 - 1e-9)
+    return False  # no STOP: the scan says so
 
 
 def window_starts(data: bytes | memoryview, a: npt.NDArray[np.uint8], begin: int, limit: int) -> tuple[Ints, int]:
@@ -63,47 +75,81 @@ def window_starts(data: bytes | memoryview, a: npt.NDArray[np.uint8], begin: int
     lengths = _lengths(chunk)  # clipped at the chunk's end: the last opcode's own length is taken below
     begins = np.arange(0, n, _BLOCK, dtype=np.int64)
     ends = np.minimum(begins + _BLOCK, n)
-    visited = np.zeros(n, dtype=bool)
-    cursor, live = begins.copy(), np.arange(len(begins))
-    while live.size:  # every block's chain one opcode a step; a chain from a wrong byte falls into step soon
-        at = cursor[live]
-        visited[at] = True
-        at = at + lengths[at]
-        cursor[live] = at
-        live = live[at < ends[live]]
-    # The pickle's chain enters block 0 at 0 and each next block where it left the last; where the block's own chain
-    # does not pass there (a few blocks in 100 of a DCP .metadata), the pickle's is followed through that block.
-    in_step = visited[np.minimum(cursor, n - 1)].tolist()
-    exits, entry = cursor.tolist(), [n] * len(begins)
-    position, synced = 0, True
+    chained = np.zeros(n, dtype=bool)  # on its block's own chain, from the block's first byte
+    exits = _follow(lengths, chained, begins, ends).tolist()
+    # The pickle's chain enters block 0 at 0 and each next block where it left the last. Where the block's own chain
+    # does not pass there (a few blocks in 100 of a DCP .metadata), the pickle's is followed from there until it
+    # meets the block's chain: for all such blocks at once, guessing that the pickle entered where the last block's
+    # chain left it (true unless a payload or an unmet chain crossed a block end).
+    guess = np.concatenate(([0], exits[:-1])).astype(np.int64)
+    inside = guess < ends
+    on_chain = inside & chained[np.minimum(guess, n - 1)]
+    missed = np.flatnonzero(inside & ~on_chain)
+    detour = np.zeros(n, dtype=bool)
+    detour_from = [-1] * len(exits)
+    met = _follow(lengths, detour, guess[missed], ends[missed], chained).tolist()
+    for block, at in zip(missed.tolist(), guess[missed].tolist()):
+        detour_from[block] = at
+    # Python visits only the blocks a run of blocks joined where the one before left them ends at (and skips).
+    joined_at, detours = np.where(on_chain, guess, n).tolist(), [False] * len(exits)
+    run_ends = np.flatnonzero(~on_chain).tolist() + [len(exits)]
+    met_in = dict(zip(missed.tolist(), met))
+    position, before = 0, -1
     while position < n:
         block = position // _BLOCK
-        if not synced:
-            start = block * _BLOCK
-            sizes, walked, step = lengths[start : start + _BLOCK].tolist(), [], position - start
-            while step < len(sizes):
-                walked.append(step)
-                step += sizes[step]
-            visited[start : start + _BLOCK] = False
-            visited[np.array(walked, dtype=np.int64) + start] = True
-            exits[block] = step = step + start
-            in_step[block] = step >= n or bool(visited[step])
-        entry[block] = position
-        position, synced = exits[block], in_step[block]
-    before_entry = np.arange(n, dtype=np.int32) < np.repeat(np.array(entry, dtype=np.int32), _BLOCK)[:n]
-    visited[before_entry] = False  # chains from a block's start before they fell into the pickle's step
-    starts = np.flatnonzero(visited)
+        joined_at[before + 1 : block] = [n] * (block - before - 1)  # inside a payload: not entered
+        if chained[position]:
+            step = position
+        elif detour_from[block] == position:
+            detours[block], step = True, met_in[block]
+        else:  # a payload or an unmet chain moved the entry: walk this block here (rare)
+            start, step, detours[block] = position - position % _BLOCK, position, True
+            end = min(start + _BLOCK, n)
+            detour[start:end] = False
+            while step < end and not chained[step]:
+                detour[step] = True
+                step += int(lengths[step])
+        if step < ends[block]:  # joined: so are the blocks after it up to the next not entered on its chain
+            joined_at[block] = step
+            before = run_ends[bisect.bisect_right(run_ends, block)] - 1
+            position = exits[before]
+        else:  # crossed it off its chain
+            joined_at[block], before, position = n, block, step
+    joined_at[before + 1 :] = [n] * (len(exits) - before - 1)  # after the window's last opcode: not entered
+    # Each block's chain counts from where the pickle's joined it; detours count in the blocks that took them.
+    joined = np.arange(n, dtype=np.int32) >= np.repeat(np.array(joined_at, dtype=np.int32), _BLOCK)[:n]
+    kept = chained & joined
+    if any(detours):
+        kept |= detour & np.repeat(np.array(detours), _BLOCK)[:n]
+    starts = np.flatnonzero(kept)
     last = int(starts[-1]) + begin
     return starts + begin, last + _length_at(data, last)
+
+
+def _follow(lengths: npt.NDArray[np.int32], mark: Flags, cursor: Ints, ends: Ints, until: Flags | None = None) -> Ints:
+    """Follow a chain of opcodes from each `cursor` to its `ends` (or to the first byte `until` holds), marking each
+    opcode start passed in `mark`; returns where each chain stopped."""
+    cursor, live = cursor.copy(), np.arange(len(cursor))
+    while live.size:
+        at = cursor[live]
+        mark[at] = True
+        at = at + lengths[at]
+        cursor[live] = at
+        going = at < ends[live]
+        live = live[going]
+        if until is not None:
+            live = live[~until[cursor[live]]]
+    return cursor
 
 
 def _lengths(a: npt.NDArray[np.uint8]) -> npt.NDArray[np.int32]:
     """For every byte, the length of the opcode that would start there, clipped to the end of `a`."""
     n = len(a)
-    lengths = _FIXED32[a]
+    as_index = a.astype(np.intp)  # numpy converts a byte index to this for every lookup: once here
+    lengths = _FIXED32[as_index]
     if n == 0:
         return lengths
-    kind = _KIND[a]
+    kind = _KIND[as_index]
     at = np.flatnonzero(kind == _SHORT_KIND)
     lengths[at] = 2 + a[np.minimum(at + 1, n - 1)].astype(np.int32)
     odd = np.flatnonzero(kind > _SHORT_KIND)  # length prefixes and text lines
@@ -132,6 +178,8 @@ def _length_at(data: bytes | memoryview, position: int) -> int:
     for prefixed, width, signed in pb._PREFIXED:
         if code == prefixed:
             size = int.from_bytes(bytes(data[position + 1 : position + 1 + width]), "little", signed=signed)
+            if size < 0:
+                raise ValueError(f"a negative length at byte {position}")
             return 1 + width + size
     for lined, count in pb._LINES:
         if code == lined:
@@ -155,7 +203,7 @@ class _Proof:
         # Per memo index: 0 never stored, 1 a leaf, 2 a value with bounds, 3 attached to a live slot.
         self.state = np.zeros(1024, dtype=np.int8)
         self.memo_weight, self.memo_depth = np.zeros(1024, dtype=np.int64), np.zeros(1024, dtype=np.int16)
-        self.memoized, self.indexed = 0, False
+        self.memoized, self.indexed, self.stored = 0, False, 0  # MEMOIZEs; numbered stores seen; stores
 
     def window(self, positions: Ints) -> bool:
         a, height = self.a, len(self.weight)
@@ -165,10 +213,11 @@ class _Proof:
         at_or_below = np.cumsum(np.bincount(self.marks, minlength=height + 1))
         pseudo = np.arange(height, dtype=np.int64) + at_or_below[:height]
         prefix = height + len(self.marks)
-        ops = np.full(prefix + len(positions), _MARK, dtype=np.uint8)
+        # Opcodes as array indices: every table lookup below (a dozen a window) then skips numpy's conversion.
+        ops = np.full(prefix + len(positions), _MARK, dtype=np.intp)
         ops[pseudo] = PSEUDO
         ops[prefix:] = a[positions]
-        if not _KNOWN[ops].all():
+        if not pb._KNOWN[ops[prefix:]].all():  # a byte 0xFF in the pickle is no PSEUDO but an unknown opcode
             return False
         n = len(ops)
         where = np.concatenate((np.full(prefix, -1, dtype=np.int64), positions))
@@ -194,7 +243,7 @@ class _Window:
     def __init__(
         self,
         proof: _Proof,
-        ops: npt.NDArray[np.uint8],
+        ops: Ints,
         where: Ints,
         stack: pb._Stack,
         pseudo: Ints,
@@ -203,11 +252,11 @@ class _Window:
         self.proof, self.ops, self.where, self.stack, self.pseudo = proof, ops, where, stack, pseudo
         self.extra_weight, self.extra_depth, self.frozen = extras
         self.n = len(ops)
-        self.drops: Ints | None = None
 
     def prove(self) -> bool:
         ops, stack, n, proof = self.ops, self.stack, self.n, self.proof
-        fresh_at = np.flatnonzero((pb._PUSHES[ops] == 1) & (stack.pops == 0))
+        pushes = pb._PUSHES[ops]
+        fresh_at = np.flatnonzero((pushes == 1) & (stack.pops == 0))
         fresh = pb._FreshPushes(fresh_at, stack.before[fresh_at], n)
         self.fresh = fresh
         lowest = stack.before - stack.pops
@@ -217,11 +266,12 @@ class _Window:
         index, stored, leafy, finished = entries
         self.leafy = leafy
         slot = stack.after[stored] - 1
-        begin = fresh.last(slot, stored)
-        if begin is None:
+        # Where each entry's value began, and where it has surely left the stack: the next push into its slot, which
+        # must have been emptied first (n: not in this window).
+        found = fresh.around(slot, stored)
+        if found is None:
             return False
-        # Where each entry's value has surely left the stack: the next push into the empty slot (n: not here).
-        vacated = self._vacated(slot, stored)
+        begin, vacated = found
         height = int(stack.after[-1])
         live = (slot < height) & (vacated == n)  # still in its slot's region at the window's end
         heavy_entry = ~leafy
@@ -229,7 +279,7 @@ class _Window:
         if fetched is None:
             return False
         fetches, source = fetched  # in-window fetches of in-window entries that are no leaves
-        spanned = np.flatnonzero(pb._NESTS[ops] & ~pb._MARK_CONSUMER[ops])
+        spanned = np.flatnonzero(_SPANS[ops])
         mutators = np.flatnonzero(pb._MUTATES[ops])
         target = stack.before[mutators] - stack.pops[mutators] - 1
         is_consumer = np.zeros(n, dtype=bool)
@@ -259,7 +309,7 @@ class _Window:
         first = begin[ending]
         weights = depths = np.zeros(len(ending), dtype=np.int64)
         for _ in range(8):
-            pushed = pb._PUSHES[ops] + self.extra_weight
+            pushed = pushes + self.extra_weight
             prefix = np.concatenate(([0], np.cumsum(pushed)))
             deep = cover + self.extra_depth
             weights = prefix[last] - prefix[first]
@@ -273,7 +323,7 @@ class _Window:
             return False
         if int(deep.max(initial=0)) > MAX_TREE_DEPTH or (weights > proof.budget).any():
             return False
-        charging = np.flatnonzero(pb._CHARGES[ops] & ~is_consumer)
+        charging = np.flatnonzero(_CHARGES_SPANNED[ops])
         charges = pb._CHARGES[ops[stack.consumers]]
         charge_begin = np.concatenate((begun[np.searchsorted(spanned, charging)], stack.marks[charges]))
         charge_end = np.concatenate((charging, stack.consumers[charges]))
@@ -303,15 +353,20 @@ class _Window:
                 return None
             proof.indexed = True
             index = pb._memo_index(proof.a, self.where[stores], ops[stores] == ord("q"))
+            numbered = np.flatnonzero(ops[stores] == _LONG_BINPUT)  # the scan's rule: at most the stores before it
+            if (index[numbered] > proof.stored + numbered).any():
+                return None
             proof.grow(int(index.max()) + 1)
             if len(np.unique(index)) != len(index) or (proof.state[index] != 0).any():
                 return None  # an index stored twice: which value a fetch gets depends on when
         else:
             return None
+        proof.stored += len(stores)
         proof.grow(int(index.max(initial=-1)) + 1)
-        item_moves = (pb._PUSHES[ops] + self.stack.pops) > 0
-        last_move = np.maximum.accumulate(np.where(item_moves, np.arange(n), -1))
-        producer = last_move[stores]
+        producer = stores - 1  # the opcode whose value a store stores: the last one moving an item
+        if len(stores) and (stores[0] == 0 or not ((pb._PUSHES[ops[producer]] + self.stack.pops[producer]) > 0).all()):
+            item_moves = (pb._PUSHES[ops] + self.stack.pops) > 0
+            producer = np.maximum.accumulate(np.where(item_moves, np.arange(n), -1))[stores]
         made = ops[np.maximum(producer, 0)]
         leafy = (producer >= 0) & pb._LEAF_PUSH[made]
         finished = (producer >= 0) & pb._FINISHED[made]
@@ -324,23 +379,6 @@ class _Window:
             np.concatenate((none, finished)),
         )
 
-    def _vacated(self, slot: Ints, after: Ints) -> Ints:
-        """For each (slot, opcode): the first later opcode leaving the stack lower than `slot` + 1, or n."""
-        stack, n = self.stack, self.n
-        if self.drops is None:
-            drop = np.maximum(stack.before - stack.after, 0)
-            at = np.repeat(np.arange(n, dtype=np.int64), drop)
-            first_of = np.cumsum(drop) - drop  # heights after+1 .. before are crossed downwards, in order
-            level = np.repeat(stack.after, drop) + 1 + np.arange(len(at), dtype=np.int64) - np.repeat(first_of, drop)
-            order = np.argsort(level.astype(np.int16), kind="stable")  # by height, then position
-            self.drops = level[order] * (n + 1) + at[order]
-        keys = self.drops
-        if len(slot) == 0 or len(keys) == 0:
-            return np.full(len(slot), n, dtype=np.int64)
-        found = np.minimum(np.searchsorted(keys, (slot + 1) * (n + 1) + after, side="right"), len(keys) - 1)
-        same = keys[found] // (n + 1) == slot + 1
-        return np.where(same & (keys[found] % (n + 1) > after), keys[found] % (n + 1), n)
-
     def _fetches(
         self, index: Ints, stored: Ints, leafy: Flags, finished: Flags, vacated: Ints
     ) -> tuple[Ints, Ints] | None:
@@ -349,15 +387,17 @@ class _Window:
         proof, ops = self.proof, self.ops
         fetches = np.flatnonzero(pb._IS_FETCH[ops])
         wanted = pb._memo_index(proof.a, self.where[fetches], ops[fetches] == ord("h"))
-        order = np.argsort(index, kind="stable")
-        slot = np.minimum(np.searchsorted(index[order], wanted), max(len(index) - 1, 0))
-        here = (index[order][slot] == wanted) if len(index) else np.zeros(len(wanted), dtype=bool)
+        in_order = len(index) < 2 or bool((index[1:] > index[:-1]).all())  # MEMOIZE numbers them in order
+        order = np.arange(len(index)) if in_order else np.argsort(index, kind="stable")
+        ordered = index if in_order else index[order]
+        slot = np.minimum(np.searchsorted(ordered, wanted), max(len(index) - 1, 0))
+        here = (ordered[slot] == wanted) if len(index) else np.zeros(len(wanted), dtype=bool)
         entry = order[slot] if len(index) else np.zeros(len(wanted), dtype=np.int64)
         earlier = wanted[~here]
         if (earlier >= len(proof.state)).any():
             return None
         state = proof.state[earlier]
-        if not np.isin(state, (1, 2)).all():
+        if not ((state == 1) | (state == 2)).all():
             return None  # never stored before this fetch: the model stops there
         bounded = fetches[~here][state == 2]
         self.extra_weight[bounded] = proof.memo_weight[earlier[state == 2]] - 1

@@ -3,6 +3,7 @@
 For each crash point (SHARDCKPT_CRASH_AT, on a rank or on the coordinator) the job first commits step-1, then
 dies saving step-2. Afterwards step-1 loads bit-exact, latest() returns it, `shardckpt ls` shows step-2 as
 incomplete, and a retry of step 2 at the same URL commits without touching a byte of the failed attempt's files.
+The "+incremental" cases save step-2 with parent=step-1 (format 1.1: the unchanged tensor is stored by reference).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import shardckpt
 from shardckpt.cli import main as cli_main
 from shardckpt.format import layout
 from shardckpt.ops.gc import gc
+from shardckpt.ops.inspect import inspect_checkpoint
 from shardckpt.ops.verify import verify
 from tests.helpers.dist_worker import crash_tensors
 from tests.helpers.launch import run_ranks
@@ -34,6 +36,16 @@ PHASES = {
     "after_local_manifest:0": 0,
     "before_global_manifest": 0,
     "before_commit": 0,
+}
+# Incremental saves (parent=step-1) die at a rank's data, after a local manifest with references, and just before
+# COMMITTED (after the parent re-check): the parent must survive each, and the retry must reference it again.
+INCREMENTAL = "+incremental"
+CASES = {
+    **PHASES,
+    **{
+        f"{phase}{INCREMENTAL}": PHASES[phase]
+        for phase in ("writing_data:1", "after_local_manifest:0", "before_commit")
+    },
 }
 
 
@@ -74,21 +86,25 @@ def crashed(tmp_path_factory) -> dict[str, dict]:
     """Each phase's job killed there; the tree as it was right after the crash is kept in <phase>-after-crash."""
     base = tmp_path_factory.mktemp("crash")
     runs: dict[str, dict] = {}
-    for phase, victim in PHASES.items():
-        root = base / phase.replace(":", "-rank")
-        verdicts = run_ranks("crash", WORLD, {"root": str(root), "crash_at": phase, "timeout": 30}, timeout=90)
+    for case, victim in CASES.items():
+        phase, incremental = case.removesuffix(INCREMENTAL), case.endswith(INCREMENTAL)
+        root = base / case.replace(":", "-rank").replace("+", "-")
+        args = {"root": str(root), "crash_at": phase, "timeout": 30, "incremental": incremental}
+        verdicts = run_ranks("crash", WORLD, args, timeout=90)
         failed = root / "step-2"
         copy = base / f"{root.name}-after-crash"
         shutil.copytree(root, copy)
-        runs[phase] = {"victim": victim, "verdicts": verdicts, "root": root, "copy": copy, "files": _snapshot(failed)}
+        runs[case] = {"victim": victim, "verdicts": verdicts, "root": root, "copy": copy, "files": _snapshot(failed)}
+        runs[case]["incremental"] = incremental
     urls = [str(run["root"] / "step-2") for run in runs.values()]
-    retry = run_ranks("retry", WORLD, {"urls": urls, "timeout": 30}, timeout=90)
+    parents = {str(run["root"] / "step-2"): str(run["root"] / "step-1") for run in runs.values() if run["incremental"]}
+    retry = run_ranks("retry", WORLD, {"urls": urls, "parents": parents, "timeout": 30}, timeout=90)
     for run in runs.values():
         run["retry"] = retry
     return runs
 
 
-@pytest.mark.parametrize("phase", sorted(PHASES))
+@pytest.mark.parametrize("phase", sorted(CASES))
 def test_the_job_died_at_that_phase(crashed, phase: str) -> None:
     run = crashed[phase]
     victim, verdicts = run["victim"], run["verdicts"]
@@ -102,7 +118,7 @@ def test_the_job_died_at_that_phase(crashed, phase: str) -> None:
     locals_ = {name for name in names if name.startswith("ranks/")}
     data = {name for name in names if name.startswith("data/")}
     manifests = {name for name in names if name.startswith("manifest-")}
-    name, _, rank = phase.partition(":")
+    name, _, rank = phase.removesuffix(INCREMENTAL).partition(":")
     if name == "writing_data":  # the victim's data file is partial, no local manifest of the victim exists
         assert data and not any(n.startswith(f"ranks/{int(rank):05d}-") for n in locals_) and not manifests
     elif name == "after_local_manifest":
@@ -113,7 +129,7 @@ def test_the_job_died_at_that_phase(crashed, phase: str) -> None:
         assert len(locals_) == WORLD and len(manifests) == 1
 
 
-@pytest.mark.parametrize("phase", sorted(PHASES))
+@pytest.mark.parametrize("phase", sorted(CASES))
 def test_the_previous_checkpoint_survives_bit_exact(crashed, phase: str) -> None:
     root = crashed[phase]["copy"]
     assert shardckpt.latest(str(root)) == str(root / "step-1")
@@ -125,7 +141,7 @@ def test_the_previous_checkpoint_survives_bit_exact(crashed, phase: str) -> None
         shardckpt.open(str(root / "step-2"))
 
 
-@pytest.mark.parametrize("phase", sorted(PHASES))
+@pytest.mark.parametrize("phase", sorted(CASES))
 def test_a_retry_at_the_same_url_commits_without_touching_the_failed_attempt(crashed, phase: str) -> None:
     run = crashed[phase]
     retry = run["retry"]
@@ -141,6 +157,11 @@ def test_a_retry_at_the_same_url_commits_without_touching_the_failed_attempt(cra
     assert shardckpt.latest(str(run["root"])) == url
     _assert_holds(url, 2)
     _assert_holds(str(run["root"] / "step-1"), 1)
+    references = inspect_checkpoint(url)["references"]
+    if run["incremental"]:  # the retry stored the unchanged tensor by reference to step-1 again
+        assert {entry["checkpoint"] for entry in references} == {"step-1"}, references
+    else:
+        assert references == []
 
 
 def test_a_crash_during_retention_leaves_every_surviving_checkpoint_loadable(tmp_path) -> None:

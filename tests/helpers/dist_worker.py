@@ -165,6 +165,8 @@ def crash_tensors(step: int) -> dict[str, torch.Tensor]:
         "b": torch.randint(-(2**40), 2**40, (40, 7), generator=generator),
         "c": torch.randn(96, 5, generator=generator).bfloat16(),
         "d": torch.randn(17, generator=generator, dtype=torch.float64),
+        # The same at every step: an incremental save stores it by reference to the previous checkpoint.
+        "frozen": torch.randn(48, 20, generator=torch.Generator().manual_seed(999)),
     }
 
 
@@ -182,7 +184,8 @@ def scenario_crash(args: dict, rank: int, world: int) -> dict:
     from shardckpt.storage import open_storage
 
     root = args["root"]
-    shardckpt.save(crash_state(rank, world, 1), f"{root}/step-1", step=1)
+    incremental = bool(args.get("incremental"))
+    shardckpt.save(crash_state(rank, world, 1), f"{root}/step-1", step=1, piece_hashes=incremental)
     if args.get("retention"):
         shardckpt.save(crash_state(rank, world, 2), f"{root}/step-2", step=2)
         shardckpt.save(crash_state(rank, world, 3), f"{root}/step-3", step=3)
@@ -192,16 +195,22 @@ def scenario_crash(args: dict, rank: int, world: int) -> dict:
         dist.barrier()
         return {"raised": None}
     os.environ["SHARDCKPT_CRASH_AT"] = args["crash_at"]
+    parent = f"{root}/step-1" if incremental else None
     try:
-        shardckpt.save(crash_state(rank, world, 2), f"{root}/step-2", step=2)
+        shardckpt.save(crash_state(rank, world, 2), f"{root}/step-2", step=2, parent=parent)
     except shardckpt.ShardckptError as exc:
         return {"raised": type(exc).__name__, "message": str(exc)[:1000]}
     return {"raised": None}
 
 
 def scenario_retry(args: dict, rank: int, world: int) -> dict:
-    """Save step 2 again to each URL (which holds the leftovers of a crashed attempt)."""
-    return {url: shardckpt.save(crash_state(rank, world, 2), url, step=2).attempt for url in args["urls"]}
+    """Save step 2 again to each URL (which holds the leftovers of a crashed attempt), incremental ones again on
+    their parent."""
+    parents = args.get("parents", {})
+    return {
+        url: shardckpt.save(crash_state(rank, world, 2), url, step=2, parent=parents.get(url)).attempt
+        for url in args["urls"]
+    }
 
 
 def scenario_dcp_save(args: dict, rank: int, world: int) -> dict:

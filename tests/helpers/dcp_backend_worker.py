@@ -7,12 +7,9 @@ loaded back with dcp.load on this job's world size; each rank writes its verdict
 from __future__ import annotations
 
 import contextlib
-import datetime
-import json
 import math
 import os
 import sys
-import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,10 +22,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # run as a script
+
 import shardckpt
 import shardckpt.dcp
 from shardckpt.format import layout
 from shardckpt.storage.local import LocalStorage
+from tests.helpers.launch import serve_rank
 
 BLOCK_SIZE = 4096  # the smallest legal block: verified reads then need few bytes beyond a box's own
 EXTRA = {"epoch": 3, "tag": "dcp", "blob": b"\x00\x01state", "history": [1.5, 2.5]}
@@ -226,18 +226,7 @@ def _jsonable(value: Any) -> Any:
 
 
 def main() -> None:
-    scenario, args = sys.argv[1], json.loads(sys.argv[2])
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(args.get("timeout", 90))))
-    try:
-        result = {"ok": True, "value": globals()[f"scenario_{scenario}"](args, rank, world)}
-    except Exception as exc:
-        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
-    with open(os.path.join(args["result_dir"], f"rank-{rank}.json"), "w") as handle:
-        json.dump(result, handle)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    serve_rank(globals(), default_timeout=90)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,9 @@ known gloo abort at interpreter exit cannot be mistaken for a test failure (FIEL
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import sys
-import traceback
 import warnings
 
 import torch
@@ -22,7 +20,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # run as a script
+
 import shardckpt
+from tests.helpers.launch import serve_rank
 
 
 def build(seed: int, world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -404,19 +405,7 @@ def scenario_per_rank_load(args: dict, rank: int, world: int) -> dict:
 
 
 def main() -> None:
-    scenario, args = sys.argv[1], json.loads(sys.argv[2])
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    timeout = datetime.timedelta(seconds=float(args.get("timeout", 60)))
-    dist.init_process_group("gloo", timeout=timeout)
-    try:
-        result = {"ok": True, "value": globals()[f"scenario_{scenario}"](args, rank, world)}
-    except Exception as exc:
-        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
-    with open(os.path.join(args["result_dir"], f"rank-{rank}.json"), "w") as handle:
-        json.dump(result, handle)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    serve_rank(globals(), default_timeout=60)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,10 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 WORKER = Path(__file__).resolve().parent / "dist_worker.py"
 
@@ -65,3 +68,26 @@ def run_ranks(
                 result["output"] = outputs[rank][-4000:]
             results.append(result)
         return results
+
+
+def serve_rank(names: Mapping[str, Any], default_timeout: float) -> None:
+    """The body of a worker script that run_ranks starts: join the gloo group, run `scenario_<argv[1]>` from
+    `names` (the worker's globals) with the JSON args of argv[2], write this rank's verdict, and leave at once
+    (gloo may abort at interpreter exit, FIELD-NOTES: the verdict is written already)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    scenario, args = sys.argv[1], json.loads(sys.argv[2])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(seconds=float(args.get("timeout", default_timeout)))
+    dist.init_process_group("gloo", timeout=timeout)
+    try:
+        result = {"ok": True, "value": names[f"scenario_{scenario}"](args, rank, world)}
+    except Exception as exc:
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+    with open(os.path.join(args["result_dir"], f"rank-{rank}.json"), "w") as handle:
+        json.dump(result, handle)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

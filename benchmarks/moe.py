@@ -16,17 +16,11 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.__main__ import write_report
+from benchmarks.distributed import values
 from tests.helpers.launch import run_ranks
 
 WORKER = Path(__file__).resolve().parent / "moe_worker.py"
 TARGET_TIME, TARGET_READ = 0.5, 1.05  # issue 15: each <= 0.5x DCP's time; bytes read <= 1.05x needed
-
-
-def values(results: list[dict | None]) -> list[dict]:
-    for rank, result in enumerate(results):
-        if result is None or not result.get("ok"):
-            raise SystemExit(f"benchmark rank {rank} failed: {result}")
-    return [result["value"] for result in results if result is not None]
 
 
 def main(argv: list[str] | None = None) -> int:

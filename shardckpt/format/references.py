@@ -168,14 +168,20 @@ def _referenced_file(raw: object, where: str, own_attempt: str) -> ReferencedFil
     return ReferencedFile(target, fields.integer("data_size", 8, limits.MAX_EXTENT))
 
 
+def _references_list(fields: Fields, version: tuple[int, int]) -> list[Any]:
+    """A document's `references` array (empty when absent), its feature declared and its length within limits."""
+    raw: list[Any] = fields.get("references", list, optional=True) or []
+    _check_feature(fields, version, bool(raw))
+    if len(raw) > limits.MAX_FILES:
+        raise FormatError(f"{fields.where}: {len(raw)} references exceed the limit of {limits.MAX_FILES}")
+    return raw
+
+
 def decode_global_references(
     fields: Fields, version: tuple[int, int], attempt: str, world_size: int
 ) -> tuple[GlobalReference, ...]:
     """The global manifest's `references` (SPEC 6.2, appendix A); empty when absent."""
-    raw = fields.get("references", list, optional=True) or []
-    _check_feature(fields, version, bool(raw))
-    if len(raw) > limits.MAX_FILES:
-        raise FormatError(f"{fields.where}: {len(raw)} references exceed the limit of {limits.MAX_FILES}")
+    raw = _references_list(fields, version)
     entries = []
     for index, item in enumerate(raw):
         where = f"{fields.where} references[{index}]"
@@ -202,10 +208,7 @@ def check_committed_references(
 
 def decode_committed_references(fields: Fields, version: tuple[int, int]) -> tuple[tuple[str, str], ...]:
     """COMMITTED's `references`: (checkpoint, attempt) pairs, sorted by name, one per name; empty when absent."""
-    raw = fields.get("references", list, optional=True) or []
-    _check_feature(fields, version, bool(raw))
-    if len(raw) > limits.MAX_FILES:
-        raise FormatError(f"{fields.where}: {len(raw)} references exceed the limit of {limits.MAX_FILES}")
+    raw = _references_list(fields, version)
     pairs = []
     for index, item in enumerate(raw):
         entry = Fields(item, f"{fields.where} references[{index}]")

@@ -586,7 +586,12 @@ def _documents(checkpoint: Path) -> tuple[Any, list[Any], Any]:
     return load(manifest), locals_, json.loads((checkpoint / "COMMITTED").read_text())
 
 
-def test_the_schemas_describe_the_reference_vectors() -> None:
+def test_the_schemas_describe_the_reference_vectors_of_both_hash_algs() -> None:
+    blake3_doc, blake3_locals, _ = _documents(VECTORS / "valid" / "references_blake3" / "step-2")
+    _schema("global-manifest.schema.json").validate(blake3_doc)
+    for local in blake3_locals:
+        _schema("local-manifest.schema.json").validate(local)
+        assert local["piece_hash"]["alg"] == local["referenced"]["hash"]["alg"] == "blake3-128"
     global_doc, local_docs, marker = _documents(VECTORS / "valid" / "references_basic" / "step-2")
     _schema("global-manifest.schema.json").validate(global_doc)
     for local in local_docs:

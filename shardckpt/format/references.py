@@ -130,21 +130,19 @@ def check_hash_alg(alg: object, where: str) -> str:
 
 def new_hasher(alg: str = HASH_ALG, *, threads: int = 1) -> ContentHasher:
     """An incremental hasher of `alg`; threads > 1 (or AUTO_THREADS) lets BLAKE3 split one piece over its threads."""
-    if alg == HASH_ALG:
-        return _Blake3Hasher(threads)
     if alg == LEGACY_HASH_ALG:
         return hashlib.blake2b(digest_size=HASH_BYTES)
-    return new_hasher(check_hash_alg(alg, "piece hash"))
+    check_hash_alg(alg, "piece hash")
+    return _Blake3Hasher(threads)
 
 
 def piece_hash(data: Any, alg: str = HASH_ALG, *, threads: int = 1) -> bytes:
     """The content hash of a piece's stored bytes (SPEC 6.3): BLAKE3 (default mode, first 16 bytes of its output),
     or BLAKE2b with a 16-byte digest and no key. Both release the GIL from 2 KiB on, so threads overlap."""
-    if alg == HASH_ALG:
-        return blake3.blake3(data, max_threads=threads).digest(HASH_BYTES)
     if alg == LEGACY_HASH_ALG:
         return hashlib.blake2b(data, digest_size=HASH_BYTES).digest()
-    raise FormatError(f"hash algorithm {alg!r} is not one of {', '.join(map(repr, HASH_ALGS))}")
+    check_hash_alg(alg, "piece hash")
+    return blake3.blake3(data, max_threads=threads).digest(HASH_BYTES)
 
 
 def encode_hash_column(digests: Sequence[bytes], alg: str = HASH_ALG) -> dict[str, Any]:

@@ -65,6 +65,9 @@ class WriteStats:
     bytes_written: int  # the data file, header included
     seconds: float
     referenced_bytes: int = 0  # piece bytes stored by reference to the parent's holders instead of written
+    # Seconds hashing every piece before anything is written (a save with a parent compares first); 0 for other
+    # saves, whose hashes run alongside the writes.
+    hash_seconds: float = 0.0
 
 
 def piece_digest(data: Any) -> bytes:
@@ -315,9 +318,11 @@ class ShardWriter:
         referenced: list[tuple[_Piece, Holder, bytes]] = []
         digests: list[bytes] | None = None
         hasher: _PieceHasher | None = None
+        hash_seconds = 0.0
         if self.parent is not None:
             # Hashed before anything is written: a piece equal to the parent's is not written at all.
             digests, referenced = self._match_parent(self.parent)
+            hash_seconds = time.perf_counter() - began
         elif self.piece_hashes:
             hasher = _PieceHasher(len(self._pieces), self.hash_threads)
         header = self._header()
@@ -362,7 +367,8 @@ class ShardWriter:
         if self.storage.read_small(manifest_path, MAX_LOCAL_MANIFEST_BYTES) != self.encoded_manifest:
             raise IntegrityError(f"{self.storage.describe(manifest_path)} does not hold the bytes just written")
         crash_point("after_local_manifest", self.rank)
-        self.stats = WriteStats(position, time.perf_counter() - began, sum(p.nbytes for p, _, _ in referenced))
+        referenced_bytes = sum(p.nbytes for p, _, _ in referenced)
+        self.stats = WriteStats(position, time.perf_counter() - began, referenced_bytes, hash_seconds)
         return manifest
 
     def _write_data(

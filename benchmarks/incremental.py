@@ -1,15 +1,16 @@
 """`python -m benchmarks.incremental`: incremental checkpoints of a frozen-base fine-tuning state, one process.
 
-Frozen tensors + trainable ones + the trainable ones' AdamW state: one full save, then N saves with parent= after an
-optimizer step each; bytes written per checkpoint against the changed bytes + manifests, seconds against a full save,
-what piece hashes cost (full saves with and without them, hashing alone per thread count), and loads of an
-incremental checkpoint against a full one where the reader follows references.
+Frozen tensors + trainable ones + the trainable ones' AdamW state: one full save, then N saves with a parent after
+an optimizer step each (one rank's ShardWriter + commit, what save(parent=) runs in one process, so that each save's
+time splits into hashing every piece and writing the changed ones); bytes written per checkpoint against the changed
+bytes + manifests, seconds against a full save, what piece hashes cost (full saves with and without them; BLAKE3 per
+core next to a memcpy of the same bytes; the writer's hashing per thread count), and loads of an incremental
+checkpoint against a full one where the reader follows references.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import platform
 import shutil
@@ -20,16 +21,21 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 
 import shardckpt
 from benchmarks.__main__ import remove, write_report
 from shardckpt.errors import ShardckptError
 from shardckpt.format.layout import new_attempt
+from shardckpt.format.references import LEGACY_HASH_ALG, piece_hash
 from shardckpt.knobs import HASH_THREADS
-from shardckpt.write.writer import ShardWriter
+from shardckpt.storage import open_storage
+from shardckpt.write.parent import open_parent
+from shardckpt.write.writer import ShardWriter, piece_digest
 
 MIB = 1 << 20
+GB = 1e9
 FROZEN_TENSORS = 64  # a 1 GiB base: 64 tensors of 16 MiB, like the blocks of a small model
 TRAINABLE_TENSORS = 4
 # Full saves timed with and without hashes: none; hashed in the writer's own thread, one piece after the other
@@ -88,21 +94,85 @@ def sizes(path: str) -> tuple[int, int]:
     return data, other
 
 
-def hashing_rates(state: dict[str, torch.Tensor], threads: list[int]) -> dict[str, float]:
-    """MiB/s of BLAKE2b-128 over every tensor of `state` (one job per tensor, largest first) on n threads."""
-    views = sorted((t.detach().reshape(-1).view(torch.uint8).numpy().data for t in state.values()), key=len)[::-1]
+def _views(state: dict[str, torch.Tensor]) -> list[memoryview]:
+    """Every tensor's bytes, largest first."""
+    views = [t.detach().reshape(-1).view(torch.uint8).numpy().data for t in state.values()]
+    return sorted(views, key=len, reverse=True)
+
+
+def per_core_rates(state: dict[str, torch.Tensor], repeats: int) -> dict[str, float]:
+    """GB/s on one thread over every tensor of `state`, medians of `repeats` rounds taking turns: a memcpy into a
+    pre-faulted buffer (memory speed in this process), BLAKE3-128 as one hash thread runs it, and BLAKE2b-128 (the
+    previous release's); each hash also as a fraction of the memcpy."""
+    views = _views(state)
     total = sum(len(view) for view in views)
+    target = np.ones(len(views[0]), dtype=np.uint8)  # written once, so no page fault is timed
 
-    def digest(view: memoryview) -> bytes:
-        return hashlib.blake2b(view, digest_size=16).digest()
+    def memcpy() -> None:
+        for view in views:
+            np.copyto(target[: len(view)], np.frombuffer(view, dtype=np.uint8))
 
+    def blake3_128() -> None:
+        for view in views:
+            piece_hash(view, threads=1)
+
+    def blake2b_128() -> None:
+        for view in views:
+            piece_hash(view, LEGACY_HASH_ALG)
+
+    runs: dict[str, Callable[[], None]] = {"memcpy": memcpy, "blake3_128": blake3_128, "blake2b_128": blake2b_128}
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            began = time.perf_counter()
+            run()
+            samples[name].append(time.perf_counter() - began)
+    rates = {f"{name}_gb_s": total / GB / statistics.median(values) for name, values in samples.items()}
+    rates["blake3_over_memcpy"] = rates["blake3_128_gb_s"] / rates["memcpy_gb_s"]
+    rates["blake2b_over_memcpy"] = rates["blake2b_128_gb_s"] / rates["memcpy_gb_s"]
+    return rates
+
+
+def hashing_rates(state: dict[str, torch.Tensor], threads: list[int]) -> dict[str, float]:
+    """GB/s of the writer's piece hash (BLAKE3-128, pieces from HASH_SPLIT_MIN bytes on BLAKE3's own threads) over
+    every tensor of `state`, one job per tensor, largest first, on n threads of ours."""
+    views = _views(state)
+    total = sum(len(view) for view in views)
     rates = {}
     for count in threads:
         began = time.perf_counter()
         with ThreadPoolExecutor(max_workers=count) as pool:
-            list(pool.map(digest, views))
-        rates[str(count)] = total / MIB / (time.perf_counter() - began)
+            list(pool.map(piece_digest, views))
+        rates[str(count)] = total / GB / (time.perf_counter() - began)
     return rates
+
+
+def incremental_save(state: dict[str, torch.Tensor], root: str, name: str, parent: str) -> dict[str, float]:
+    """One rank's save of `state` as ROOT/name with parent ROOT/parent, as save(parent=) runs it in one process:
+    seconds in all and per phase (opening the parent, hashing every piece, writing the changed ones, committing)."""
+    url = os.path.join(root, name)
+    began = time.perf_counter()
+    pieces = open_parent(open_storage(root), parent, set(state))
+    opened = time.perf_counter()
+    attempt = new_attempt()
+    writer = ShardWriter(url, rank=0, world_size=1, attempt=attempt, parent=pieces)
+    for key, tensor in state.items():
+        writer.add(key, tensor)
+    writer.close()
+    closed = time.perf_counter()
+    shardckpt.commit(url, world_size=1, attempt=attempt)
+    ended = time.perf_counter()
+    stats = writer.stats
+    if stats is None:
+        raise SystemExit(f"{url}: the writer closed without its statistics")
+    return {
+        "seconds": ended - began,
+        "open_parent_s": opened - began,
+        "hash_s": stats.hash_seconds,
+        "write_s": stats.seconds - stats.hash_seconds,
+        "commit_s": ended - closed,
+        "referenced_bytes": stats.referenced_bytes,
+    }
 
 
 def full_saves(state: dict[str, torch.Tensor], repeats: int, fresh: Callable[[str], str]) -> dict[str, float]:
@@ -166,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     job = FineTuning(args.frozen_mib, args.trainable_mib)
     state = job.state()
     logical = sum(t.nbytes for t in state.values())
+    per_core = per_core_rates(state, args.repeats)
     rates = hashing_rates(state, args.hash_threads)
     full = full_saves(state, args.repeats, fresh)
 
@@ -180,16 +251,13 @@ def main(argv: list[str] | None = None) -> int:
         job.step()
         state = job.state()
         changed = job.changed_bytes()
-        url = os.path.join(root, f"step-{number}")
-        began = time.perf_counter()
-        shardckpt.save(state, url, parent=os.path.join(root, f"step-{number - 1}"))
-        seconds = time.perf_counter() - began
-        data, other = sizes(url)
+        timing = incremental_save(state, root, f"step-{number}", f"step-{number - 1}")
+        data, other = sizes(os.path.join(root, f"step-{number}"))
         rows.append(
             {
                 "save": number,
                 "kind": "incremental",
-                "seconds": seconds,
+                **timing,
                 "data_bytes": data,
                 "manifest_bytes": other,
                 "logical_bytes": logical,
@@ -197,16 +265,21 @@ def main(argv: list[str] | None = None) -> int:
                 # The target: written <= 1.05 x changed + manifests.
                 "written_over_changed_plus_manifests": (data + other) / (changed + other),
                 "data_over_changed": data / changed,
-                "seconds_over_full": seconds / full["hashes_threaded_s"],
+                "seconds_over_full": timing["seconds"] / full["hashes_threaded_s"],
+                # The hash pass covers every piece, changed ones too: that is how a save knows what changed.
+                "hash_gb_s": logical / GB / timing["hash_s"],
+                "write_gb_s": data / GB / timing["write_s"],
             }
         )
+    incremental = rows[1:]
     unchanged = logical - job.changed_bytes()
     default_rate = rates.get(str(HASH_THREADS)) or max(rates.values())
     hashing = {
-        "rates_mib_s_by_threads": rates,
+        "per_core": per_core,
+        "rates_gb_s_by_threads": rates,
         "hash_threads": HASH_THREADS,
         # An incremental save hashes every piece before writing the changed ones: its floor at the rate measured.
-        "unchanged_hash_s": unchanged / MIB / default_rate,
+        "unchanged_hash_s": unchanged / GB / default_rate,
         "full_save_cost_inline": full["hashes_inline_s"] / full["no_hashes_s"] - 1,
         "full_save_cost_threaded": full["hashes_threaded_s"] / full["no_hashes_s"] - 1,
     }
@@ -227,22 +300,36 @@ def main(argv: list[str] | None = None) -> int:
         f"frozen {args.frozen_mib:g} MiB + trainable {args.trainable_mib:g} MiB + AdamW state, one process; "
         f"{platform.machine()}, {os.cpu_count()} cores"
     )
-    print("hashing alone (BLAKE2b-128, MiB/s): " + ", ".join(f"{n} threads {r:.0f}" for n, r in rates.items()))
+    print(
+        f"one core, GB/s (median of {args.repeats}): memcpy {per_core['memcpy_gb_s']:.2f}, BLAKE3-128 "
+        f"{per_core['blake3_128_gb_s']:.2f} ({per_core['blake3_over_memcpy']:.2f}x memcpy), BLAKE2b-128 "
+        f"{per_core['blake2b_128_gb_s']:.2f} ({per_core['blake2b_over_memcpy']:.2f}x memcpy)"
+    )
+    print("the writer's hashing, GB/s: " + ", ".join(f"{n} threads {r:.2f}" for n, r in rates.items()))
     print(
         f"full save, median of {args.repeats}: no hashes {full['no_hashes_s']:.2f} s, hashed in line "
         f"{full['hashes_inline_s']:.2f} s ({hashing['full_save_cost_inline']:+.0%}), hashed on {HASH_THREADS} "
         f"threads {full['hashes_threaded_s']:.2f} s ({hashing['full_save_cost_threaded']:+.0%})"
     )
     print(
-        f"{'save':>4} {'kind':12} {'seconds':>8} {'data MiB':>9} {'manifest KiB':>13} {'changed MiB':>12} {'ratio':>6}"
+        f"{'save':>4} {'kind':12} {'seconds':>8} {'data MiB':>9} {'manifest KiB':>13} {'changed MiB':>12} {'ratio':>6} "
+        f"{'hash all s':>10} {'write s':>8} {'other s':>8}"
     )
     for row in rows:
         line = f"{row['save']:>4} {row['kind']:12} {row['seconds']:8.3f} {row['data_bytes'] / MIB:9.2f} "
         line += f"{row['manifest_bytes'] / 1024:13.1f}"
         if row["kind"] == "incremental":
             line += f" {row['changed_bytes'] / MIB:12.2f} {row['written_over_changed_plus_manifests']:6.3f}"
+            other_s = row["open_parent_s"] + row["commit_s"]
+            line += f" {row['hash_s']:10.3f} {row['write_s']:8.3f} {other_s:8.3f}"
         print(line)
-    print(f"hashing the unchanged {unchanged / MIB:.0f} MiB alone: {hashing['unchanged_hash_s']:.2f} s")
+    hash_s = statistics.median(row["hash_s"] for row in incremental)
+    write_s = statistics.median(row["write_s"] for row in incremental)
+    print(
+        f"an incremental save, medians: hashing all {logical / MIB:.0f} MiB ({unchanged / MIB:.0f} MiB unchanged) "
+        f"{hash_s:.3f} s ({logical / GB / hash_s:.2f} GB/s), writing the changed {job.changed_bytes() / MIB:.0f} MiB "
+        f"{write_s:.3f} s"
+    )
     print(f"loads: {loads}")
     report = {
         "frozen_mib": args.frozen_mib,

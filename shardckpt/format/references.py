@@ -1,5 +1,6 @@
 """Format 1.1 references (SPEC 6.2, 6.3): pieces stored in a data file of an earlier committed checkpoint of the
-same root, the paths that name such files, the referenced piece tables and the BLAKE2b-128 piece hashes.
+same root, the paths that name such files, the referenced piece tables and the piece hashes (BLAKE3-128; BLAKE2b-128
+as the previous release wrote them).
 
 Pure: decoding and validating untrusted documents, no I/O. Every failure is a FormatError naming file and field.
 """
@@ -10,8 +11,9 @@ import hashlib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+import blake3
 import numpy as np
 
 from shardckpt.errors import FormatError, IntegrityError
@@ -28,8 +30,11 @@ from shardckpt.format.layout import data_path, validate_attempt
 from shardckpt.format.strict import Fields
 
 FEATURE = "references"  # the must_understand entry of every document that uses references
-HASH_ALG = "blake2b-128"
+HASH_ALG = "blake3-128"  # what this library writes (SPEC 6.3)
+LEGACY_HASH_ALG = "blake2b-128"  # what the previous release wrote: still read, verified and never referenced
+HASH_ALGS = (HASH_ALG, LEGACY_HASH_ALG)  # closed: any other alg is refused
 HASH_BYTES = 16
+AUTO_THREADS = blake3.blake3.AUTO  # piece_hash(threads=...): BLAKE3's own pool, one thread per core
 FIRST_VERSION = (1, 1)
 
 _NAME = r"[0-9A-Za-z._-]{1,255}"
@@ -95,30 +100,68 @@ def parse_reference_path(path: object, *, own_attempt: str, own_name: str | None
 # ------------------------------------------------------------------------------------------------ hashes
 
 
-def piece_hash(data: bytes | bytearray | memoryview) -> bytes:
-    """The content hash of a piece's stored bytes (SPEC 6.3): BLAKE2b, 16-byte digest, no key."""
-    return hashlib.blake2b(data, digest_size=HASH_BYTES).digest()
+class ContentHasher(Protocol):
+    """An incremental piece hash: update with the piece's bytes in order, then its 16-byte digest."""
+
+    def update(self, data: Any, /) -> object: ...
+
+    def digest(self) -> bytes: ...
 
 
-def encode_hash_column(digests: Sequence[bytes]) -> dict[str, Any]:
+class _Blake3Hasher:
+    __slots__ = ("inner",)
+
+    def __init__(self, threads: int) -> None:
+        self.inner = blake3.blake3(max_threads=threads)
+
+    def update(self, data: Any, /) -> object:
+        return self.inner.update(data)
+
+    def digest(self) -> bytes:
+        return self.inner.digest(HASH_BYTES)
+
+
+def check_hash_alg(alg: object, where: str) -> str:
+    """`alg` if it is one of HASH_ALGS; FormatError naming `where` and the alg otherwise (the set is closed)."""
+    if alg not in HASH_ALGS:
+        raise FormatError(f"{where}: hash algorithm {alg!r} is not one of {', '.join(map(repr, HASH_ALGS))}")
+    return str(alg)
+
+
+def new_hasher(alg: str = HASH_ALG, *, threads: int = 1) -> ContentHasher:
+    """An incremental hasher of `alg`; threads > 1 (or AUTO_THREADS) lets BLAKE3 split one piece over its threads."""
+    if alg == LEGACY_HASH_ALG:
+        return hashlib.blake2b(digest_size=HASH_BYTES)
+    check_hash_alg(alg, "piece hash")
+    return _Blake3Hasher(threads)
+
+
+def piece_hash(data: Any, alg: str = HASH_ALG, *, threads: int = 1) -> bytes:
+    """The content hash of a piece's stored bytes (SPEC 6.3): BLAKE3 (default mode, first 16 bytes of its output),
+    or BLAKE2b with a 16-byte digest and no key. Both release the GIL from 2 KiB on, so threads overlap."""
+    if alg == LEGACY_HASH_ALG:
+        return hashlib.blake2b(data, digest_size=HASH_BYTES).digest()
+    check_hash_alg(alg, "piece hash")
+    return blake3.blake3(data, max_threads=threads).digest(HASH_BYTES)
+
+
+def encode_hash_column(digests: Sequence[bytes], alg: str = HASH_ALG) -> dict[str, Any]:
     if any(len(digest) != HASH_BYTES for digest in digests):
-        raise FormatError(f"a {HASH_ALG} digest is {HASH_BYTES} bytes")
-    return {"alg": HASH_ALG, "n": len(digests), "data": b"".join(digests)}
+        raise FormatError(f"a {alg} digest is {HASH_BYTES} bytes")
+    return {"alg": check_hash_alg(alg, "hash column"), "n": len(digests), "data": b"".join(digests)}
 
 
-def decode_hash_column(column: object, where: str, expected_n: int) -> bytes:
-    """The 16n digest bytes of a hash column; FormatError for another algorithm, count or length."""
+def decode_hash_column(column: object, where: str, expected_n: int) -> tuple[str, bytes]:
+    """(alg, the 16n digest bytes) of a hash column; FormatError for an unknown algorithm, a count or length."""
     fields = Fields(column, where)
-    alg = fields.get("alg", str)
-    if alg != HASH_ALG:
-        raise FormatError(f"{where}: hash algorithm {alg!r} is not {HASH_ALG!r}")
+    alg = check_hash_alg(fields.get("alg", str), where)
     n = fields.integer("n", 0, limits.MAX_PIECES_PER_TENSOR)
     if n != expected_n:
         raise FormatError(f"{where}: {n} hashes for {expected_n} pieces")
     data = fields.get("data", bytes)
     if len(data) != HASH_BYTES * n:
         raise FormatError(f"{where}: hash column holds {len(data)} bytes, expected {HASH_BYTES * n}")
-    return bytes(data)
+    return alg, bytes(data)
 
 
 # ------------------------------------------------------------------------------------- referenced files
@@ -305,11 +348,13 @@ class ReferencedPieces:
 
 @dataclass(frozen=True, eq=False)
 class LocalReferences:
-    """What format 1.1 adds to a local manifest: piece hashes, referenced files and pieces (each may be absent)."""
+    """What format 1.1 adds to a local manifest: piece hashes, referenced files and pieces (each may be absent);
+    `hash_alg` is the algorithm of both its hash columns (SPEC 6.3: one per document)."""
 
     piece_hash: bytes | None
     files: tuple[ReferencedFile, ...]
     pieces: ReferencedPieces | None
+    hash_alg: str = HASH_ALG
 
 
 def encode_local_references(references: LocalReferences) -> dict[str, Any]:
@@ -317,7 +362,8 @@ def encode_local_references(references: LocalReferences) -> dict[str, Any]:
     document: dict[str, Any] = {}
     if references.piece_hash is not None:
         document["piece_hash"] = encode_hash_column(
-            [references.piece_hash[i : i + HASH_BYTES] for i in range(0, len(references.piece_hash), HASH_BYTES)]
+            [references.piece_hash[i : i + HASH_BYTES] for i in range(0, len(references.piece_hash), HASH_BYTES)],
+            references.hash_alg,
         )
     pieces = references.pieces
     if pieces is not None:
@@ -330,7 +376,7 @@ def encode_local_references(references: LocalReferences) -> dict[str, Any]:
             "start": encode_int_column(pieces.start),
             "length": encode_int_column(pieces.length),
             "crc32c": encode_u32_column(pieces.crc32c),
-            "hash": encode_hash_column([pieces.digest(row) for row in range(pieces.count)]),
+            "hash": encode_hash_column([pieces.digest(row) for row in range(pieces.count)], references.hash_alg),
         }
     return document
 
@@ -351,26 +397,31 @@ def decode_local_references(
     """Decode a local manifest's piece_hash, references and referenced table (SPEC 6.2, 6.3) after its 1.0 fields;
     extents/extent_position/k_of/size_of describe its tensor table as local_manifest's decoder builds them."""
     where = fields.where
-    digests = None
+    digests, alg = None, HASH_ALG
     if fields.raw.get("piece_hash") is not None:
-        digests = decode_hash_column(fields.raw["piece_hash"], f"{where} piece_hash", piece_count)
+        alg, digests = decode_hash_column(fields.raw["piece_hash"], f"{where} piece_hash", piece_count)
     raw_files = fields.get("references", list, optional=True) or []
     raw_table = fields.get("referenced", dict, optional=True)
     _check_feature(fields, version, bool(raw_files) or raw_table is not None)
     if raw_table is None:
         if raw_files:
             raise FormatError(f"{where}: lists referenced files but has no referenced piece table")
-        return LocalReferences(digests, (), None)
+        return LocalReferences(digests, (), None, alg)
     if len(raw_files) > limits.MAX_FILES:
         raise FormatError(f"{where}: {len(raw_files)} references exceed the limit of {limits.MAX_FILES}")
     files = tuple(_referenced_file(item, f"{where} references[{i}]", attempt) for i, item in enumerate(raw_files))
     if len({entry.path for entry in files}) != len(files):
         raise FormatError(f"{where}: a referenced file is listed twice")
     table = Fields(raw_table, f"{where} referenced")
-    pieces = _referenced_pieces(table, files, extents, extent_position, k_of, size_of, names, block_size)
+    table_alg, pieces = _referenced_pieces(table, files, extents, extent_position, k_of, size_of, names, block_size)
+    if digests is not None and table_alg != alg:
+        raise FormatError(
+            f"{where}: piece_hash is {alg!r} but referenced.hash is {table_alg!r}; one local manifest hashes with one "
+            "algorithm"
+        )
     if files and set(range(len(files))) != set(pieces.source.tolist()):
         raise FormatError(f"{where}: a referenced file holds none of the referenced pieces")
-    return LocalReferences(digests, files, pieces)
+    return LocalReferences(digests, files, pieces, table_alg)
 
 
 def _referenced_pieces(
@@ -382,7 +433,8 @@ def _referenced_pieces(
     size_of: Int64Array,
     names: Sequence[str],
     block_size: int,
-) -> ReferencedPieces:
+) -> tuple[str, ReferencedPieces]:
+    """The referenced piece table and the algorithm of its hash column."""
     where = table.where
     # Checksums first, as in the 1.0 table: stored raw, their count bounds the rows before anything inflates.
     if table.raw.get("crc32c") is None:
@@ -391,7 +443,7 @@ def _referenced_pieces(
     count = table.integer("count", 0, min(limits.MAX_PIECES_PER_TENSOR, int(crcs.size)))
     if table.raw.get("hash") is None:
         raise FormatError(f"{where}: missing field 'hash' (the content hash of every referenced piece)")
-    digests = decode_hash_column(table.raw["hash"], f"{where}.hash", count)
+    alg, digests = decode_hash_column(table.raw["hash"], f"{where}.hash", count)
     tensor = decode_int_column(table.raw.get("tensor"), f"{where}.tensor", count)
     if tensor.size and (tensor.min() < 0 or tensor.max() >= k_of.size):
         raise FormatError(f"{where}: a piece names a tensor outside the table of {k_of.size}")
@@ -430,7 +482,7 @@ def _referenced_pieces(
     blocks = int((-(-pieces.nbytes // block_size)).sum())
     if crcs.size != blocks:
         raise FormatError(f"{where}: {crcs.size} checksums for {blocks} blocks of the referenced pieces")
-    return pieces
+    return alg, pieces
 
 
 def check_local_references(
@@ -465,14 +517,23 @@ def check_target(
     holder: Sequence[tuple[int, PieceIdentity, bytes | None]],
     holder_referenced: Sequence[PieceIdentity],
     where: str,
+    *,
+    alg: str = HASH_ALG,
+    holder_alg: str = HASH_ALG,
 ) -> None:
     """A referenced piece must be a piece its holder stores at `offset` itself (SPEC 6.2 "No chains").
 
     holder: the holder's own pieces as (offset, identity, hash or None); holder_referenced: the pieces the holder
-    stores by reference. FormatError for a chain, IntegrityError for any other mismatch.
+    stores by reference; alg / holder_alg: the algorithms of `digest` and of the holder's hashes. FormatError for a
+    chain, IntegrityError for any other mismatch.
     """
     stored = next((item for item in holder if item[0] == offset), None)
     if stored is not None and stored[1] == piece:
+        if stored[2] is not None and holder_alg != alg:
+            raise IntegrityError(
+                f"{where}: the holder records {holder_alg} hashes, the reference to {piece.name!r} at byte {offset} "
+                f"carries a {alg} hash: a reference carries the hash its holder recorded"
+            )
         if stored[2] is not None and stored[2] != digest:
             raise IntegrityError(f"{where}: the holder records another hash for {piece.name!r} at byte {offset}")
         return

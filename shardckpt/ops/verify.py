@@ -5,7 +5,6 @@ Collects every problem it finds (file, tensor, what is wrong) instead of stoppin
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +20,7 @@ from shardckpt.format.columns import Int64Array
 from shardckpt.format.data_header import header_problems
 from shardckpt.format.local_manifest import LocalManifest, TensorSpec
 from shardckpt.format.manifest import GlobalManifest, TensorEntry
-from shardckpt.format.references import HASH_ALG, HASH_BYTES, PieceIdentity, check_target
+from shardckpt.format.references import HASH_ALG, HASH_BYTES, PieceIdentity, check_target, new_hasher
 from shardckpt.storage import Storage, open_storage
 
 READ_CHUNK = knobs.VERIFY_CHUNK
@@ -102,13 +101,16 @@ def _verify_file(
             return
     problems_before = len(report.problems)
     local = index.local
+    alg = local.references.hash_alg if local.references is not None else HASH_ALG  # of the hashes, where recorded
     hashes: list[bytes] | None
     if isinstance(index, ReferencedIndex):
         _check_holder(checkpoint, file_number, index, path, report)
         table = index.table
         rows = index.rows
         hashes = [table.digest(row) for row in rows.tolist()]
-        blocks = _Blocks(table.offset[rows], table.nbytes[rows], table.tensor[rows], table.first_block[rows], hashes)
+        blocks = _Blocks(
+            table.offset[rows], table.nbytes[rows], table.tensor[rows], table.first_block[rows], hashes, alg
+        )
     else:
         _check_header(storage, data, local, path, report)
         pieces = local.pieces
@@ -116,20 +118,21 @@ def _verify_file(
         hashes = (
             None if digests is None else [digests[HASH_BYTES * i : HASH_BYTES * (i + 1)] for i in range(pieces.count)]
         )
-        blocks = _Blocks(pieces.offset, pieces.nbytes, pieces.tensor, index.first_block, hashes)
+        blocks = _Blocks(pieces.offset, pieces.nbytes, pieces.tensor, index.first_block, hashes, alg)
     _check_blocks(storage, data, path, local, index.crcs, blocks, report, progress, problems_before)
 
 
 @dataclass(frozen=True)
 class _Blocks:
     """The pieces of one file to check, in file order: offsets, sizes, local tensor numbers, the index of each
-    piece's first checksum, and the content hash each must have (None where none is recorded)."""
+    piece's first checksum, and the content hash each must have (None where none is recorded) in algorithm `alg`."""
 
     offset: Int64Array
     nbytes: Int64Array
     tensor: Int64Array
     first_block: Int64Array
     hashes: list[bytes] | None
+    alg: str
 
 
 def _check_blocks(
@@ -182,7 +185,7 @@ def _check_blocks(
                 part = view[lo_list[b] - chunk_start : hi_list[b] - chunk_start]
                 if pieces.hashes is not None:
                     if numbers[b] == 0:
-                        hasher = hashlib.blake2b(digest_size=HASH_BYTES)
+                        hasher = new_hasher(pieces.alg)
                     if hasher is not None:
                         hasher.update(part)
                 if crc32c.crc32c(part) != expected[b]:
@@ -199,7 +202,7 @@ def _check_blocks(
                     and hasher.digest() != pieces.hashes[piece]
                 ):
                     failed.add(piece)
-                    message = f"the piece at byte {offsets[piece]} does not match its recorded {HASH_ALG} hash"
+                    message = f"the piece at byte {offsets[piece]} does not match its recorded {pieces.alg} hash"
                     report.problems.append(Problem(path, local.tensors[tensors[piece]].name, message))
             report.bytes_checked += chunk_end - chunk_start
             if progress is not None:
@@ -241,10 +244,14 @@ def _check_holder(
         [_identity(held, by_reference, row) for row in range(by_reference.count)] if by_reference is not None else []
     )
     table = index.table
+    algs = {
+        "alg": index.local.references.hash_alg if index.local.references is not None else HASH_ALG,
+        "holder_alg": held.references.hash_alg if held.references is not None else HASH_ALG,
+    }
     for row in index.rows.tolist():
         piece = _identity(index.local, table, row)
         try:
-            check_target(piece, int(table.offset[row]), table.digest(row), stored, holder_referenced, path)
+            check_target(piece, int(table.offset[row]), table.digest(row), stored, holder_referenced, path, **algs)
         except ShardckptError as exc:
             report.problems.append(Problem(path, piece.name, str(exc)))
 

@@ -2,8 +2,8 @@
 and the re-check of every referenced checkpoint that a save makes just before it commits.
 
 A piece is referenced only when the parent records a hash equal to the new bytes' hash for the same tensor name,
-dtype, shape, layout and box; the reference names the file that physically holds the bytes, never the parent's
-own reference to it (no chains).
+dtype, shape, layout and box, with the algorithm this save computes (a parent hashed otherwise references nothing);
+the reference names the file that physically holds the bytes, never the parent's own reference to it (no chains).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from shardckpt.errors import FormatError, IntegrityError, NotCommittedError, Sha
 from shardckpt.format import limits
 from shardckpt.format.local_manifest import LocalManifest, decode_local_manifest
 from shardckpt.format.manifest import FileEntry, crc32c_of
-from shardckpt.format.references import ReferencedFile, ReferencePath, check_checkpoint_name
+from shardckpt.format.references import HASH_ALG, HASH_BYTES, ReferencedFile, ReferencePath, check_checkpoint_name
 from shardckpt.storage import Storage, open_storage
 
 # What makes two pieces the same piece: name, dtype, global shape, layout, start, length.
@@ -89,10 +89,15 @@ def open_parent(root: Storage, name: str, tensors: Collection[str]) -> ParentPie
                 ranks.add(file if file < own_files else manifest.references[file - own_files].rank)
     holders: dict[PieceKey, Holder] = {}
     unhashed = []
+    other_alg: dict[str, list[int]] = {}
     for rank in sorted(ranks):
         local = _local_manifest(storage, manifest.files[rank])
         if local.references is None or local.references.piece_hash is None:
             unhashed.append(rank)
+        # Digests of two algorithms never compare equal in meaning: rather than hash twice, write these pieces again.
+        if local.references is not None and local.references.hash_alg != HASH_ALG:
+            other_alg.setdefault(local.references.hash_alg, []).append(rank)
+            continue
         _add_holders(holders, local, name, wanted)
     if unhashed:
         warnings.warn(
@@ -102,11 +107,24 @@ def open_parent(root: Storage, name: str, tensors: Collection[str]) -> ParentPie
             UnhashedParentWarning,
             stacklevel=3,
         )
+    for alg, others in other_alg.items():
+        warnings.warn(
+            f"{storage.url}: the parent's ranks {others} recorded {alg} piece hashes (an earlier release), this save "
+            f"computes {HASH_ALG}, so none of their pieces can be referenced and this save writes them again; the "
+            "next save can use this one as its parent",
+            ParentHashAlgWarning,
+            stacklevel=3,
+        )
     return ParentPieces(name, attempt, holders)
 
 
 class UnhashedParentWarning(UserWarning):
     """An incremental save's parent was saved without piece hashes: nothing of it can be referenced."""
+
+
+class ParentHashAlgWarning(UserWarning):
+    """An incremental save's parent recorded its piece hashes with another algorithm than the save computes (an
+    earlier release's BLAKE2b-128): nothing of it can be referenced."""
 
 
 def _local_manifest(storage: Storage, entry: FileEntry) -> LocalManifest:
@@ -143,7 +161,7 @@ def _add_holders(holders: dict[PieceKey, Holder], local: LocalManifest, name: st
                    _ints(pieces.length[at : at + k]))  # fmt: skip
             nbytes = int(pieces.nbytes[row])
             blocks = -(-nbytes // block)
-            digest = refs.piece_hash[16 * row : 16 * (row + 1)]
+            digest = refs.piece_hash[HASH_BYTES * row : HASH_BYTES * (row + 1)]
             crcs = local.crc32c[int(first[row]) : int(first[row]) + blocks]
             holders[key] = Holder(own, int(pieces.offset[row]), nbytes, block, crcs, digest)
     table = None if refs is None else refs.pieces

@@ -7,7 +7,6 @@ then writes the local manifest.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import time
@@ -29,7 +28,7 @@ from shardckpt.format.bulk import gc_paused
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.limits import MAX_BLOCK_SIZE, MAX_LOCAL_MANIFEST_BYTES, MIN_BLOCK_SIZE
 from shardckpt.format.local_manifest import LocalManifest, LocalPieces, TensorSpec, encode_local_manifest
-from shardckpt.format.references import FIRST_VERSION, HASH_BYTES, LocalReferences, ReferencedPieces
+from shardckpt.format.references import AUTO_THREADS, FIRST_VERSION, LocalReferences, ReferencedPieces, piece_hash
 from shardckpt.format.strict import FORMAT_VERSION, ObjectEntry, check_name, check_shape
 from shardckpt.format.values import check_plain
 from shardckpt.storage import Storage, open_storage
@@ -43,6 +42,7 @@ DEFAULT_WRITE_THREADS = knobs.WRITE_THREADS
 HOT_CHUNK = knobs.HOT_CHUNK
 DEFAULT_HASH_THREADS = knobs.HASH_THREADS
 HASH_IN_FLIGHT = knobs.HASH_IN_FLIGHT  # bytes of copies made for hashing, not yet hashed
+HASH_SPLIT_MIN = knobs.HASH_SPLIT_MIN  # a piece this large is split over BLAKE3's own threads
 
 
 class _Piece(NamedTuple):  # a tuple: a MoE rank adds 100,000+ of them
@@ -65,17 +65,22 @@ class WriteStats:
     bytes_written: int  # the data file, header included
     seconds: float
     referenced_bytes: int = 0  # piece bytes stored by reference to the parent's holders instead of written
+    # Seconds hashing every piece before anything is written (a save with a parent compares first); 0 for other
+    # saves, whose hashes run alongside the writes.
+    hash_seconds: float = 0.0
 
 
 def piece_digest(data: Any) -> bytes:
-    """BLAKE2b-128 of a piece's bytes (SPEC 6.3); hashlib releases the GIL for large buffers, so threads overlap."""
-    return hashlib.blake2b(data, digest_size=HASH_BYTES).digest()
+    """BLAKE3-128 of a piece's bytes (SPEC 6.3). The bindings release the GIL from 2 KiB on, so the hash threads
+    overlap each other and the writes; a piece of HASH_SPLIT_MIN bytes or more is also split over BLAKE3's threads."""
+    large = memoryview(data).nbytes >= HASH_SPLIT_MIN
+    return piece_hash(data, threads=AUTO_THREADS if large else 1)
 
 
 class _PieceHasher:
     """Piece hashes on a small thread pool of their own while the writer goes on writing the same buffers.
 
-    hashlib releases the GIL for buffers over 2 KiB, so a hashed save takes about max(write, hash / threads) rather
+    BLAKE3 releases the GIL for buffers over 2 KiB, so a hashed save takes about max(write, hash / threads) rather
     than their sum; each hash is of the very buffer written (no second read of storage). Buffers made for the save
     (staged device copies, gathered small pieces) are bounded: past `copy_limit` bytes not yet hashed, `submit`
     waits for the oldest. threads=0 hashes in the caller's thread (the serial reference).
@@ -313,9 +318,11 @@ class ShardWriter:
         referenced: list[tuple[_Piece, Holder, bytes]] = []
         digests: list[bytes] | None = None
         hasher: _PieceHasher | None = None
+        hash_seconds = 0.0
         if self.parent is not None:
             # Hashed before anything is written: a piece equal to the parent's is not written at all.
             digests, referenced = self._match_parent(self.parent)
+            hash_seconds = time.perf_counter() - began
         elif self.piece_hashes:
             hasher = _PieceHasher(len(self._pieces), self.hash_threads)
         header = self._header()
@@ -360,7 +367,8 @@ class ShardWriter:
         if self.storage.read_small(manifest_path, MAX_LOCAL_MANIFEST_BYTES) != self.encoded_manifest:
             raise IntegrityError(f"{self.storage.describe(manifest_path)} does not hold the bytes just written")
         crash_point("after_local_manifest", self.rank)
-        self.stats = WriteStats(position, time.perf_counter() - began, sum(p.nbytes for p, _, _ in referenced))
+        referenced_bytes = sum(p.nbytes for p, _, _ in referenced)
+        self.stats = WriteStats(position, time.perf_counter() - began, referenced_bytes, hash_seconds)
         return manifest
 
     def _write_data(
@@ -415,7 +423,8 @@ class ShardWriter:
 
     def _hash_pieces(self, pieces: Sequence[_Piece]) -> list[bytes]:
         """The hash of every piece on the hash threads: the largest first, so that no long hash starts last (one
-        piece is one sequential BLAKE2b pass); small pieces a buffer's worth per job."""
+        piece is one job, split over BLAKE3's threads from HASH_SPLIT_MIN bytes); small pieces a buffer's worth per
+        job."""
         hasher = _PieceHasher(len(pieces), self.hash_threads)
         try:
             batch: list[tuple[int, Any]] = []
@@ -440,11 +449,11 @@ class ShardWriter:
             hasher.close()
 
     def _references(
-        self, specs: tuple[TensorSpec, ...], piece_hash: bytes, referenced: list[tuple[_Piece, Holder, bytes]]
+        self, specs: tuple[TensorSpec, ...], digests: bytes, referenced: list[tuple[_Piece, Holder, bytes]]
     ) -> LocalReferences:
         """The 1.1 part of the local manifest: the written pieces' hashes and the referenced piece table."""
         if not referenced:
-            return LocalReferences(piece_hash, (), None)
+            return LocalReferences(digests, (), None)
         paths = sorted({holder.file.path for _, holder, _ in referenced})
         files = {holder.file.path: holder.file for _, holder, _ in referenced}
         rows = sorted(referenced, key=lambda row: (paths.index(row[1].file.path), row[1].offset))
@@ -462,7 +471,7 @@ class ShardWriter:
             size_of=np.array([itemsize(spec.dtype) for spec in specs], dtype=np.int64),
             block_size=self.block_size,
         )
-        return LocalReferences(piece_hash, tuple(files[path] for path in paths), table)
+        return LocalReferences(digests, tuple(files[path] for path in paths), table)
 
     def _carried_crcs(self, piece: _Piece, holder: Holder) -> np.ndarray:
         """The block checksums a reference carries: the holder's when block sizes agree, else of the (equal) bytes."""
@@ -505,7 +514,7 @@ class ShardWriter:
     ) -> None:
         """Several streams into one file: chunks checksummed and written at their offsets by a thread pool.
 
-        CRC32C, BLAKE2b and pwrite all release the GIL, so a rank writes at the disk's multi-stream rate. A piece's
+        CRC32C, BLAKE3 and pwrite all release the GIL, so a rank writes at the disk's multi-stream rate. A piece's
         hash is one sequential pass, so each piece is one job of the hash threads, the largest first, all queued
         before the first write: hashing runs alongside the whole write, and no long hash starts at its end.
         """

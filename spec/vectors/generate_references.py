@@ -2,8 +2,9 @@
 `python spec/vectors/generate_references.py`.
 
 Each case is a *root* holding several checkpoints; its description.json / expected_error.json names the one to open
-("checkpoint"). Today's writer emits 1.0 only, so the referencing checkpoints are written as 1.0 by the library and
-then given their references here, at the byte level, with this script's own msgpack/CRC32C/column/hash code.
+("checkpoint"). The referencing checkpoints are written as 1.0 by the library and then given their references
+here, at the byte level, with this script's own msgpack/CRC32C/column/hash code. `references_basic` hashes with
+BLAKE2b-128 (the first 1.1 writer), `references_blake3` with BLAKE3-128 (SPEC 6.3: readers accept both).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import blake3
 import crc32c
 import torch
 
@@ -38,17 +40,22 @@ from generate import (
 import shardckpt
 
 ROOT_CASE = "references_basic"
+BLAKE3_CASE = "references_blake3"
 PARENT, CHILD = "step-1", "step-2"
 ATTEMPTS = {"step-1": "golden1", "step-2": "golden2", "step-3": "golden3"}
 Row = dict[str, Any]
 
 
-def blake2b_128(data: bytes) -> bytes:
+def digest(data: bytes, alg: str) -> bytes:
+    """SPEC 6.3: the first 16 bytes of BLAKE3, or BLAKE2b with a 16-byte digest."""
+    if alg == "blake3-128":
+        return blake3.blake3(data).digest(16)
+    assert alg == "blake2b-128", alg
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
-def hash_column(digests: list[bytes]) -> dict[str, Any]:
-    return {"alg": "blake2b-128", "n": len(digests), "data": b"".join(digests)}
+def hash_column(digests: list[bytes], alg: str) -> dict[str, Any]:
+    return {"alg": alg, "n": len(digests), "data": b"".join(digests)}
 
 
 def u32_column(values: list[int]) -> dict[str, Any]:
@@ -136,9 +143,11 @@ def _declare_w(table: dict[str, Any], shape: list[int]) -> int:
     return names.index("w")
 
 
-def add_references(root: Path, name: str, refs: dict[int, list[tuple[str, Row]]], shape: list[int]) -> None:
+def add_references(
+    root: Path, name: str, refs: dict[int, list[tuple[str, Row]]], shape: list[int], alg: str = "blake2b-128"
+) -> None:
     """Make ROOT/name a 1.1 checkpoint whose rank r also stores tensor w's pieces refs[r] by reference: (reference
-    path, holder row); sizes and checksums of the whole chain are set to match."""
+    path, holder row); its hashes in `alg`; sizes and checksums of the whole chain are set to match."""
     attempt = ATTEMPTS[name]
     ckpt = root / name
     global_refs: list[dict[str, Any]] = []
@@ -153,9 +162,10 @@ def add_references(root: Path, name: str, refs: dict[int, list[tuple[str, Row]]]
         document["must_understand"] = ["references"]
         document["piece_hash"] = hash_column(
             [
-                blake2b_128(data[offsets[i] : offsets[i] + 4 * lengths[2 * i] * lengths[2 * i + 1]])
+                digest(data[offsets[i] : offsets[i] + 4 * lengths[2 * i] * lengths[2 * i + 1]], alg)
                 for i in range(pieces["count"])
-            ]
+            ],
+            alg,
         )
         paths = sorted({path for path, _ in refs.get(rank, [])})
         rows = sorted(refs.get(rank, []), key=lambda item: (paths.index(item[0]), item[1]["offset"]))
@@ -169,7 +179,7 @@ def add_references(root: Path, name: str, refs: dict[int, list[tuple[str, Row]]]
             "start": make_column([v for _, row in rows for v in row["start"]]),
             "length": make_column([v for _, row in rows for v in row["length"]]),
             "crc32c": u32_column([c for _, row in rows for c in row["crc32c"]]),
-            "hash": hash_column([blake2b_128(row["bytes"]) for _, row in rows]),
+            "hash": hash_column([digest(row["bytes"], alg) for _, row in rows], alg),
         }
         raw = pack(document)
         (ckpt / local_path(rank, attempt)).write_bytes(raw)
@@ -215,8 +225,8 @@ def add_references(root: Path, name: str, refs: dict[int, list[tuple[str, Row]]]
     (ckpt / "COMMITTED").write_text(json.dumps(marker, indent=1) + "\n")
 
 
-def build_valid() -> None:
-    root = VALID / ROOT_CASE
+def build_valid(case: str, alg: str) -> None:
+    root = VALID / case
     if root.exists():
         shutil.rmtree(root)
     root.mkdir(parents=True)
@@ -227,13 +237,14 @@ def build_valid() -> None:
     # The child changed m only: rank 0 writes m, both ranks reference their piece of w.
     write_checkpoint(root, CHILD, 2, {0: [("m", m, slice(0, 64))]})
     parent_files = {r: f"{PARENT}/{data_path(r, ATTEMPTS[PARENT])}" for r in range(2)}
-    add_references(root, CHILD, {r: [(parent_files[r], w_row(root, PARENT, r))] for r in range(2)}, [4, 3])
+    add_references(root, CHILD, {r: [(parent_files[r], w_row(root, PARENT, r))] for r in range(2)}, [4, 3], alg)
     write_json(
         root / "description.json",
         {
             "description": "A root of two checkpoints: step-1 (1.0, w on two ranks) and step-2 (1.1), in which rank 0 "
             "wrote m and both ranks store their piece of the unchanged w by reference to step-1's data files. "
-            "Opening step-2 reads w from step-1's files, verified against the checksums step-2 carries.",
+            "Opening step-2 reads w from step-1's files, verified against the checksums step-2 carries. "
+            f"step-2's piece hashes are {alg} (SPEC 6.3).",
             "checkpoint": CHILD,
             "world_size": 2,
             "step": 2,
@@ -368,12 +379,31 @@ def build_invalid() -> None:
     refs = {0: [(child_file, chained)], 1: [(f"{PARENT}/{data_path(1, ATTEMPTS[PARENT])}", w_row(root, PARENT, 1))]}
     add_references(root, "step-3", refs, [4, 3])
 
+    child_manifest = f"{CHILD}/{local_path(0, ATTEMPTS[CHILD])}"
+    root = invalid_case(
+        "reference_unknown_hash_alg",
+        expect(
+            "FormatError",
+            "read",
+            "SPEC.md §6.3: a hash column's alg is blake3-128 or blake2b-128; a reader refuses any other",
+            "step-2's rank-0 local manifest names its hash columns' algorithm sha256-128",
+            [child_manifest, "sha256-128"],
+            [child_manifest, "sha256-128"],
+        ),
+    )
+
+    def unknown_alg(local: dict[str, Any]) -> None:
+        local["piece_hash"]["alg"] = local["referenced"]["hash"]["alg"] = "sha256-128"
+
+    edit_child(root, edit_local=unknown_alg)
+
 
 def main() -> None:
     torch.use_deterministic_algorithms(True)
-    build_valid()
+    build_valid(ROOT_CASE, "blake2b-128")
+    build_valid(BLAKE3_CASE, "blake3-128")
     build_invalid()
-    print(f"valid/{ROOT_CASE}, invalid/reference_*")
+    print(f"valid/{ROOT_CASE}, valid/{BLAKE3_CASE}, invalid/reference_*")
 
 
 if __name__ == "__main__":

@@ -25,13 +25,16 @@ from shardckpt.format.columns import encode_int_column, encode_u32_column
 from shardckpt.format.local_manifest import decode_local_manifest
 from shardckpt.format.manifest import crc32c_of, decode_commit_marker, decode_global_manifest
 from shardckpt.format.references import (
+    AUTO_THREADS,
     HASH_ALG,
+    LEGACY_HASH_ALG,
     PieceIdentity,
     ReferencePath,
     check_committed_references,
     check_target,
     decode_hash_column,
     encode_hash_column,
+    new_hasher,
     parse_reference_path,
     piece_hash,
     reference_path,
@@ -124,11 +127,38 @@ def test_any_path_parses_to_itself_inside_the_root_or_raises_format_error(path: 
 # ------------------------------------------------------------------------------------------ hashes
 
 
-def test_piece_hash_is_blake2b_128() -> None:
-    assert piece_hash(b"abc").hex() == "cf4ab791c62b8d2b2109c90275287816"  # SPEC 6.3 check value
+def test_piece_hash_is_blake3_128_and_blake2b_128_still_decodes() -> None:
+    # SPEC 6.3 check values: BLAKE3's first 16 output bytes, and BLAKE2b-128 as the previous release wrote it.
+    assert piece_hash(b"abc").hex() == "6437b3ac38465133ffb63b75273a8db5"
+    assert piece_hash(b"abc", LEGACY_HASH_ALG).hex() == "cf4ab791c62b8d2b2109c90275287816"
     column = encode_hash_column([piece_hash(b"a"), piece_hash(b"b")])
-    assert column["alg"] == HASH_ALG == "blake2b-128"
-    assert decode_hash_column(column, "h", 2) == piece_hash(b"a") + piece_hash(b"b")
+    assert column["alg"] == HASH_ALG == "blake3-128"
+    assert decode_hash_column(column, "h", 2) == ("blake3-128", piece_hash(b"a") + piece_hash(b"b"))
+    legacy = encode_hash_column([piece_hash(b"a", LEGACY_HASH_ALG)], LEGACY_HASH_ALG)
+    assert decode_hash_column(legacy, "h", 1) == ("blake2b-128", piece_hash(b"a", LEGACY_HASH_ALG))
+
+
+@pytest.mark.parametrize("alg", [HASH_ALG, LEGACY_HASH_ALG])
+def test_incremental_and_threaded_hashes_equal_the_one_shot_hash(alg: str) -> None:
+    """The verifier hashes a piece block by block and the writer splits large pieces over BLAKE3's threads: both
+    must give the digest of the whole piece at once."""
+    data = bytes(range(256)) * (3 * 4096 + 7)  # ~3 MiB: BLAKE3 splits it in 1 KiB chunks over its threads
+    hasher = new_hasher(alg)
+    for at in range(0, len(data), 65536):
+        hasher.update(memoryview(data)[at : at + 65536])
+    assert hasher.digest() == piece_hash(data, alg) == piece_hash(data, alg, threads=AUTO_THREADS)
+    assert len(hasher.digest()) == 16
+
+
+@pytest.mark.parametrize("alg", ["blake3-256", "sha256-128", "BLAKE3-128", ""])
+def test_an_unknown_alg_is_refused_naming_it_and_the_algs_accepted(alg: str) -> None:
+    with pytest.raises(FormatError) as caught:
+        decode_hash_column({**encode_hash_column([piece_hash(b"x")]), "alg": alg}, "ranks/00000-a.msgpack", 1)
+    for fragment in ("ranks/00000-a.msgpack", repr(alg), "'blake3-128'", "'blake2b-128'"):
+        if fragment not in str(caught.value):
+            pytest.fail(f"{fragment} not named in: {caught.value}")
+    with pytest.raises(FormatError, match="sha256-128"):
+        new_hasher("sha256-128")
 
 
 @pytest.mark.parametrize(
@@ -211,7 +241,20 @@ def test_a_local_manifest_with_referenced_pieces_decodes() -> None:
     assert refs.pieces.nbytes.tolist() == [24] and refs.pieces.crc32c.tolist() == [crc32c_of(b"w" * 24)]
     assert refs.pieces.digest(0) == piece_hash(b"w" * 24)
     assert refs.piece_hash == piece_hash(b"m" * 8)
+    assert refs.hash_alg == HASH_ALG
     assert refs.pieces.find(0, 160) == 0 and refs.pieces.find(0, 161) is None
+
+
+def test_a_blake2b_local_manifest_decodes_and_one_that_mixes_algs_is_refused() -> None:
+    document = _local_doc(hash=encode_hash_column([piece_hash(b"w" * 24, LEGACY_HASH_ALG)], LEGACY_HASH_ALG))
+    document["piece_hash"] = encode_hash_column([piece_hash(b"m" * 8, LEGACY_HASH_ALG)], LEGACY_HASH_ALG)
+    refs = decode_local_manifest(_pack(document)).references
+    assert refs is not None and refs.pieces is not None
+    assert (refs.hash_alg, refs.piece_hash) == (LEGACY_HASH_ALG, piece_hash(b"m" * 8, LEGACY_HASH_ALG))
+    assert refs.pieces.digest(0) == piece_hash(b"w" * 24, LEGACY_HASH_ALG)
+    document["piece_hash"] = encode_hash_column([piece_hash(b"m" * 8)])
+    with pytest.raises(FormatError, match="one local manifest hashes with one algorithm"):
+        decode_local_manifest(_pack(document), "ranks/00000-c0ffee.msgpack")
 
 
 def _multi_block_table(offsets: list[int], sources: list[int], rows: int = 1024) -> dict[str, Any]:
@@ -505,6 +548,13 @@ def test_a_reference_to_other_bytes_is_an_integrity_error() -> None:
         check_target(W0, 160, DIGEST, [(160, W0, piece_hash(b"v"))], [], "ref")
 
 
+def test_a_reference_carrying_another_alg_than_its_holder_records_is_an_integrity_error() -> None:
+    legacy = piece_hash(b"w" * 24, LEGACY_HASH_ALG)
+    check_target(W0, 160, legacy, [(160, W0, legacy)], [], "ref", alg=LEGACY_HASH_ALG, holder_alg=LEGACY_HASH_ALG)
+    with pytest.raises(IntegrityError, match="holder records blake2b-128 hashes"):
+        check_target(W0, 160, DIGEST, [(160, W0, legacy)], [], "ref", holder_alg=LEGACY_HASH_ALG)
+
+
 # ------------------------------------------------------------------------------------------ schemas
 
 VECTORS = Path(__file__).resolve().parents[2] / "spec" / "vectors"
@@ -536,7 +586,12 @@ def _documents(checkpoint: Path) -> tuple[Any, list[Any], Any]:
     return load(manifest), locals_, json.loads((checkpoint / "COMMITTED").read_text())
 
 
-def test_the_schemas_describe_the_reference_vectors() -> None:
+def test_the_schemas_describe_the_reference_vectors_of_both_hash_algs() -> None:
+    blake3_doc, blake3_locals, _ = _documents(VECTORS / "valid" / "references_blake3" / "step-2")
+    _schema("global-manifest.schema.json").validate(blake3_doc)
+    for local in blake3_locals:
+        _schema("local-manifest.schema.json").validate(local)
+        assert local["piece_hash"]["alg"] == local["referenced"]["hash"]["alg"] == "blake3-128"
     global_doc, local_docs, marker = _documents(VECTORS / "valid" / "references_basic" / "step-2")
     _schema("global-manifest.schema.json").validate(global_doc)
     for local in local_docs:

@@ -2,12 +2,12 @@
 child whose ranks write the changed tensors and store the unchanged ones by reference to the parent's data files.
 
 The child's documents are edited with the format layer's encoders (columns, hash columns, msgpack) and re-sealed
-(sizes and CRC32C from COMMITTED down), as SPEC 6.2 describes them; import from tests.helpers.references.
+(sizes and CRC32C from COMMITTED down), as SPEC 6.2 describes them; `alg` makes a root as a release hashing with
+another algorithm would have written it (BLAKE2b-128: the previous one). Import from tests.helpers.references.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +20,7 @@ import torch
 from shardckpt.format.columns import encode_int_column, encode_u32_column
 from shardckpt.format.layout import data_path, global_manifest_path, local_manifest_path
 from shardckpt.format.local_manifest import decode_local_manifest
-from shardckpt.format.references import FEATURE, encode_hash_column, piece_hash, reference_path
+from shardckpt.format.references import FEATURE, HASH_ALG, encode_hash_column, piece_hash, reference_path
 from shardckpt.format.values import pack_value
 from tests.helpers.checkpoints import save_sharded
 
@@ -43,23 +43,39 @@ def save_incremental(
     world: int,
     *,
     block_size: int = 4096,
+    alg: str = HASH_ALG,
 ) -> tuple[str, str]:
     """ROOT/step-1 holds `parent_state` (a full save of `world` ranks, Shard(0) rows); ROOT/step-2 holds the same
-    tensors with `changed` written anew and every other tensor stored by reference to step-1's files (format 1.1).
-    Returns the two attempts. Every tensor must be at least 1-D (0-D tensors live on rank 0 only)."""
+    tensors with `changed` written anew and every other tensor stored by reference to step-1's files (format 1.1),
+    every hash of both in `alg`. Returns the two attempts. Every tensor must be at least 1-D (0-D tensors live on
+    rank 0 only)."""
     # The parent records piece hashes, as a parent written by an incremental series does.
     parent_attempt = save_sharded(
         parent_state, str(root / PARENT), world, block_size=block_size, step=1, piece_hashes=True
     )
+    if alg != HASH_ALG:
+        for rank in range(world):
+            rehash(root / PARENT, rank, alg)
     child_attempt = save_sharded(changed, str(root / CHILD), world, block_size=block_size, step=2)
     unchanged = sorted(set(parent_state) - set(changed))
-    reference_tensors(root / CHILD, root / PARENT, parent_attempt, unchanged)
+    reference_tensors(root / CHILD, root / PARENT, parent_attempt, unchanged, alg)
     return parent_attempt, child_attempt
 
 
-def reference_tensors(child: Path, parent: Path, parent_attempt: str, names: list[str]) -> None:
+def rehash(ckpt: Path, rank: int, alg: str) -> None:
+    """Record rank `rank`'s piece hashes of the committed `ckpt` (saved with piece hashes, no references) in `alg`,
+    as a writer hashing with `alg` would have; the chain above is re-sealed."""
+    attempt = _committed(ckpt)["attempt"]
+    own = decode_local_manifest((ckpt / local_manifest_path(rank, attempt)).read_bytes())
+    data = (ckpt / data_path(rank, attempt)).read_bytes()
+    spans = zip(own.pieces.offset.tolist(), own.pieces.nbytes.tolist())
+    column = encode_hash_column([piece_hash(data[at : at + size], alg) for at, size in spans], alg)
+    edit_local_manifest(ckpt, rank, lambda document: document.update(piece_hash=column))
+
+
+def reference_tensors(child: Path, parent: Path, parent_attempt: str, names: list[str], alg: str = HASH_ALG) -> None:
     """Make `child` (a committed 1.0 checkpoint of the parent's world size, without tensors `names`) store the
-    parent's pieces of `names` by reference, rank r to the parent's rank-r file."""
+    parent's pieces of `names` by reference, rank r to the parent's rank-r file; its hashes in `alg`."""
     marker = _committed(child)
     attempt, world = marker["attempt"], marker["world_size"]
     sealed: dict[int, tuple[int, int]] = {}
@@ -84,13 +100,13 @@ def reference_tensors(child: Path, parent: Path, parent_attempt: str, names: lis
                         "start": held.pieces.start[at : at + spec.k].tolist(),
                         "length": held.pieces.length[at : at + spec.k].tolist(),
                         "crc32c": held.crc32c[first_block : first_block + blocks].tolist(),
-                        "hash": piece_hash(held_data[offset : offset + size]),
+                        "hash": piece_hash(held_data[offset : offset + size], alg),
                     }
                 )
             first_block += blocks
         if not rows:
             raise AssertionError(f"{parent}: rank {rank} holds none of {names}; reference_tensors needs one each")
-        sealed[rank] = _reference_rank(child, attempt, rank, parent.name, parent_attempt, len(held_data), rows)
+        sealed[rank] = _reference_rank(child, attempt, rank, parent.name, parent_attempt, len(held_data), rows, alg)
         global_refs.append(
             {"rank": rank, "path": reference_path(parent.name, rank, parent_attempt), "data_size": len(held_data)}
         )
@@ -139,6 +155,7 @@ def _reference_rank(
     parent_attempt: str,
     parent_size: int,
     rows: list[dict[str, Any]],
+    alg: str,
 ) -> tuple[int, int]:
     """Add the referenced pieces `rows` to the child's rank-`rank` local manifest; its new (size, CRC32C)."""
     local_file = child / local_manifest_path(rank, attempt)
@@ -171,9 +188,10 @@ def _reference_rank(
     document["version"], document["must_understand"] = [1, 1], [FEATURE]
     document["piece_hash"] = encode_hash_column(
         [
-            hashlib.blake2b(data[offset : offset + size], digest_size=16).digest()
+            piece_hash(data[offset : offset + size], alg)
             for offset, size in zip(pieces.offset.tolist(), pieces.nbytes.tolist())
-        ]
+        ],
+        alg,
     )
     document["references"] = [{"path": reference_path(parent_name, rank, parent_attempt), "data_size": parent_size}]
     rows = sorted(rows, key=lambda row: row["offset"])
@@ -185,7 +203,7 @@ def _reference_rank(
         "start": encode_int_column([v for row in rows for v in row["start"]]),
         "length": encode_int_column([v for row in rows for v in row["length"]]),
         "crc32c": encode_u32_column([c for row in rows for c in row["crc32c"]]),
-        "hash": encode_hash_column([row["hash"] for row in rows]),
+        "hash": encode_hash_column([row["hash"] for row in rows], alg),
     }
     raw = pack_value(document)
     local_file.write_bytes(raw)

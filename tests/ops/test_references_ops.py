@@ -14,6 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 import shardckpt
+from shardckpt.errors import FormatError
+from shardckpt.format.references import LEGACY_HASH_ALG
 from shardckpt.ops.verify import verify
 from shardckpt.tools.diff import diff
 from shardckpt.tools.export import export_hf_safetensors
@@ -127,7 +129,45 @@ def test_verify_checks_carried_piece_hashes_which_a_load_does_not_need(root: Pat
     # The holder (whose writer records piece hashes) records another hash, and the bytes do not hash to this one.
     assert len(problems) == 2, problems
     assert any(held in p and "records another hash" in p for p in problems), problems
-    assert any(held in p and "does not match its recorded blake2b-128 hash" in p for p in problems), problems
+    assert any(held in p and "does not match its recorded blake3-128 hash" in p for p in problems), problems
+
+
+def test_a_blake2b_root_of_the_previous_release_verifies_loads_and_has_its_hashes_checked(tmp_path: Path) -> None:
+    """Checkpoints whose hashes are BLAKE2b-128 (the previous release) stay valid: the CLI verifies them (recomputing
+    BLAKE2b, so a wrong recorded hash is still found) and they load; only a third alg is refused."""
+    parent, changed = _states()
+    old = tmp_path / "old"
+    save_incremental(old, parent, changed, 2, alg=LEGACY_HASH_ALG)
+    verified = shardckpt_cli("verify", str(old / CHILD), "--json")
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert json.loads(verified.stdout)["files"] == 4
+    state = {"base": torch.zeros(40, 32), "head": torch.zeros(4, 8)}
+    shardckpt.load(state, str(old / CHILD))
+    assert torch.equal(state["base"], parent["base"]) and torch.equal(state["head"], changed["head"])
+    edit_local_manifest(old / CHILD, 1, _flip_first_hash)
+    problems = [str(problem) for problem in verify(str(old / CHILD)).problems]
+    if not any("does not match its recorded blake2b-128 hash" in p for p in problems):
+        pytest.fail(f"a wrong BLAKE2b hash went unnoticed: {problems}")
+
+
+def _unknown_alg(document: dict) -> None:
+    document["piece_hash"]["alg"] = document["referenced"]["hash"]["alg"] = "sha256-128"
+
+
+def test_an_unknown_hash_alg_is_refused_by_load_and_verify_naming_the_file_and_the_alg(root: Path) -> None:
+    edit_local_manifest(root / CHILD, 0, _unknown_alg)
+    attempt = json.loads((root / CHILD / "COMMITTED").read_text())["attempt"]
+    manifest = str(root / CHILD / "ranks" / f"00000-{attempt}.msgpack")
+    with pytest.raises(FormatError) as caught:
+        shardckpt.load({"base": torch.zeros(40, 32), "head": torch.zeros(4, 8)}, str(root / CHILD))
+    for fragment in (manifest, "'sha256-128'", "'blake3-128'"):
+        if fragment not in str(caught.value):
+            pytest.fail(f"{fragment} not named in: {caught.value}")
+    failed = shardckpt_cli("verify", str(root / CHILD))
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    text = " ".join((failed.stdout + failed.stderr).split())
+    if manifest not in text or "hash algorithm 'sha256-128'" not in text:
+        pytest.fail(f"verify does not name the file and the alg: {text}")
 
 
 def test_the_inspect_and_du_tables_show_what_is_stored_by_reference_and_where(root: Path) -> None:

@@ -4,12 +4,14 @@ data files written, with the format layer's decoders (the reader follows referen
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 
+import blake3
 import crc32c
+import msgpack
 import numpy as np
 import pytest
 import torch
@@ -20,7 +22,8 @@ from shardckpt.format import layout
 from shardckpt.format.local_manifest import LocalManifest, decode_local_manifest
 from shardckpt.format.manifest import GlobalManifest, decode_commit_marker, decode_global_manifest
 from shardckpt.storage import open_storage
-from shardckpt.write.parent import UnhashedParentWarning, open_parent
+from shardckpt.write.parent import ParentHashAlgWarning, UnhashedParentWarning, open_parent
+from tests.helpers.references import rehash
 
 pytestmark = pytest.mark.unit
 BLOCK = 4096
@@ -75,7 +78,7 @@ def check_reference_bytes(root: Path, rows: dict[str, tuple[str, int, int, bytes
         expected = state[name].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         if data != expected:
             pytest.fail(f"{name}: the referenced bytes at {path}:{offset} are not the tensor saved")
-        assert hashlib.blake2b(data, digest_size=16).digest() == digest
+        assert blake3.blake3(data).digest(16) == digest
         assert [crc32c.crc32c(data[i : i + BLOCK]) for i in range(0, size, BLOCK)] == crcs.tolist()
 
 
@@ -102,7 +105,9 @@ def test_a_full_save_records_a_hash_of_every_piece_and_stays_readable_by_1_0_rea
     assert digests is not None and len(digests) == 16 * own.pieces.count
     for row in range(own.pieces.count):
         at, size = int(own.pieces.offset[row]), int(own.pieces.nbytes[row])
-        assert digests[16 * row : 16 * row + 16] == hashlib.blake2b(data[at : at + size], digest_size=16).digest()
+        assert digests[16 * row : 16 * row + 16] == blake3.blake3(data[at : at + size]).digest(16)
+    raw = msgpack.unpackb((tmp_path / "step-1" / layout.local_manifest_path(0, marker["attempt"])).read_bytes())
+    assert raw["piece_hash"]["alg"] == "blake3-128"
 
 
 def test_by_default_a_save_without_a_parent_writes_no_hashes_and_a_child_of_it_warns_and_writes_everything(
@@ -231,3 +236,30 @@ def test_after_the_first_save_a_frozen_base_state_writes_its_changed_bytes_and_m
         if data > 1.05 * changed:
             pytest.fail(f"step {step}: {data} data bytes written for {changed} changed bytes")
         assert manifests < 16 << 10
+
+
+def test_a_parent_hashed_with_blake2b_references_nothing_warns_once_and_its_child_is_a_parent(tmp_path: Path) -> None:
+    """A parent of the previous release (BLAKE2b-128 piece hashes) is never matched against this save's BLAKE3
+    hashes: the save writes every piece, says why once, and is itself a parent that the next save references."""
+    state = state_of()
+    shardckpt.save(state, str(tmp_path / "step-1"), block_size=BLOCK, piece_hashes=True)
+    rehash(tmp_path / "step-1", 0, "blake2b-128")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        shardckpt.save(state, str(tmp_path / "step-2"), block_size=BLOCK, parent=str(tmp_path / "step-1"))
+    alg_warnings = [w for w in caught if issubclass(w.category, ParentHashAlgWarning)]
+    if len(alg_warnings) != 1 or any(issubclass(w.category, UnhashedParentWarning) for w in caught):
+        pytest.fail(f"expected one ParentHashAlgWarning, got {[str(w.message) for w in caught]}")
+    for fragment in ("blake2b-128", "blake3-128", "writes them again"):
+        assert fragment in str(alg_warnings[0].message), alg_warnings[0].message
+    assert sorted(written_names(tmp_path / "step-2")) == sorted(state)
+    assert referenced_rows(tmp_path / "step-2") == {}
+    marker, manifest = committed(tmp_path / "step-2")
+    assert "references" not in marker and manifest.references == ()
+    # The parent is still whole and loads; the child hashed with BLAKE3 and is referenced by the next save.
+    loaded = {name: torch.zeros_like(tensor) for name, tensor in state.items()}
+    shardckpt.load(loaded, str(tmp_path / "step-1"))
+    assert all(torch.equal(loaded[name], state[name]) for name in state)
+    shardckpt.save(state, str(tmp_path / "step-3"), block_size=BLOCK, parent=str(tmp_path / "step-2"))
+    assert written_names(tmp_path / "step-3") == []
+    assert sorted(referenced_rows(tmp_path / "step-3")) == sorted(state)

@@ -1,6 +1,7 @@
-"""`make demo`: train on 4 ranks with checkpoints, kill -9 one rank mid-run, resume on 3 ranks, finish, inspect.
+"""`make demo`: train on 4 ranks with checkpoints, kill -9 one rank mid-run, resume on 3 ranks, finish, inspect;
+then fine-tune with a frozen base and incremental checkpoints, and show the bytes each checkpoint wrote.
 
-Runs the bundled FSDP2 training loop under torchrun twice and prints the loss curve across the crash.
+Runs the bundled FSDP2 training loop under torchrun three times and prints the loss curve across the crash.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--ckpt-every", type=int, default=5)
     parser.add_argument("--kill-at", type=int, default=23, help="kill a rank once this step is logged")
+    parser.add_argument("--finetune-steps", type=int, default=8, help="steps of the frozen-base run (0: skip it)")
     args = parser.parse_args(argv)
     workdir = args.dir or tempfile.mkdtemp(prefix="shardckpt-demo-")
     root, pid_dir = os.path.join(workdir, "checkpoints"), os.path.join(workdir, "pids")
@@ -115,9 +117,24 @@ def main(argv: list[str] | None = None) -> int:
     cli_main(["inspect", final])
     print("demo: shardckpt verify")
     code = cli_main(["verify", final])
+    if code == 0 and args.finetune_steps > 0:
+        code = finetune(workdir, args.finetune_steps)
     if not args.dir:
         shutil.rmtree(workdir, ignore_errors=True)
     return code
+
+
+def finetune(workdir: str, steps: int) -> int:
+    """A frozen-base run with incremental checkpoints (--freeze-base --incremental): after the first, full,
+    checkpoint each one writes only the trainable state; the loop logs the bytes, `shardckpt du` sums them."""
+    root = os.path.join(workdir, "finetune")
+    print(f"\ndemo: fine-tuning on 3 ranks with a frozen base, incremental checkpoints every 2 steps under {root}")
+    args = ["--ckpt", root, "--steps", str(steps), "--ckpt-every", "2", "--keep-last", "4", "--layers", "8"]
+    job = torchrun(3, [*args, "--freeze-base", "--incremental", "--full-every", "4"], os.path.join(workdir, "ft.log"))
+    if job.wait() != 0:
+        raise SystemExit(f"demo: the fine-tuning job failed with code {job.returncode}")
+    print(f"\ndemo: shardckpt du {root}  (unique bytes: what each checkpoint added; logical: what it holds)")
+    return cli_main(["du", root])
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from shardckpt.catalog.events import (
     record_event,
     runs_of,
 )
+from shardckpt.catalog.listing import list_root
 from shardckpt.catalog.retention import retain
 from shardckpt.distributed import protocol
 from shardckpt.distributed.collectives import Group, broadcast_bytes
@@ -88,9 +89,10 @@ class Checkpointer:
     clock: Unix seconds, for event times and the cadence's measurements (tests pass a fake one).
 
     incremental: each save uses the newest committed checkpoint under root as its parent (shardckpt.save(parent=)):
-    pieces whose bytes did not change are stored by reference to the file that holds them; every `full_every`-th
-    save of this Checkpointer (the first one included) is a full save, which bounds how many checkpoints references
-    keep alive (SPEC 14).
+    pieces whose bytes did not change are stored by reference to the file that holds them; a save is full when the
+    root has no committed checkpoint or when the newest `full_every - 1` ones are all incremental, which bounds how
+    many checkpoints references keep alive (SPEC 14). The series is read from the root, so a restarted job
+    continues it rather than starting with a full save.
     """
 
     def __init__(
@@ -132,7 +134,6 @@ class Checkpointer:
         if not isinstance(full_every, int) or full_every < 1:
             raise ShardckptUsageError(f"full_every must be an integer >= 1, got {full_every!r}")
         self.incremental, self.full_every = incremental, full_every
-        self._saves = 0  # saves this Checkpointer made: every full_every-th one is full
         if not mtbf_prior_seconds >= 0:
             raise ShardckptUsageError(f"mtbf_prior_seconds must be >= 0, got {mtbf_prior_seconds!r}")
         self.root, self.every_steps, self.keep_last, self.async_save = (
@@ -202,23 +203,29 @@ class Checkpointer:
 
     def latest_url(self) -> str | None:
         """URL of the newest committed checkpoint under root (shardckpt.latest on the coordinator, shared)."""
+        url: str | None = self._from_coordinator(
+            "finding the newest checkpoint", lambda: latest(self.root, storage_options=self.storage_options)
+        )
+        return url
+
+    def _from_coordinator(self, what: str, look: Callable[[], Any]) -> Any:
+        """`look()` (a JSON value) run by rank 0 and shared: its answer, or its failure, reaches every rank (a
+        failure must not leave them waiting)."""
         if not isinstance(self.group, Group):
-            return latest(self.root, storage_options=self.storage_options)
-        # Rank 0 looks; its answer, or its failure, reaches every rank (a failure must not leave them waiting).
-        message: dict[str, str | None] = {"url": None}
+            return look()
+        message: dict[str, Any] = {"value": None}
         if self.group.rank == 0:
             try:
-                message = {"url": latest(self.root, storage_options=self.storage_options)}
+                message = {"value": look()}
             except Exception as exc:
                 message = {"error": f"{type(exc).__name__}: {exc}"}
         try:
             reply = json.loads(broadcast_bytes(self.group, json.dumps(message).encode(), 0))
         except RuntimeError as exc:  # a peer died, or the group's timeout passed
-            raise DistributedError("finding the newest checkpoint", {self.group.rank: str(exc)}) from exc
+            raise DistributedError(what, {self.group.rank: str(exc)}) from exc
         if "error" in reply:
-            raise DistributedError(f"finding the newest checkpoint under {self.root}", {0: reply["error"]})
-        url: str | None = reply["url"]
-        return url
+            raise DistributedError(f"{what} under {self.root}", {0: reply["error"]})
+        return reply["value"]
 
     # ------------------------------------------------------------------------------------------------- save
 
@@ -293,14 +300,23 @@ class Checkpointer:
     # ------------------------------------------------------------------------------------------- internals
 
     def _parent_for(self, url: str) -> str | None:
-        """(all ranks) The parent of the next save: the newest committed checkpoint, unless this save is full."""
+        """(all ranks) The parent of the next save: the newest committed checkpoint, unless this save is full.
+
+        The series is read from the root, not counted in memory, so a restarted job continues it: a save is full
+        when there is no committed checkpoint, or when the newest `full_every - 1` ones all store pieces by
+        reference (the incremental saves since the last full one)."""
         if not self.incremental:
             return None
-        number, self._saves = self._saves, self._saves + 1
-        if number % self.full_every == 0:
+
+        def look() -> list[Any]:
+            listing = list_root(self.root, storage_options=self.storage_options)
+            newest = listing.newest()
+            return [None if newest is None else newest.url, listing.incremental_head()]
+
+        newest, since_full = self._from_coordinator("choosing the parent of an incremental save", look)
+        if newest is None or since_full + 1 >= self.full_every or _name_of(newest) == _name_of(url):
             return None
-        newest = self.latest_url()
-        return None if newest is None or _name_of(newest) == _name_of(url) else newest
+        return str(newest)
 
     def _save(self, state: State, url: str, step: int, parent: str | None = None) -> tuple[GlobalManifest, str | None]:
         """Save, then (coordinator) retention; the manifest and the warning about a newer checkpoint, if any."""

@@ -3,12 +3,15 @@ restarts the job with a random world size (1..4), again and again; then it count
 
     python -m tests.soak --minutes 10            # the long run (prints a table; exit 1 if anything was lost)
     python -m tests.soak --cycles 3 --seed 1     # a few cycles
+    python -m tests.soak --minutes 10 --incremental   # frozen base, incremental saves (references to older ones)
 
 After every cycle: every checkpoint ever seen committed is still committed with the same attempt and verifies
 (every checksum, coverage, headers), unless retention legitimately pruned it (keep_last newer ones exist); the
 resumed run restored exactly the step latest() named; and where the world size did not change, its first loss is
 bit-identical to the loss the run that wrote that checkpoint computed for the same step from its memory. At the
-end, gc removes the debris of the killed saves and the survivors verify again.
+end, gc removes the debris of the killed saves and the survivors verify again. With --incremental the loop
+freezes its base and saves incrementally (a full save every third): kills land in saves that reference older
+checkpoints, retention and gc must keep what the survivors reference, and verify reads the referenced bytes.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class Cycle:
 class SoakReport:
     cycles: list[Cycle] = field(default_factory=list)
     committed_seen: set[str] = field(default_factory=set)
+    referencing_seen: set[str] = field(default_factory=set)  # committed ones that store pieces by reference
     pruned: set[str] = field(default_factory=set)
     lost: list[str] = field(default_factory=list)  # checkpoints that vanished, changed or stopped verifying
     wrong_resumes: list[str] = field(default_factory=list)  # restored another step than latest() named
@@ -74,14 +78,17 @@ class SoakReport:
         return not problems and bool(self.cycles)
 
 
-def _committed(root: str) -> dict[str, tuple[int, str]]:
-    """name -> (step, attempt) of every committed checkpoint under `root`."""
+def _committed(root: str, referencing: set[str] | None = None) -> dict[str, tuple[int, str]]:
+    """name -> (step, attempt) of every committed checkpoint under `root`; `referencing` collects name@attempt of
+    those that store pieces by reference (format 1.1)."""
     storage = open_storage(root)
     found = {}
     for name in storage.list():
         marker = read_commit_marker(storage.child(name))
         if marker is not None and marker.step is not None:
             found[name] = (marker.step, marker.attempt)
+            if referencing is not None and marker.references:
+                referencing.add(f"{name}@{marker.attempt}")
     return found
 
 
@@ -96,12 +103,16 @@ def _losses(path: Path) -> dict[int, dict]:
     return rows
 
 
-def _run_cycle(cycle: Cycle, root: str, work: Path, rng: random.Random, keep_last: int, steps: int) -> None:
+def _run_cycle(
+    cycle: Cycle, root: str, work: Path, rng: random.Random, keep_last: int, steps: int, incremental: bool
+) -> None:
     log, pids, out = work / f"loss-{cycle.number}.jsonl", work / f"pids-{cycle.number}", work / f"out-{cycle.number}"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cycle.world}"]
     command += ["--monitor-interval=0.2", "-m", "shardckpt.train", "--ckpt", root, "--steps", str(steps)]
     command += ["--ckpt-every", "1", "--keep-last", str(keep_last), "--resume", "--cpu"]
     command += ["--loss-log", str(log), "--pid-dir", str(pids)]
+    if incremental:
+        command += ["--freeze-base", "--incremental", "--full-every", "3"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(out, "wb") as sink:
         job = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
@@ -136,7 +147,7 @@ def _run_cycle(cycle: Cycle, root: str, work: Path, rng: random.Random, keep_las
 
 
 def _check(report: SoakReport, root: str, keep_last: int, cycle: Cycle, history: list[Cycle]) -> None:
-    now = _committed(root)
+    now = _committed(root, report.referencing_seen)
     current = {f"{name}@{attempt}" for name, (_, attempt) in now.items()}
     for seen in sorted(report.committed_seen - current - report.pruned):
         step = int(seen.split("@")[0].split("-")[1])
@@ -185,6 +196,7 @@ def run_soak(
     keep_last: int = 3,
     seed: int = 0,
     steps: int = 100_000,
+    incremental: bool = False,
     say: Callable[[str], None] = print,
 ) -> SoakReport:
     """Run kill/restart cycles until `cycles` are done or `seconds` have passed (whichever is given first)."""
@@ -200,7 +212,7 @@ def run_soak(
         latest = shardckpt.latest(root)
         expected = shardckpt.open(latest).step if latest else None
         cycle = Cycle(number, world, expected, modes[(number - 1) % len(modes)] if modes else rng.choice(MODES))
-        _run_cycle(cycle, root, work, rng, keep_last, steps)
+        _run_cycle(cycle, root, work, rng, keep_last, steps, incremental)
         if cycle.killed_rank is None:
             report.failures.append(f"cycle {number}: the job ended before it was killed:\n{cycle.output[-3000:]}")
         _check(report, root, keep_last, cycle, history)
@@ -239,7 +251,8 @@ def table(report: SoakReport) -> str:
     ]
     summary = (
         f"{cycles} cycles in {report.seconds:.0f} s; {len(report.committed_seen)} checkpoints committed, "
-        f"{len(report.pruned)} pruned by keep_last, {len(report.lost)} lost; restores not bit-exact: "
+        f"{len(report.pruned)} pruned by keep_last, {len(report.lost)} lost; "
+        f"{len(report.referencing_seen)} stored pieces by reference; restores not bit-exact: "
         f"{len(report.not_exact) + len(report.not_close) + len(report.wrong_resumes)}"
     )
     return "\n".join([*rows, "", summary])
@@ -253,11 +266,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep-last", type=int, default=3)
     parser.add_argument("--max-world", type=int, default=4)
+    parser.add_argument("--incremental", action="store_true", help="freeze the base, save incrementally")
     args = parser.parse_args(argv)
     seconds = args.minutes * 60 if args.minutes is not None else (None if args.cycles else 600.0)
     root = args.root or tempfile.mkdtemp(prefix="soak-root-")
     report = run_soak(
-        root, cycles=args.cycles, seconds=seconds, keep_last=args.keep_last, max_world=args.max_world, seed=args.seed
+        root,
+        cycles=args.cycles,
+        seconds=seconds,
+        keep_last=args.keep_last,
+        max_world=args.max_world,
+        seed=args.seed,
+        incremental=args.incremental,
     )
     print(table(report))
     for problem in report.lost + report.wrong_resumes + report.not_exact + report.not_close + report.failures:

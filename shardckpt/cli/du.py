@@ -75,6 +75,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         for row, cell in zip(table_rows, [*referenced, ""]):
             row.insert(4, cell)
         headers, right = (*headers[:4], "referenced", *headers[4:]), (2, 3, 4, 5, 6, 7)
+    headers, table_rows, right = _without_empty(headers, table_rows, right, optional=("leftovers", "other"))
     table = fitted_table(console, headers, table_rows, title=report.root, right=right)
     console.print(table)
     if incremental:
@@ -85,6 +86,22 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if totals["leftover_bytes"]:
         console.print(f"{human_bytes(totals['leftover_bytes'])} of leftovers can be reclaimed by a garbage collector")
     return 0
+
+
+def _without_empty(
+    headers: tuple[str, ...], rows: list[list[Cell]], right: tuple[int, ...], optional: tuple[str, ...]
+) -> tuple[tuple[str, ...], list[list[Cell]], tuple[int, ...]]:
+    """Leave out the `optional` columns that say nothing (no row has a size in them), so that the names keep
+    their width on an 80-column console; the JSON output keeps every field."""
+    empty = {
+        i for i, header in enumerate(headers) if header in optional and all(str(row[i]) in ("-", "0 B") for row in rows)
+    }
+    kept = [i for i in range(len(headers)) if i not in empty]
+    return (
+        tuple(headers[i] for i in kept),
+        [[row[i] for i in kept] for row in rows],
+        tuple(kept.index(i) for i in right if i in kept),
+    )
 
 
 def _leftovers(nbytes: int, files: int) -> str:

@@ -107,3 +107,30 @@ def test_du_counts_committed_bytes_and_leftovers(tmp_path, capsys) -> None:
     assert cli_main(["du", good]) == 0  # a checkpoint itself as ROOT
     out = capsys.readouterr().out
     assert "step-1" in out and "committed" in out
+
+
+def test_du_of_an_incremental_root_keeps_whole_names_on_an_80_column_console(tmp_path) -> None:
+    """With the referenced column, du leaves out the leftovers and other columns when none has a size, so that
+    checkpoint names are not cut on a plain 80-column console (the table a person reads at a terminal)."""
+    import subprocess
+    import sys
+
+    state = {"base": torch.arange(4096, dtype=torch.float32), "head": torch.zeros(4)}
+    root = tmp_path / "root"
+    shardckpt.save(state, str(root / "step-00000001"), piece_hashes=True)
+    state["head"] += 1
+    shardckpt.save(state, str(root / "step-00000002"), parent=str(root / "step-00000001"))
+    done = subprocess.run(
+        [sys.executable, "-m", "shardckpt.cli", "du", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "80"},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("checkpoint"))
+    assert header.split() == ["checkpoint", "status", "step", "committed", "referenced", "total"]
+    assert [line.split()[0] for line in lines if line.startswith("step-")] == ["step-00000001", "step-00000002"]
+    assert max(len(line) for line in lines) <= 80

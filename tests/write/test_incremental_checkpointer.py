@@ -49,3 +49,21 @@ def test_without_incremental_every_save_is_full(tmp_path: Path) -> None:
     assert [referenced_checkpoints(tmp_path / f"step-{step:08d}") for step in (1, 2)] == [[], []]
     with pytest.raises(shardckpt.ShardckptUsageError, match="full_every"):
         shardckpt.Checkpointer(str(tmp_path), incremental=True, full_every=0)
+
+
+def test_a_restarted_job_continues_the_series_read_from_the_root(tmp_path: Path) -> None:
+    """The count of incremental saves since the last full one comes from the root's COMMITTED markers, so a new
+    Checkpointer (a restarted job) neither starts with a full save nor lets the series run past full_every."""
+    state = {"base": torch.randn(128, 128, generator=torch.Generator().manual_seed(2)), "head": torch.zeros(8)}
+
+    def run(steps: range) -> None:
+        ckpt = shardckpt.Checkpointer(str(tmp_path), every_steps=1, keep_last=10, incremental=True, full_every=3)
+        for step in steps:
+            state["head"] += 1
+            ckpt.maybe_save(step, state)
+        ckpt.close()
+
+    run(range(1, 3))  # full, incremental
+    run(range(3, 6))  # restart: incremental (third of the series), full, incremental
+    refs = [referenced_checkpoints(tmp_path / f"step-{step:08d}") for step in range(1, 6)]
+    assert refs == [[], ["step-00000001"], ["step-00000001"], [], ["step-00000004"]]

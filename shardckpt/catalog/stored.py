@@ -7,6 +7,7 @@ trust from COMMITTED to every block is written once.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import crc32c
@@ -17,7 +18,7 @@ from shardckpt.catalog.chain import read_commit_marker, read_opening
 from shardckpt.errors import FormatError, IntegrityError, NotCommittedError, ShardckptError, ShardckptUsageError
 from shardckpt.format import limits
 from shardckpt.format.local_manifest import LocalManifest, decode_local_manifest
-from shardckpt.format.manifest import CommitMarker, GlobalManifest, TensorEntry, crc32c_of
+from shardckpt.format.manifest import CommitMarker, GlobalManifest, TensorEntry, crc32c_of, whole_pieces
 from shardckpt.format.references import GlobalReference, ReferencedPieces, check_local_references
 from shardckpt.planner import Box, VerifySpan, check_cover
 from shardckpt.planner.box import box_as_flat_range, linear_index
@@ -153,6 +154,15 @@ class StoredCheckpoint:
                 self._check_declared(entry)
             self._checked.add(name)
         return entry
+
+    def entries(self, names: Sequence[str]) -> dict[str, TensorEntry]:
+        """entry() of each name, the tensors stored as one whole piece (most) decided and checked in one pass."""
+        index, checked = self.manifest.tensor_index(), self._checked
+        unchecked = [index[name] for name in dict.fromkeys(names) if name in index and name not in checked]
+        for entry, whole in zip(unchecked, whole_pieces(unchecked)):
+            if whole:  # one piece, the whole tensor: covered exactly once, and not empty (no declaration to check)
+                checked.add(entry.name)
+        return {name: index[name] if name in checked else self.entry(name) for name in names}
 
     def _check_declared(self, entry: TensorEntry) -> None:
         """A tensor without elements has no piece to check against a local manifest, so check the rank that
@@ -306,7 +316,8 @@ class StoredCheckpoint:
         position = self._positions.get(key)
         if position is not None:
             return position
-        found = self.file_index(file).find(self.entry(tensor), piece)
+        entry = self.manifest.tensor_index()[tensor] if tensor in self._checked else self.entry(tensor)
+        found = self.file_index(file).find(entry, piece)
         if isinstance(found, str):
             raise IntegrityError(f"{self.describe_file(file)}: tensor {tensor!r}: {found}")
         self._positions[key] = found

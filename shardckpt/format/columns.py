@@ -110,10 +110,8 @@ def decode_int_list(column: object, where: str, expected_n: int | None = None) -
     return tuple(np.cumsum(np.frombuffer(raw, dtype="<i8"), dtype=np.int64).tolist())
 
 
-@functools.lru_cache(maxsize=4096)
-def small_column_values(data: bytes, n: int) -> tuple[int, ...] | None:
-    """The values of a short column, or None when it is not exactly n int64 values without wrap-around. Cached:
-    most tensors share their file, start and length columns (same shape, one piece), only offsets differ."""
+def column_values(data: bytes, n: int) -> tuple[int, ...] | None:
+    """The values of a short column, or None when it is not exactly n int64 values without wrap-around."""
     inflater = zlib.decompressobj()
     try:
         raw = inflater.decompress(data, 8 * n + 1)
@@ -123,6 +121,11 @@ def small_column_values(data: bytes, n: int) -> tuple[int, ...] | None:
         return None
     values = tuple(itertools.accumulate(struct.unpack(f"<{n}q", raw)))
     return values if all(_INT64_MIN <= value <= _INT64_MAX for value in values) else None
+
+
+# Cached: most tensors share their file, start and length columns (same shape, one piece), only offsets differ
+# (those go to column_values: each is distinct, and would only push the shared ones out).
+small_column_values = functools.lru_cache(maxsize=4096)(column_values)
 
 
 def _inflate(column: object, where: str, expected_n: int | None) -> tuple[int, bytes]:

@@ -189,11 +189,10 @@ class Checkpoint(StoredCheckpoint):
         """
         began = time.perf_counter()
         targets, buffers, fixups = [], [], []
-        entries: dict[str, TensorEntry] = {}
+        entries = self.entries([name for name, _, _ in items])
         for name, box, tensor in items:
-            entry = entries[name] = self.entry(name)
-            stored = torch_dtype(entry.dtype)
-            if tuple(tensor.shape) != box.shape:
+            stored = torch_dtype(entries[name].dtype)
+            if tensor.shape != box.shape:
                 raise ShardckptUsageError(
                     f"tensor {name!r}: destination has shape {list(tensor.shape)}, the box {box} it is to hold has "
                     f"shape {list(box.shape)}"
@@ -276,9 +275,12 @@ class Checkpoint(StoredCheckpoint):
         with ThreadPoolExecutor(max_workers=max(1, min(self.storage.read_threads, len(files)))) as pool:
             list(pool.map(self.file_index, files))
             list(pool.map(self._check_data_size, files))
+        positions = self._positions
         for request in plan.requests:
+            file = request.file
             for span in request.verify:
-                self._position(request.file, span)
+                if (file, span.tensor, span.piece) not in positions:
+                    self._piece_position(file, span.tensor, span.piece)
 
     def waves(self, plan: ReadPlan) -> Iterator[list[ReadRequest]]:
         """The plan's requests in groups of at most max_in_flight bytes (a larger request alone)."""

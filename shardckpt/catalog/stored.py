@@ -59,6 +59,38 @@ class FileIndex:
         offsets = self.local.pieces.offset.tolist()
         return dict(zip(offsets, range(len(offsets))))  # offsets are distinct: pieces lie back to back
 
+    def find_all(self, entries: Sequence[TensorEntry], pieces: Sequence[int]) -> list[int | str]:
+        """find() of many pieces in one loop (a load's preflight checks every piece it reads): the same verdicts,
+        without a call per piece; pieces stored in another layout than described go through find()."""
+        at, tensor_of, first_of, starts, lengths, _, _ = self.lists()
+        specs = self.local.tensors
+        found: list[int | str] = []
+        for entry, piece in zip(entries, pieces):
+            table = entry.pieces
+            lists = table._lists if table.count == 1 and piece == 0 else None  # decoded: Python ints
+            if lists is None:
+                found.append(self.find(entry, piece))
+                continue
+            position = at.get(lists[1][0])
+            if position is None:
+                found.append(self.find(entry, piece))  # names the fault
+                continue
+            spec = specs[tensor_of[position]]
+            first = first_of[position]
+            k = spec.k
+            if (
+                spec.name != entry.name
+                or spec.layout != entry.layout
+                or spec.dtype != entry.dtype
+                or spec.shape != entry.shape
+                or starts[first : first + k] != lists[2][0]
+                or lengths[first : first + k] != lists[3][0]
+            ):
+                found.append(self.find(entry, piece))  # converts a layout, or names the fault
+                continue
+            found.append(position)
+        return found
+
     def find(self, entry: TensorEntry, piece: int) -> int | str:
         """Position of piece `piece` of `entry` in this file, or why the local manifest does not hold it."""
         _, offset, wanted_start, wanted_length = entry.pieces.piece(piece)
@@ -310,6 +342,21 @@ class StoredCheckpoint:
     def piece_position(self, file: int, tensor: str, piece: int) -> int:
         """Where piece `piece` of `tensor` sits in file `file`'s index; IntegrityError if it is not the same piece."""
         return self._piece_position(file, tensor, piece)
+
+    def check_positions(self, file: int, wanted: Sequence[tuple[str, int]]) -> None:
+        """_piece_position of many (tensor, piece) of file `file` at once: each checked against the file's local
+        manifest (IntegrityError for the first that is not the same piece there) and remembered."""
+        positions = self._positions
+        todo = [(tensor, piece) for tensor, piece in wanted if (file, tensor, piece) not in positions]
+        if not todo:
+            return
+        index, tensors = self.manifest.tensor_index(), self._checked
+        entries = [index[tensor] if tensor in tensors else self.entry(tensor) for tensor, _ in todo]
+        found = self.file_index(file).find_all(entries, [piece for _, piece in todo])
+        for (tensor, piece), position in zip(todo, found):
+            if isinstance(position, str):
+                raise IntegrityError(f"{self.describe_file(file)}: tensor {tensor!r}: {position}")
+            positions[(file, tensor, piece)] = position
 
     def _piece_position(self, file: int, tensor: str, piece: int) -> int:
         key = (file, tensor, piece)

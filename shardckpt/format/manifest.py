@@ -549,48 +549,53 @@ _PIECES_KEYS = frozenset({"count", "file", "offset", "start", "length"})
 _COLUMN_KEYS = frozenset({"enc", "n", "data"})
 
 
-def _plain_entry(raw: object) -> bool:
-    """Whether a tensor entry has exactly the shape a writer gives it: these keys, these types, nothing nested
-    further. Such an entry cannot nest too deep or hold a timestamp, so it needs no walk (unpack_value's shallow)."""
+_INT_ONLY = {int}
+_Signature = tuple[str, str, tuple[int, ...]]
+
+
+def _plain_tensor(
+    raw: object, base: str, index: int, file_sizes: list[int], checked: dict[_Signature, tuple[int, int]]
+) -> TensorEntry | None:
+    """_decode_tensor of an entry that has exactly the shape a writer gives it (these keys, these types, nothing
+    nested further, so it needs no depth walk), else None for the general path. The same checks in the same order
+    with the same messages, without typed field access; the dtype/layout/shape checks are made once per distinct
+    (dtype, layout, shape) in `checked` (a MoE model repeats a few shapes 10^5 times). Texts for errors are made
+    when raised; names are checked for UTF-8 by the caller, all at once."""
     if type(raw) is not dict or raw.keys() != _ENTRY_KEYS:
-        return False
-    shape, pieces = raw["shape"], raw["pieces"]
-    if type(raw["name"]) is not str or type(raw["dtype"]) is not str or type(raw["layout"]) is not str:
-        return False
-    if type(shape) is not list or not all(type(dim) is int for dim in shape):
-        return False
+        return None
+    name, dtype, layout, dims, pieces = raw["name"], raw["dtype"], raw["layout"], raw["shape"], raw["pieces"]
+    if type(name) is not str or type(dtype) is not str or type(layout) is not str or type(dims) is not list:
+        return None
+    if dims and set(map(type, dims)) != _INT_ONLY:  # exactly int: a bool would hash and compare as 0 or 1
+        return None
     if type(pieces) is not dict or pieces.keys() != _PIECES_KEYS or type(pieces["count"]) is not int:
-        return False
+        return None
     for key in ("file", "offset", "start", "length"):
         column = pieces[key]
         if type(column) is not dict or column.keys() != _COLUMN_KEYS:
-            return False
+            return None
         if type(column["enc"]) is not str or type(column["n"]) is not int or type(column["data"]) is not bytes:
-            return False
-    return True
-
-
-def _decode_plain_tensor(raw: dict[str, Any], base: str, index: int, file_sizes: list[int]) -> TensorEntry:
-    """_decode_tensor of an entry _plain_entry accepted (types known): the same checks, in the same order, with the
-    same messages, without the typed field access the general path needs. Texts for errors are made when raised;
-    names are checked for UTF-8 by the caller, all at once."""
-    name = raw["name"]
+            return None
     if not 1 <= len(name) <= limits.MAX_NAME_CHARS or "\x00" in name:
         check_name(name, f"{base} tensors[{index}]")  # raises
-    dtype, layout, pieces, dims = raw["dtype"], raw["layout"], raw["pieces"], raw["shape"]
-    size = DTYPE_SIZES.get(dtype)
-    if size is None:
-        raise FormatError(f"{base} tensor {name!r}: unknown dtype {dtype!r}")
     shape = tuple(dims)
-    if len(shape) > limits.MAX_NDIM or (shape and (min(shape) < 0 or max(shape) > limits.MAX_EXTENT)):
-        check_shape(dims, f"{base} tensor {name!r}")  # raises
-    numel = math.prod(shape)
-    if numel > limits.MAX_EXTENT:
-        check_shape(dims, f"{base} tensor {name!r}")  # raises
-    if layout not in LAYOUTS:
-        raise FormatError(f"{base} tensor {name!r}: layout must be one of {LAYOUTS}, got {layout!r}")
-    if numel * size > limits.MAX_EXTENT:
-        raise FormatError(f"{base} tensor {name!r}: tensor holds more than 2^62 bytes")
+    signature = (dtype, layout, shape)
+    known = checked.get(signature)
+    if known is None:
+        size = DTYPE_SIZES.get(dtype)
+        if size is None:
+            raise FormatError(f"{base} tensor {name!r}: unknown dtype {dtype!r}")
+        if len(shape) > limits.MAX_NDIM or (shape and (min(shape) < 0 or max(shape) > limits.MAX_EXTENT)):
+            check_shape(dims, f"{base} tensor {name!r}")  # raises
+        numel = math.prod(shape)
+        if numel > limits.MAX_EXTENT:
+            check_shape(dims, f"{base} tensor {name!r}")  # raises
+        if layout not in LAYOUTS:
+            raise FormatError(f"{base} tensor {name!r}: layout must be one of {LAYOUTS}, got {layout!r}")
+        if numel * size > limits.MAX_EXTENT:
+            raise FormatError(f"{base} tensor {name!r}: tensor holds more than 2^62 bytes")
+        known = checked[signature] = (size, numel)  # only once every check passed
+    size, numel = known
     count = pieces["count"]
     if not 0 <= count <= limits.MAX_PIECES_PER_TENSOR:
         raise FormatError(
@@ -608,9 +613,11 @@ def _decode_tensors(raw: list[Any], where: str, file_sizes: list[int]) -> tuple[
     """Decode the tensor entries; the document was unpacked with "tensors" shallow, so entries of any other shape
     than a writer's are checked for depth here, before anything reads them."""
     decoded = []
+    checked: dict[_Signature, tuple[int, int]] = {}
     for i, item in enumerate(raw):
-        if _plain_entry(item):
-            decoded.append(_decode_plain_tensor(item, where, i, file_sizes))
+        plain = _plain_tensor(item, where, i, file_sizes, checked)
+        if plain is not None:
+            decoded.append(plain)
             continue
         check_depth(item, where, DOCUMENT_DEPTH + 2)
         decoded.append(_decode_tensor(item, f"{where} tensors[{i}]", file_sizes))

@@ -38,6 +38,8 @@ class Box:
         return tuple(o + s for o, s in zip(self.offsets, self.shape))
 
     def within(self, shape: tuple[int, ...]) -> bool:
+        if self.shape == shape and not any(self.offsets):  # the whole tensor (most loads): no tuple built
+            return True
         return len(shape) == self.ndim and all(e <= s for e, s in zip(self.end, shape))
 
     @classmethod

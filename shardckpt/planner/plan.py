@@ -244,7 +244,8 @@ def _whole_piece_unit(entry: TensorEntry, index: int, nbytes: int) -> tuple[int,
     pieces = entry.pieces
     if pieces.count != 1 or entry.layout != "box" or nbytes <= 0:
         return None
-    file, offset, start, length = pieces.small_arrays()
+    # Decoded and checked already for most (StoredCheckpoint.entries): Python ints, no call.
+    file, offset, start, length = pieces._lists if pieces._lists is not None else pieces.small_arrays()
     if any(start[0]) or tuple(length[0]) != entry.shape:
         return None
     at = offset[0]

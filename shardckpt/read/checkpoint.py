@@ -275,12 +275,12 @@ class Checkpoint(StoredCheckpoint):
         with ThreadPoolExecutor(max_workers=max(1, min(self.storage.read_threads, len(files)))) as pool:
             list(pool.map(self.file_index, files))
             list(pool.map(self._check_data_size, files))
-        positions = self._positions
+        by_file: dict[int, list[tuple[str, int]]] = {}
         for request in plan.requests:
-            file = request.file
-            for span in request.verify:
-                if (file, span.tensor, span.piece) not in positions:
-                    self._piece_position(file, span.tensor, span.piece)
+            spans = by_file.setdefault(request.file, [])
+            spans.extend((span.tensor, span.piece) for span in request.verify)
+        for file, spans in by_file.items():
+            self.check_positions(file, spans)
 
     def waves(self, plan: ReadPlan) -> Iterator[list[ReadRequest]]:
         """The plan's requests in groups of at most max_in_flight bytes (a larger request alone)."""

@@ -570,12 +570,18 @@ def _plain_tensor(
         return None
     if type(pieces) is not dict or pieces.keys() != _PIECES_KEYS or type(pieces["count"]) is not int:
         return None
-    for key in ("file", "offset", "start", "length"):
-        column = pieces[key]
-        if type(column) is not dict or column.keys() != _COLUMN_KEYS:
-            return None
-        if type(column["enc"]) is not str or type(column["n"]) is not int or type(column["data"]) is not bytes:
-            return None
+    # The four columns, each {"enc": str, "n": int, "data": bytes}, in chained comparisons (no loop: per tensor).
+    a, b, c, d = pieces["file"], pieces["offset"], pieces["start"], pieces["length"]
+    if not type(a) is type(b) is type(c) is type(d) is dict:
+        return None
+    if not a.keys() == b.keys() == c.keys() == d.keys() == _COLUMN_KEYS:
+        return None
+    if not type(a["enc"]) is type(b["enc"]) is type(c["enc"]) is type(d["enc"]) is str:
+        return None
+    if not type(a["n"]) is type(b["n"]) is type(c["n"]) is type(d["n"]) is int:
+        return None
+    if not type(a["data"]) is type(b["data"]) is type(c["data"]) is type(d["data"]) is bytes:
+        return None
     if not 1 <= len(name) <= limits.MAX_NAME_CHARS or "\x00" in name:
         check_name(name, f"{base} tensors[{index}]")  # raises
     shape = tuple(dims)

@@ -44,8 +44,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _rank_process(worker: str, scenario: str, args_json: str, env: dict[str, str], output: str) -> None:
-    """A forked rank: this rank's environment and output file, then `python worker scenario args_json` in effect."""
+def _rank_process(command: list[str], env: dict[str, str], output: str) -> None:
+    """A forked rank: this rank's environment and output file, then `python *command` in effect (a script and
+    its arguments, or -m module and its arguments)."""
     fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -56,12 +57,18 @@ def _rank_process(worker: str, scenario: str, args_json: str, env: dict[str, str
     import torch
 
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # OpenMP read the variable when the server loaded torch
-    sys.argv = [worker, scenario, args_json]
     code = 0
     try:
-        runpy.run_path(worker, run_name="__main__")
+        if command[0] == "-m":
+            sys.argv = [command[1], *command[2:]]
+            sys.path.insert(0, os.getcwd())  # as `python -m module` has it
+            runpy.run_module(command[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(command)
+            sys.path.insert(0, os.path.dirname(command[0]))  # as `python script.py` has it
+            runpy.run_path(command[0], run_name="__main__")
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
     except BaseException:
         traceback.print_exc()
         code = 1
@@ -114,6 +121,44 @@ def _check_fork_server(processes: list[multiprocessing.process.BaseProcess]) -> 
         raise RuntimeError(f"the rank fork server (pid {server}) runs {threads} threads; it must run one")
 
 
+def _launch(world: int, command: list[str], output_dir: str, timeout: float, env: Mapping[str, str]) -> list[int]:
+    """`python *command` on `world` ranks with torchrun's variables; each rank's exit code (-9: SIGKILLed,
+    also when still running `timeout` seconds after the launch). Rank r's output goes to output_dir/rank-<r>.out."""
+    _start_fork_server()
+    port = free_port()
+    processes = []
+    for rank in range(world):
+        variables = {
+            **os.environ,
+            **env,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        output = os.path.join(output_dir, f"rank-{rank}.out")
+        process = _RankProcess(target=_rank_process, args=(command, variables, output))
+        process.start()
+        processes.append(process)
+    _check_fork_server(processes)
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        process.join(max(1.0, deadline - time.monotonic()))
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+    return [int(process.exitcode) for process in processes]  # type: ignore[arg-type]  (joined: not None)
+
+
+def _output(output_dir: str, rank: int) -> str:
+    path = Path(output_dir) / f"rank-{rank}.out"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
 def run_ranks(
     scenario: str, world: int, args: dict, timeout: float = 180.0, worker: Path = WORKER
 ) -> list[dict | None]:
@@ -121,41 +166,34 @@ def run_ranks(
 
     A rank still running `timeout` seconds after the launch is SIGKILLed; a failed verdict carries the rank's output.
     """
-    _start_fork_server()
     with tempfile.TemporaryDirectory() as result_dir:
-        args_json = json.dumps({**args, "result_dir": result_dir})
-        port = free_port()
-        processes = []
-        for rank in range(world):
-            env = {
-                **os.environ,
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": str(world),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "OMP_NUM_THREADS": "1",
-            }
-            output = os.path.join(result_dir, f"rank-{rank}.out")
-            process = _RankProcess(target=_rank_process, args=(str(worker), scenario, args_json, env, output))
-            process.start()
-            processes.append(process)
-        _check_fork_server(processes)
-        deadline = time.monotonic() + timeout
-        for process in processes:
-            process.join(max(1.0, deadline - time.monotonic()))
-            if process.exitcode is None:
-                process.kill()
-                process.join()
+        command = [str(worker), scenario, json.dumps({**args, "result_dir": result_dir})]
+        _launch(world, command, result_dir, timeout, {})
         results: list[dict | None] = []
         for rank in range(world):
             path = Path(result_dir) / f"rank-{rank}.json"
             result = json.loads(path.read_text()) if path.exists() else None
             if result is not None and not result.get("ok"):
-                output_path = Path(result_dir) / f"rank-{rank}.out"
-                result["output"] = output_path.read_text(errors="replace")[-4000:] if output_path.exists() else ""
+                result["output"] = _output(result_dir, rank)[-4000:]
             results.append(result)
         return results
+
+
+def run_like_torchrun(
+    world: int, *command: str, timeout: float = 300.0, env: Mapping[str, str] | None = None
+) -> list[str]:
+    """What `torchrun --standalone --nproc-per-node world *command` runs (a script or -m module, with arguments),
+    its ranks forked as run_ranks forks them; each rank's output. A rank that exits other than 0 fails the test."""
+    with tempfile.TemporaryDirectory() as output_dir:
+        codes = _launch(world, list(command), output_dir, timeout, env or {})
+        outputs = [_output(output_dir, rank) for rank in range(world)]
+    failed = {rank: code for rank, code in enumerate(codes) if code != 0}
+    if failed:
+        import pytest  # here: benchmarks import this module too
+
+        reports = "\n".join(f"rank {rank} exit {code}:\n{outputs[rank][-3000:]}" for rank, code in failed.items())
+        pytest.fail(f"{' '.join(command)} on {world} ranks failed: {failed}\n{reports}")
+    return outputs
 
 
 def serve_rank(names: Mapping[str, Any], default_timeout: float) -> None:

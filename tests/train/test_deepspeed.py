@@ -220,19 +220,18 @@ def test_adapter_refuses_engines_it_cannot_save() -> None:
         DeepSpeedZero3(NotZero3())
 
 
-def test_benchmark_smoke(tmp_path) -> None:
-    """`python -m benchmarks.ds_engine` end to end at a tiny size: every row printed, the JSON written."""
+def test_benchmark_smoke(tmp_path, capsys, monkeypatch) -> None:
+    """`python -m benchmarks.ds_engine` end to end at a tiny size: every row printed, the JSON written. Its main
+    runs here, as tests/bench runs the other benchmarks' (the ranks it launches are forked like every test's)."""
+    from benchmarks.ds_engine import main
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", TORCH_EXTENSIONS_DIR)  # main would set it for the whole session
     report = tmp_path / "ds_engine.json"
     tiny = ["--d-model", "64", "--layers", "1", "--vocab", "128", "--repeats", "1", "--warm"]
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.ds_engine", *tiny, "--json", str(report), "--dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": TORCH_EXTENSIONS_DIR},
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    code = main([*tiny, "--json", str(report), "--dir", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed[-3000:]
     for row in ("durable save, 2 ranks", "load 2 -> 2, warm", "load 2 -> 3, warm (+ds_to_universal)"):
-        assert row in done.stdout, done.stdout
+        assert row in printed, printed
     result = json.loads(report.read_text())
     assert result["same_world"]["save"]["shardckpt"] > 0 and result["resharded"]["load_warm"]["universal"] > 0

@@ -79,6 +79,7 @@ DIST_MODULES = {
     "test_dcp_backend",
     "test_dcp_backend_smoke",
     "test_moe",
+    "test_launch",
 }
 DEEPSPEED_MODULES = {"test_deepspeed", "test_import_deepspeed"}
 

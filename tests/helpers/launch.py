@@ -102,7 +102,7 @@ class _RankProcess(multiprocessing.context.ForkServerProcess):
         return _RankPopen(process_obj)
 
 
-def _start_fork_server() -> None:
+def start_fork_server() -> None:
     """The fork server, started (once per process) with PRELOAD to import and one OpenMP thread."""
     multiprocessing.forkserver.set_forkserver_preload(PRELOAD)
     with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}):
@@ -124,7 +124,7 @@ def _check_fork_server(processes: list[multiprocessing.process.BaseProcess]) -> 
 def _launch(world: int, command: list[str], output_dir: str, timeout: float, env: Mapping[str, str]) -> list[int]:
     """`python *command` on `world` ranks with torchrun's variables; each rank's exit code (-9: SIGKILLed,
     also when still running `timeout` seconds after the launch). Rank r's output goes to output_dir/rank-<r>.out."""
-    _start_fork_server()
+    start_fork_server()
     port = free_port()
     processes = []
     for rank in range(world):

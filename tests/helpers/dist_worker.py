@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import warnings
 
 import torch
@@ -402,6 +403,18 @@ def scenario_per_rank_load(args: dict, rank: int, world: int) -> dict:
             assert torch.equal(position.value["t"], torch.full((2,), got["position"]))
         outcomes[missing] = got
     return outcomes
+
+
+def scenario_launch(args: dict, rank: int, world: int) -> dict:
+    """For the launcher's own test: rank args["hang"] writes its pid and hangs; the others say what they see."""
+    if rank == args["hang"]:
+        with open(os.path.join(args["pid_dir"], "hung.pid"), "w") as handle:
+            handle.write(str(os.getpid()))
+        dist.barrier()
+        while True:
+            time.sleep(60)
+    dist.barrier()
+    return {"variable": os.environ.get(args["variable"]), "threads": torch.get_num_threads(), "pid": os.getpid()}
 
 
 def main() -> None:

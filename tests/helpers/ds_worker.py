@@ -1,4 +1,4 @@
-"""Training-loop workers for the DeepSpeed tests, run under torchrun: `ds_worker.py MODE OUT -- TRAIN ARGS`.
+"""Training-loop workers for the DeepSpeed tests, run like torchrun runs them: `ds_worker.py MODE OUT -- TRAIN ARGS`.
 
 native: train with DeepSpeed, then save the same state with shardckpt (OUT/shardckpt) and DeepSpeed (OUT/native).
 resave: resume (any engine, any checkpoint) and at once save what the live engine holds to OUT with shardckpt.

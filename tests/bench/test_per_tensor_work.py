@@ -142,3 +142,27 @@ def test_load_work_is_linear_and_within_budget() -> None:
     small, large = _load_side(SMALL) / SMALL, _load_side(LARGE) / LARGE
     assert large <= 1.1 * small, f"lines per tensor grow with the count: {small:.0f} at {SMALL}, {large:.0f} at {LARGE}"
     assert large <= LOAD_BUDGET, f"{large:.0f} lines per tensor to open, check, plan and read (budget {LOAD_BUDGET})"
+
+
+def test_a_load_leaves_no_garbage_per_tensor_for_the_cycle_collector(tmp_path) -> None:
+    """Objects a load makes per tensor are freed by reference counting when it returns: none waits in a reference
+    cycle for the collector (a recursive closure once kept every Leaf alive, 0.1 s of collection per 50,000)."""
+    import gc
+
+    import shardckpt
+
+    state = {f"layers.{i // 64}.experts.{i % 64}.weight": torch.full((8, 32), float(i)) for i in range(SMALL)}
+    url = str(tmp_path / "ck")
+    shardckpt.save(state, url)
+    destination = {name: torch.zeros(8, 32) for name in state}
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        shardckpt.load(destination, url)
+        found = gc.collect()
+    finally:
+        if enabled:
+            gc.enable()
+    assert found < SMALL // 4, f"a load of {SMALL} tensors left {found} objects in reference cycles"
+    assert all(torch.equal(destination[name], tensor) for name, tensor in state.items())

@@ -18,8 +18,9 @@ from shardckpt.catalog.chain import read_commit_marker, read_opening
 from shardckpt.errors import FormatError, IntegrityError, NotCommittedError, ShardckptError, ShardckptUsageError
 from shardckpt.format import limits
 from shardckpt.format.local_manifest import LocalManifest, decode_local_manifest
-from shardckpt.format.manifest import CommitMarker, GlobalManifest, TensorEntry, crc32c_of, whole_pieces
+from shardckpt.format.manifest import CommitMarker, GlobalManifest, TensorEntry, crc32c_of
 from shardckpt.format.references import GlobalReference, ReferencedPieces, check_local_references
+from shardckpt.format.whole import whole_pieces
 from shardckpt.planner import Box, VerifySpan, check_cover
 from shardckpt.planner.box import box_as_flat_range, linear_index
 from shardckpt.storage import Storage, open_storage

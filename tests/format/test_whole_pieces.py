@@ -1,4 +1,4 @@
-"""The one-pass decision of one-piece tensors (manifest.whole_pieces, used by a load) against the per-table path.
+"""The one-pass decision of one-piece tensors (format/whole.py, used by a load) against the per-table path.
 
 Every mutated one-piece entry must get the same outcome both ways: whole, not whole, or the same error with the
 same message; a check the batch skipped would show as a batch "whole" where the per-table path raises.
@@ -22,8 +22,8 @@ from shardckpt.format.manifest import (
     TensorEntry,
     decode_global_manifest,
     encode_global_manifest,
-    whole_pieces,
 )
+from shardckpt.format.whole import whole_pieces
 
 pytestmark = pytest.mark.unit
 

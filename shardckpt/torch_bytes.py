@@ -72,7 +72,7 @@ def writable_bytes(tensor: torch.Tensor) -> npt.NDArray[np.uint8] | None:
     """A writable uint8 view of a contiguous CPU tensor's memory, or None if it has none."""
     if not tensor.is_cpu or not tensor.is_contiguous() or tensor.numel() == 0:
         return None
-    try:  # numpy's reshape and view cost less than torch's (a load makes one view per tensor)
-        return tensor.detach().numpy().reshape(-1).view(np.uint8)
+    try:  # numpy's reshape and view cost less than torch's (a load makes one view per tensor); detach only if needed
+        return (tensor.detach() if tensor.requires_grad else tensor).numpy().reshape(-1).view(np.uint8)
     except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16, float8), or a conjugate view
         return tensor.detach().reshape(-1).view(torch.uint8).numpy()

@@ -5,6 +5,7 @@ A flat element range of a row-major tensor decomposes into at most 2*ndim-1 boxe
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -44,10 +45,18 @@ class Box:
 
     @classmethod
     def full(cls, shape: tuple[int, ...]) -> Box:
+        if cls is Box:
+            return _full_box(tuple(shape))
         return cls((0,) * len(shape), tuple(shape))
 
     def __str__(self) -> str:
         return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.shape)) + "]"
+
+
+@functools.lru_cache(maxsize=1024)
+def _full_box(shape: tuple[int, ...]) -> Box:
+    """Box.full, one (immutable) Box per distinct shape: a load of a MoE model asks for the same few 10^5 times."""
+    return Box((0,) * len(shape), shape)
 
 
 def intersect(a: Box, b: Box) -> Box | None:

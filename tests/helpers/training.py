@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 # Where DeepSpeed caches the small communication extension it compiles at start-up (~30 s, once per machine).
@@ -33,15 +34,31 @@ def torchrun(world: int, *args: str, wait: bool = True, script: str | None = Non
 
 
 def losses(path: str) -> dict[int, dict]:
+    """The loss log's rows by step; a last line not yet ended by its newline (the job is writing it) is left out."""
     with open(path) as handle:
-        return {row["step"]: row for row in map(json.loads, handle)}
+        lines = handle.read().split("\n")[:-1]
+    return {row["step"]: row for row in map(json.loads, lines)}
 
 
-def resume(root: Path, checkpoint: str, world: int, steps: int, every: int, *extra: str) -> dict[int, dict]:
-    """Copy one checkpoint under a fresh root, resume from it on `world` ranks until `steps`; the loss log."""
+def logged_step(path: str) -> int:
+    """The highest step in the loss log so far: 0 while the log is absent or empty (a job polled while it starts)."""
+    return max(losses(path), default=0) if os.path.exists(path) else 0
+
+
+def resume(
+    root: Path,
+    checkpoint: str,
+    world: int,
+    steps: int,
+    every: int,
+    *extra: str,
+    launch: Callable[..., object] | None = None,
+) -> dict[int, dict]:
+    """Copy one checkpoint under a fresh root, resume from it on `world` ranks until `steps`; the loss log.
+    launch(world, *train_args): how the loop is started (default: torchrun)."""
     shutil.copytree(checkpoint, root / "ck" / os.path.basename(checkpoint))
     log = str(root / "loss.jsonl")
-    torchrun(
+    (launch or torchrun)(
         world,
         "--ckpt",
         str(root / "ck"),

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ from shardckpt.errors import ShardckptUsageError
 from shardckpt.ops.verify import verify
 from shardckpt.statedict.deepspeed import DeepSpeedZero3
 from tests.helpers.launch import run_like_torchrun
-from tests.helpers.training import TORCH_EXTENSIONS_DIR, losses, torchrun
+from tests.helpers.training import TORCH_EXTENSIONS_DIR, losses, resume, torchrun
 
 STEPS, EVERY = 8, 4
 WORKER = str(Path(__file__).resolve().parents[1] / "helpers" / "ds_worker.py")
@@ -47,23 +46,8 @@ def _train(world: int, *args: str) -> None:
 
 
 def _resume(root: Path, checkpoint: str, world: int, *extra: str) -> dict[int, dict]:
-    """As training.resume: one checkpoint copied under a fresh root, resumed on `world` ranks until STEPS."""
-    shutil.copytree(checkpoint, root / "ck" / os.path.basename(checkpoint))
-    log = str(root / "loss.jsonl")
-    _train(
-        world,
-        "--ckpt",
-        str(root / "ck"),
-        "--steps",
-        str(STEPS),
-        "--ckpt-every",
-        str(EVERY),
-        "--resume",
-        "--loss-log",
-        log,
-        *extra,
-    )
-    return losses(log)
+    """training.resume until STEPS, its ranks started like _train's."""
+    return resume(root, checkpoint, world, STEPS, EVERY, *extra, launch=_train)
 
 
 @pytest.fixture(scope="module")

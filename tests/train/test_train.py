@@ -11,7 +11,7 @@ import pytest
 
 import shardckpt
 from shardckpt.ops.verify import verify
-from tests.helpers.training import losses, resume, torchrun
+from tests.helpers.training import logged_step, losses, resume, torchrun
 
 STEPS, EVERY = 8, 4
 # Resuming on another world size changes only the order of float32 sums (reduce-scatter of gradients over
@@ -70,7 +70,7 @@ def test_kill_minus_nine_then_resume_on_three_ranks(tmp_path) -> None:
     common = ["--ckpt", str(root), "--steps", "12", "--ckpt-every", "3", "--keep-last", "2"]
     job = torchrun(4, *common, "--pid-dir", str(pids), "--loss-log", log, wait=False)
     deadline = time.monotonic() + 240
-    while not (os.path.exists(log) and max(losses(log)) >= 7):
+    while logged_step(log) < 7:
         assert job.poll() is None, job.communicate()[0].decode(errors="replace")[-4000:]
         assert time.monotonic() < deadline, "the 4-rank job did not reach step 7"
         time.sleep(0.05)
@@ -93,7 +93,7 @@ def test_sigterm_writes_a_last_checkpoint_and_the_job_resumes(tmp_path) -> None:
     common = ["--ckpt", str(root), "--steps", "200", "--ckpt-every", "100"]
     job = torchrun(3, *common, "--loss-log", log, wait=False)
     deadline = time.monotonic() + 240
-    while not (os.path.exists(log) and max(losses(log)) >= 5):
+    while logged_step(log) < 5:
         assert job.poll() is None, job.communicate()[0].decode(errors="replace")[-4000:]
         assert time.monotonic() < deadline
         time.sleep(0.05)

@@ -76,6 +76,16 @@ def save_row_shards(url: str, state: dict[str, torch.Tensor], world: int) -> Non
     shardckpt.commit(url, world_size=world, attempt=attempt)
 
 
+def machine() -> dict[str, object]:
+    """What a report says of the machine it ran on."""
+    return {
+        "arch": platform.machine(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
 def write_report(path: str | None, report: dict) -> None:
     """The results as JSON at `path` (nothing when it is empty)."""
     if path:
@@ -327,12 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         "state_bytes": size,
         "repeats": args.repeats,
         "loads": temperature,
-        "machine": {
-            "arch": platform.machine(),
-            "cores": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-        },
+        "machine": machine(),
         "rows": rows,
         "resharded_read_ratio": read_ratio,
         "save_ratio_to_two_stream_write": save_vs_disk,

@@ -6,13 +6,11 @@ The same file is the rank worker (`python benchmarks/dcp_backend.py SCENARIO ARG
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import shutil
 import statistics
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import shardckpt.dcp
 from benchmarks.__main__ import write_report
 from benchmarks.dist_worker import make_state, read_bytes, run_scenario, timed_collective, timed_saves
-from benchmarks.distributed import values
+from benchmarks.distributed import sharded_job, values
 from benchmarks.pagecache import drop_caches
 from tests.helpers.launch import run_ranks
 
@@ -117,27 +115,9 @@ def _rows(loads: list[dict], save_world: int, world: int, size: int) -> list[dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--size-mib", type=int, default=512, help="state size over all ranks (default 512 MiB)")
-    parser.add_argument("--tensors", type=int, default=64)
-    parser.add_argument("--dir", help="scratch directory on the disk to measure")
-    parser.add_argument("--json", default="benchmarks/dcp_backend.json")
-    parser.add_argument("--repeats", type=int, default=3, help="saves and loads per backend and row (median)")
-    parser.add_argument("--save-world", type=int, default=4, choices=range(1, 5), help="ranks that save")
-    parser.add_argument("--worlds", type=int, nargs="+", default=[4, 3], choices=range(1, 5), help="load on")
-    parser.add_argument("--warm", action="store_true", help="never drop the page cache (warm loads only)")
-    args = parser.parse_args(argv)
-    # rows divisible by 12, so that every world size from 1 to 4 shards them evenly (as benchmarks.distributed)
-    rows = max(12, round((args.size_mib << 20) / (args.tensors * 4096) / 12) * 12)
-    scratch = tempfile.mkdtemp(prefix="shardckpt-dcpbench-", dir=args.dir)
-    common = {
-        "rows": rows,
-        "tensors": args.tensors,
-        "shardckpt": f"{scratch}/shardckpt",
-        "dcp": f"{scratch}/dcp",
-        "repeats": args.repeats,
-        "warm": args.warm,
-    }
+    args, rows, common, scratch = sharded_job(
+        argv, __doc__, "benchmarks/dcp_backend.json", [4, 3], "shardckpt-dcpbench-"
+    )
     size = rows * 1024 * 4 * args.tensors
     same = args.save_world in args.worlds
     saved = values(run_ranks("save", args.save_world, {**common, "load_here": same}, timeout=1800, worker=WORKER))

@@ -26,19 +26,24 @@ def values(results: list[dict | None]) -> list[dict]:
     return [result["value"] for result in results if result is not None]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+def sharded_job(
+    argv: list[str] | None, doc: str | None, json_default: str, worlds: list[int], prefix: str
+) -> tuple[argparse.Namespace, int, dict, str]:
+    """The options and set-up shared by the gloo benchmarks of a Shard(0) state (this one, benchmarks.dcp_backend):
+    (args, rows per tensor, the arguments every rank gets, the scratch directory). Rows are a multiple of 12, so
+    that every world size from 1 to 4 shards them evenly."""
+    parser = argparse.ArgumentParser(description=doc)
     parser.add_argument("--size-mib", type=int, default=512, help="state size over all ranks (default 512 MiB)")
     parser.add_argument("--tensors", type=int, default=64)
     parser.add_argument("--dir", help="scratch directory on the disk to measure")
-    parser.add_argument("--json", default="benchmarks/distributed.json")
-    parser.add_argument("--repeats", type=int, default=3, help="loads per library and temperature (median)")
+    parser.add_argument("--json", default=json_default)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per library and row (median)")
     parser.add_argument("--save-world", type=int, default=4, choices=range(1, 5), help="ranks that save")
-    parser.add_argument("--worlds", type=int, nargs="+", default=[4, 3, 2], choices=range(1, 5), help="load on")
+    parser.add_argument("--worlds", type=int, nargs="+", default=worlds, choices=range(1, 5), help="load on")
     parser.add_argument("--warm", action="store_true", help="never drop the page cache (warm loads only)")
     args = parser.parse_args(argv)
     rows = max(12, round((args.size_mib << 20) / (args.tensors * 4096) / 12) * 12)
-    scratch = tempfile.mkdtemp(prefix="shardckpt-dbench-", dir=args.dir)
+    scratch = tempfile.mkdtemp(prefix=prefix, dir=args.dir)
     common = {
         "rows": rows,
         "tensors": args.tensors,
@@ -47,6 +52,13 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "warm": args.warm,
     }
+    return args, rows, common, scratch
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, rows, common, scratch = sharded_job(
+        argv, __doc__, "benchmarks/distributed.json", [4, 3, 2], "shardckpt-dbench-"
+    )
     size = rows * 1024 * 4 * args.tensors
     report: dict = {"state_bytes": size, "save_world": args.save_world, "rows": []}
     saved = values(run_ranks("save", args.save_world, common, timeout=1200, worker=WORKER))[0]

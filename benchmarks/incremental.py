@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 import shardckpt
-from benchmarks.__main__ import remove, write_report
+from benchmarks.__main__ import machine, remove, write_report
 from shardckpt.format.layout import new_attempt
 from shardckpt.format.references import LEGACY_HASH_ALG, piece_hash
 from shardckpt.knobs import HASH_THREADS
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         "frozen_mib": args.frozen_mib,
         "trainable_mib": args.trainable_mib,
         "repeats": args.repeats,
-        "machine": {"arch": platform.machine(), "cores": os.cpu_count(), "python": platform.python_version()},
+        "machine": machine(),
         "full_saves": full,
         "hashing": hashing,
         "saves": rows,

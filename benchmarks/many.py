@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 import shardckpt
-from benchmarks.__main__ import fsync_path, remove, write_report
+from benchmarks.__main__ import fsync_path, machine, remove, write_report
 
 SHAPE = (8, 32)
 LIBRARIES = ("shardckpt", "safetensors", "dcp")
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": "float32",
         "repeats": args.repeats,
         "loads": "warm",
-        "machine": {"arch": platform.machine(), "cores": os.cpu_count(), "python": platform.python_version()},
+        "machine": machine(),
         "rows": rows,
         "per_tensor_growth": growth,
     }

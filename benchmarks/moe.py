@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import tempfile
 from pathlib import Path
 
-from benchmarks.__main__ import write_report
+from benchmarks.__main__ import machine, write_report
 from benchmarks.distributed import values
 from tests.helpers.launch import run_ranks
 
@@ -92,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_gap": args.max_gap,
         "repeats": args.repeats,
         "loads": "warm",
-        "machine": {"arch": platform.machine(), "cores": os.cpu_count(), "python": platform.python_version()},
+        "machine": machine(),
         "rows": [row],
     }
     write_report(args.json, report)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 import uuid
@@ -20,7 +19,7 @@ import torch
 
 import shardckpt
 from benchmarks import seaweed
-from benchmarks.__main__ import GIB, make_state, nbytes, timed
+from benchmarks.__main__ import GIB, machine, make_state, nbytes, timed
 
 BUCKET = "shardckpt-bench"
 
@@ -88,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         "state_bytes": size,
         "repeats": args.repeats,
         "endpoint": where,
-        "machine": {"arch": platform.machine(), "cores": os.cpu_count(), "python": platform.python_version()},
+        "machine": machine(),
         "rows": rows,
         "save_ratio_to_s3fs": save_ratio,
         "load_ratio_to_s3fs": load_ratio,

@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
         "Exit codes: 0 ok, 1 check failed or checkpoint broken/incomplete (diff: they differ), 2 usage error.",
         formatter_class=HelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument(
+        "--version", action=_PrintVersion, nargs=0, help="show the version and the checkpoint formats, then exit"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         _module(name).register(sub)
@@ -57,12 +59,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _PrintVersion(argparse.Action):
+    """argparse's own version action wraps the line to the terminal; scripts read it whole."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        print(_version())
+        parser.exit()
+
+
 def _version() -> str:
     """The package version and the newest checkpoint format this build writes and reads."""
     from shardckpt import __version__
-    from shardckpt.format.strict import FORMAT_VERSION
+    from shardckpt.format.strict import FORMAT_VERSION, NEWEST_VERSION
 
-    return f"shardckpt {__version__} (checkpoint format {FORMAT_VERSION[0]}.{FORMAT_VERSION[1]})"
+    newest, plain = "{}.{}".format(*NEWEST_VERSION), "{}.{}".format(*FORMAT_VERSION)
+    return f"shardckpt {__version__} (checkpoint format {newest}: reads and writes {plain} and {newest})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

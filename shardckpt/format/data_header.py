@@ -5,6 +5,7 @@ Readers never need the header (the manifests locate every byte); a verifier chec
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from shardckpt.errors import FormatError
@@ -14,6 +15,8 @@ from shardckpt.format.local_manifest import LocalManifest
 from shardckpt.format.values import strict_json
 
 __all__ = ["MAX_HEADER_JSON_BYTES", "header_problems", "parse_header"]
+
+_VERSION = re.compile(r"1\.(0|[1-9][0-9]{0,4})")  # "1.<minor>" (SPEC 4): any 1.x writer's data file
 
 
 def parse_header(raw: bytes, where: str) -> dict[str, Any]:
@@ -72,6 +75,11 @@ def header_problems(raw: bytes, local: LocalManifest, where: str) -> list[tuple[
     wanted = {"format": "shardckpt", "attempt": local.attempt, "rank": str(local.rank)}
     if not isinstance(metadata, dict) or any(metadata.get(k) != v for k, v in wanted.items()):
         problems.append((None, f"safetensors __metadata__ is {_short(metadata)}, expected at least {wanted!r}"))
+    elif not isinstance(metadata.get("version"), str) or not _VERSION.fullmatch(metadata["version"]):
+        # Informative (the manifests' versions govern), but a data file of another major is not this format's.
+        problems.append(
+            (None, f"safetensors __metadata__ version is {_short(metadata.get('version'))}, not '1.<minor>'")
+        )
     if set(header) != expected_keys:
         extra = sorted(set(header) - expected_keys)[:5]
         missing = sorted(expected_keys - set(header))[:5]

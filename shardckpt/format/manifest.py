@@ -631,13 +631,18 @@ def decode_global_manifest(data: bytes, where: str = "manifest") -> GlobalManife
     sizes = [f.data_size for f in files] + [entry.file.data_size for entry in references]
     tensors = _decode_tensors(fields.get("tensors", list), where, sizes)
     metadata = fields.get("metadata", dict, optional=True) or {}
+    objects = decode_objects(fields.get("objects", list, optional=True) or [], where, world_size)
+    if objects:  # a load by name could not tell which one the state dict's key means (SPEC 7)
+        clash = {o.name for o in objects} & {t.name for t in tensors}
+        if clash:
+            raise FormatError(f"{where}: {min(clash)!r} is the name of a tensor and of an object")
     return GlobalManifest(
         attempt=attempt,
         world_size=world_size,
         block_size=block_size,
         files=files,
         tensors=tensors,
-        objects=decode_objects(fields.get("objects", list, optional=True) or [], where, world_size),
+        objects=objects,
         step=fields.integer("step", -(1 << 63), (1 << 63) - 1, optional=True),
         created=created_field(fields),
         metadata=metadata,

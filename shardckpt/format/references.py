@@ -27,7 +27,7 @@ from shardckpt.format.columns import (
     encode_u32_column,
 )
 from shardckpt.format.layout import data_path, validate_attempt
-from shardckpt.format.strict import Fields
+from shardckpt.format.strict import NEWEST_VERSION, Fields
 
 FEATURE = "references"  # the must_understand entry of every document that uses references
 HASH_ALG = "blake3-128"  # what this library writes (SPEC 6.3)
@@ -35,7 +35,7 @@ LEGACY_HASH_ALG = "blake2b-128"  # what the previous release wrote: still read, 
 HASH_ALGS = (HASH_ALG, LEGACY_HASH_ALG)  # closed: any other alg is refused
 HASH_BYTES = 16
 AUTO_THREADS = blake3.blake3.AUTO  # piece_hash(threads=...): BLAKE3's own pool, one thread per core
-FIRST_VERSION = (1, 1)
+FIRST_VERSION = NEWEST_VERSION  # the version that added references (SPEC 6.2)
 
 _NAME = r"[0-9A-Za-z._-]{1,255}"
 _CHECKPOINT_NAME = re.compile(_NAME)
@@ -91,6 +91,10 @@ def parse_reference_path(path: object, *, own_attempt: str, own_name: str | None
     rank = int(match.group(2))
     if match.group(2) != f"{rank:05d}":
         raise FormatError(f"reference path {path!r} does not write its rank {rank} as exactly {rank:05d}")
+    if rank >= limits.MAX_WORLD_SIZE:  # 8 digits reach 99,999,999; no checkpoint has a rank past 2^24 - 1
+        raise FormatError(
+            f"reference path {path!r} names rank {rank}, above the largest rank {limits.MAX_WORLD_SIZE - 1}"
+        )
     checkpoint, attempt = match.group(1), match.group(3)
     if attempt == own_attempt or checkpoint == own_name:
         raise FormatError(f"reference path {path!r} names the referencing checkpoint itself, not an earlier one")
@@ -194,6 +198,12 @@ def uses_references(fields: Fields) -> bool:
 
 
 def _check_feature(fields: Fields, version: tuple[int, int], used: bool) -> None:
+    """SPEC 2: a document lists the feature if and only if it uses it, and uses it only from version 1.1."""
+    if not used and uses_references(fields):
+        raise FormatError(
+            f"{fields.where}: lists {FEATURE!r} in must_understand but names no referenced checkpoint or file; a "
+            "document lists exactly the features it uses"
+        )
     if used and not uses_references(fields):
         raise FormatError(
             f"{fields.where}: stores pieces by reference but does not list {FEATURE!r} in must_understand"
@@ -263,8 +273,6 @@ def decode_committed_references(fields: Fields, version: tuple[int, int]) -> tup
     names = [name for name, _ in pairs]
     if names != sorted(set(names)):
         raise FormatError(f"{fields.where}: references must be sorted by checkpoint name, one entry per checkpoint")
-    if uses_references(fields) and not pairs:
-        raise FormatError(f"{fields.where}: lists {FEATURE!r} in must_understand but names no referenced checkpoint")
     return tuple(pairs)
 
 
@@ -407,6 +415,8 @@ def decode_local_references(
         if raw_files:
             raise FormatError(f"{where}: lists referenced files but has no referenced piece table")
         return LocalReferences(digests, (), None, alg)
+    if not raw_files:  # rows would name a source that does not exist, and a table of none means nothing
+        raise FormatError(f"{where}: has a referenced piece table but lists no referenced files")
     if len(raw_files) > limits.MAX_FILES:
         raise FormatError(f"{where}: {len(raw_files)} references exceed the limit of {limits.MAX_FILES}")
     files = tuple(_referenced_file(item, f"{where} references[{i}]", attempt) for i, item in enumerate(raw_files))

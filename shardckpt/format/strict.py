@@ -15,7 +15,8 @@ from shardckpt.format.layout import validate_attempt
 from shardckpt.format.values import check_utf8, unpack_value
 
 FORMAT_NAME = "shardckpt"
-FORMAT_VERSION = (1, 0)
+FORMAT_VERSION = (1, 0)  # what a save without references writes: every 1.x reader reads it
+NEWEST_VERSION = (1, 1)  # the newest minor this build reads and writes (SPEC 2.1; incremental saves)
 # Feature names this reader understands when a writer lists them in "must_understand".
 UNDERSTOOD_FEATURES: frozenset[str] = frozenset({"references"})  # format 1.1: format/references.py
 OBJECT_VALUE_LEVEL = 3

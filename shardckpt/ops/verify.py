@@ -21,6 +21,7 @@ from shardckpt.format.data_header import header_problems
 from shardckpt.format.local_manifest import LocalManifest, TensorSpec
 from shardckpt.format.manifest import GlobalManifest, TensorEntry
 from shardckpt.format.references import HASH_ALG, HASH_BYTES, PieceIdentity, check_target, new_hasher
+from shardckpt.planner.box import box_as_flat_range
 from shardckpt.storage import Storage, open_storage
 
 READ_CHUNK = knobs.VERIFY_CHUNK
@@ -257,10 +258,15 @@ def _check_holder(
 
 
 def _identity(local: LocalManifest, table: Any, row: int) -> PieceIdentity:
+    """A row's piece, a box that is one row-major element range written as that range: a row stored as a box
+    and one stored flat are the same piece when they hold the same elements (SPEC 6.2)."""
     spec = local.tensors[int(table.tensor[row])]
     first = int(table.position[row])
     start = tuple(table.start[first : first + spec.k].tolist())
     length = tuple(table.length[first : first + spec.k].tolist())
+    flat = box_as_flat_range(spec.shape, start, length) if spec.layout == "box" else None
+    if flat is not None:
+        return PieceIdentity(spec.name, spec.dtype, spec.shape, "flat", (flat[0],), (flat[1],))
     return PieceIdentity(spec.name, spec.dtype, spec.shape, spec.layout, start, length)
 
 
@@ -305,6 +311,7 @@ def _check_global_pieces(checkpoint: StoredCheckpoint, report: VerifyReport) -> 
         return
     total = len(manifest.files) + len(manifest.references)
     claimed = np.bincount(np.concatenate([table[2] for table in tables]), minlength=total)
+    _check_claims(checkpoint, claimed, indexes, report)
     for file_number, index in list(indexes.items()):
         if int(claimed[file_number]) > index.offsets.size:
             path = checkpoint.describe_file(file_number)
@@ -344,6 +351,28 @@ def _check_global_pieces(checkpoint: StoredCheckpoint, report: VerifyReport) -> 
             path = checkpoint.describe_file(int(file[piece]))
             report.problems.append(Problem(path, entry.name, message))
     _check_referenced_pieces(checkpoint, tables, report)
+
+
+def _check_claims(
+    checkpoint: StoredCheckpoint, claimed: Int64Array, indexes: dict[int, FileIndex], report: VerifyReport
+) -> None:
+    """SPEC 6.2: every local row (own or referenced) is a piece of the global manifest, and every global reference
+    entry is used by a piece (FormatError each). Fewer claims than rows is enough: rows have distinct offsets."""
+    own = len(checkpoint.manifest.files)
+    for file_number in range(claimed.size):
+        try:
+            index = indexes[file_number] if file_number in indexes else checkpoint.file_index(file_number)
+        except ShardckptError:
+            continue  # reported with the file
+        # A local referenced file has at least one row (decoding checks it), so an unused global entry lands here.
+        rows = index.rows.size if isinstance(index, ReferencedIndex) else index.offsets.size
+        if int(claimed[file_number]) < rows:
+            what = f"global reference entry {file_number - own}: " if file_number >= own else ""
+            message = (
+                f"{what}the local manifest holds {rows} pieces of this file, the global manifest uses "
+                f"{int(claimed[file_number])}: a local piece is not a piece of the global manifest"
+            )
+            report.problems.append(Problem(checkpoint.describe_file(file_number), None, message))
 
 
 def _check_referenced_pieces(

@@ -977,11 +977,11 @@ def _manifest_piece_disagrees(root: Path) -> dict[str, Any]:
     edit_pieces(root, "layer.weight", edit)
     return expect(
         "IntegrityError",
-        "verify",
-        "SPEC.md §8 step 4: a piece of the global manifest MUST appear in its file's local manifest; a reader "
-        "matches offset and size, a verifier additionally checks the tensor name, start and length",
+        "read",
+        "SPEC.md §8 step 4: every piece a reader uses MUST be the same piece in its file's local manifest: offset, "
+        "size, tensor name, dtype, shape, start and length",
         "the starts of layer.weight pieces 0 (rank 0) and 1 (rank 1) swapped in the global manifest only "
-        "(offsets and sizes still match the local manifests, so a reader cannot tell)",
+        "(offsets and sizes still match the local manifests; the starts do not)",
         ["layer.weight"],
         ["layer.weight"],
     )
@@ -1044,9 +1044,10 @@ def _data_trailing(root: Path) -> dict[str, Any]:
     path.write_bytes(path.read_bytes() + bytes(8))
     return expect(
         "IntegrityError",
-        "verify",
-        "SPEC.md §8 step 5: a data file whose size differs from data_size is an IntegrityError",
-        f"8 zero bytes appended to {data_file(2)}; every piece is intact, so only a size check (verify) sees it",
+        "read",
+        "SPEC.md §8 step 5: before returning data read from a data file, a reader MUST refuse a file whose size "
+        "differs from its data_size",
+        f"8 zero bytes appended to {data_file(2)}; every piece is intact, only the file's size is wrong",
         [data_file(2)],
         [data_file(2)],
     )
@@ -1058,12 +1059,16 @@ def _data_header(root: Path) -> dict[str, Any]:
     raw = path.read_bytes()
     assert raw.count(b'"emb":') == 1
     path.write_bytes(raw.replace(b'"emb":', b'"emx":', 1))
+    header_size = unpack((root / local_file(0)).read_bytes())["header_size"]
+    header_crc = crc32c.crc32c(raw.replace(b'"emb":', b'"emx":', 1)[:header_size])
+    edit_local(root, 0, lambda document: document.update(header_crc32c=header_crc))
     return expect(
         "FormatError",
         "verify",
-        "SPEC.md §4 / §8: the header bytes [0, header_size) are covered by the local manifest's header_crc32c; "
-        "readers never need the header, a verifier MUST check it",
-        f'the header key "emb" of {data_file(0)} renamed to "emx" (same length, data untouched)',
+        "SPEC.md §4 'What a verifier checks in the header': one key per piece of the local manifest, named as §4 "
+        "says; readers never need the header",
+        f'the header key "emb" of {data_file(0)} renamed to "emx" (same length, data untouched); header_crc32c '
+        "updated to match, so only the header's content is wrong",
         [data_file(0), "emb"],
         [data_file(0), "emb"],
     )
@@ -1374,11 +1379,11 @@ def _manifest_points_at_other(root: Path) -> dict[str, Any]:
     edit_pieces(root, "layer.bias", edit)
     return expect(
         "IntegrityError",
-        "verify",
-        "SPEC.md §8 step 4: a piece of the global manifest MUST appear in its file's local manifest; a reader "
-        "matches offset and size, a verifier additionally checks the tensor name, start and length",
+        "read",
+        "SPEC.md §8 step 4: every piece a reader uses MUST be the same piece in its file's local manifest: offset, "
+        "size, tensor name, dtype, shape, start and length",
         f"piece 0 of layer.bias (rank 0, 8 bytes) given offset {step_offset}, where rank 0 stores the 8-byte "
-        "piece of the tensor step (offset and size match a local piece, so a reader cannot tell)",
+        "piece of the tensor step (offset and size match a local piece, the tensor does not)",
         ["layer.bias"],
         ["layer.bias"],
     )

@@ -19,6 +19,7 @@ from typing import Any
 
 import blake3
 import crc32c
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -71,9 +72,10 @@ def local_path(rank: int, attempt: str) -> str:
 
 
 def write_checkpoint(
-    root: Path, name: str, step: int, pieces: dict[int, list[tuple[str, torch.Tensor, slice]]]
+    root: Path, name: str, step: int, pieces: dict[int, list[tuple[str, torch.Tensor, slice]]], *, flat: bool = False
 ) -> None:
-    """A 1.0 checkpoint ROOT/name of 2 ranks, written by the library; pieces: rank -> (tensor, full, rows)."""
+    """A 1.0 checkpoint ROOT/name of 2 ranks, written by the library; pieces: rank -> (tensor, full, rows), or with
+    `flat` (tensor, full, row-major element range) stored as flat pieces."""
     attempt = ATTEMPTS[name]
     url = str(root / name)
     writers = [
@@ -82,7 +84,11 @@ def write_checkpoint(
     ]
     for rank, items in pieces.items():
         for tensor, full, rows in items:
-            writers[rank].add(tensor, full[rows].clone(), global_shape=tuple(full.shape), offsets=(rows.start, 0))
+            if flat:
+                part = full.reshape(-1)[rows].clone()
+                writers[rank].add(tensor, part, global_shape=tuple(full.shape), flat_offset=rows.start)
+            else:
+                writers[rank].add(tensor, full[rows].clone(), global_shape=tuple(full.shape), offsets=(rows.start, 0))
     for writer in writers:
         writer.close()
     with pinned_clock():
@@ -95,30 +101,34 @@ def local_doc(root: Path, name: str, rank: int) -> dict[str, Any]:
 
 
 def physical_pieces(root: Path, name: str, rank: int) -> list[Row]:
-    """The rows of a local manifest's pieces table (every tensor here is 2-D F32): name, box, bytes, checksums."""
+    """The rows of a local manifest's pieces table (every tensor here is F32): name, box, bytes, checksums."""
     document = local_doc(root, name, rank)
     names = document["tensors"]["names"].split("\x00")
+    layouts = document["tensors"]["layouts"].split("\x00")
+    ndims = column_values(document["tensors"]["ndim"])
     table = document["pieces"]
     tensor, offset = column_values(table["tensor"]), column_values(table["offset"])
     start, length = column_values(table["start"]), column_values(table["length"])
     data = (root / name / data_path(rank, ATTEMPTS[name])).read_bytes()
     raw_crcs = document["crc32c"]["data"]
     crcs = [int.from_bytes(raw_crcs[i : i + 4], "little") for i in range(0, len(raw_crcs), 4)]
-    rows, block_at = [], 0
+    rows, block_at, at = [], 0, 0
     for i in range(table["count"]):
-        size = length[2 * i] * length[2 * i + 1] * 4
+        k = ndims[tensor[i]] if layouts[tensor[i]] == "box" else 1
+        size = 4 * int(np.prod(length[at : at + k]))
         blocks = -(-size // BLOCK)
         rows.append(
             {
                 "name": names[tensor[i]],
                 "offset": offset[i],
-                "start": start[2 * i : 2 * i + 2],
-                "length": length[2 * i : 2 * i + 2],
+                "start": start[at : at + k],
+                "length": length[at : at + k],
                 "bytes": data[offset[i] : offset[i] + size],
                 "crc32c": crcs[block_at : block_at + blocks],
             }
         )
         block_at += blocks
+        at += k
     return rows
 
 
@@ -127,7 +137,7 @@ def w_row(root: Path, holder: str, rank: int) -> Row:
     return row
 
 
-def _declare_w(table: dict[str, Any], shape: list[int]) -> int:
+def _declare_w(table: dict[str, Any], shape: list[int], layout: str = "box") -> int:
     """Add tensor w to a local tensor table (if absent); its index."""
     names = table["names"].split("\x00") if table["count"] else []
     if "w" not in names:
@@ -136,7 +146,7 @@ def _declare_w(table: dict[str, Any], shape: list[int]) -> int:
         table["count"] += 1
         table["names"] = "\x00".join([*names, "w"])
         table["dtypes"] = "\x00".join([*dtypes, "F32"])
-        table["layouts"] = "\x00".join([*layouts, "box"])
+        table["layouts"] = "\x00".join([*layouts, layout])
         table["ndim"] = make_column([*column_values(table["ndim"]), 2])
         table["shape"] = make_column([*column_values(table["shape"]), *shape])
         names.append("w")
@@ -144,29 +154,33 @@ def _declare_w(table: dict[str, Any], shape: list[int]) -> int:
 
 
 def add_references(
-    root: Path, name: str, refs: dict[int, list[tuple[str, Row]]], shape: list[int], alg: str = "blake2b-128"
+    root: Path,
+    name: str,
+    refs: dict[int, list[tuple[str, Row]]],
+    shape: list[int],
+    alg: str = "blake2b-128",
+    layout: str = "box",
 ) -> None:
     """Make ROOT/name a 1.1 checkpoint whose rank r also stores tensor w's pieces refs[r] by reference: (reference
-    path, holder row); its hashes in `alg`; sizes and checksums of the whole chain are set to match."""
+    path, holder row); its hashes in `alg`; sizes and checksums of the whole chain are set to match. A rank without
+    references keeps a [1, 0] local manifest with piece hashes (SPEC 2: must_understand lists what is used)."""
     attempt = ATTEMPTS[name]
     ckpt = root / name
     global_refs: list[dict[str, Any]] = []
     sealed = {}
     for rank in range(2):
         document = local_doc(root, name, rank)
-        data = (ckpt / data_path(rank, attempt)).read_bytes()
-        w_index = _declare_w(document["tensors"], shape)
-        pieces = document["pieces"]
-        offsets, lengths = column_values(pieces["offset"]), column_values(pieces["length"])
-        document["version"] = [1, 1]
-        document["must_understand"] = ["references"]
-        document["piece_hash"] = hash_column(
-            [
-                digest(data[offsets[i] : offsets[i] + 4 * lengths[2 * i] * lengths[2 * i + 1]], alg)
-                for i in range(pieces["count"])
-            ],
-            alg,
-        )
+        w_index = _declare_w(document["tensors"], shape, layout) if refs.get(rank) else -1
+        own = physical_pieces(root, name, rank)
+        if refs.get(rank):
+            document["version"] = [1, 1]
+            document["must_understand"] = ["references"]
+        document["piece_hash"] = hash_column([digest(row["bytes"], alg) for row in own], alg)
+        if not refs.get(rank):
+            raw = pack(document)
+            (ckpt / local_path(rank, attempt)).write_bytes(raw)
+            sealed[rank] = (len(raw), crc32c.crc32c(raw))
+            continue
         paths = sorted({path for path, _ in refs.get(rank, [])})
         rows = sorted(refs.get(rank, []), key=lambda item: (paths.index(item[0]), item[1]["offset"]))
         sizes = {path: (root / path).stat().st_size for path in paths}
@@ -196,21 +210,22 @@ def add_references(
     stored = [
         (len(document["files"]) + j, row)
         for j, ref in enumerate(global_refs)
-        for path, row in refs[ref["rank"]]
+        for path, row in refs.get(ref["rank"], [])
         if path == ref["path"]
     ]
+    k = len(shape) if layout == "box" else 1
     document["tensors"].append(
         {
             "name": "w",
             "dtype": "F32",
             "shape": shape,
-            "layout": "box",
+            "layout": layout,
             "pieces": {
                 "count": len(stored),
                 "file": make_column([file for file, _ in stored]),
                 "offset": make_column([row["offset"] for _, row in stored]),
-                "start": make_column([row["start"][d] for d in range(2) for _, row in stored]),
-                "length": make_column([row["length"][d] for d in range(2) for _, row in stored]),
+                "start": make_column([row["start"][d] for d in range(k) for _, row in stored]),
+                "length": make_column([row["length"][d] for d in range(k) for _, row in stored]),
             },
         }
     )

@@ -141,10 +141,13 @@ class StoredCheckpoint:
     def __init__(self, storage: Storage, marker: CommitMarker, manifest: GlobalManifest) -> None:
         self.storage, self.marker, self.manifest = storage, marker, manifest
         self.url = storage.url
-        own = storage.name
-        for name, _ in marker.references:
-            if name == own:
-                raise FormatError(f"{storage.url}: references name the checkpoint itself ({own!r}), not an earlier one")
+        own = storage.name  # SPEC 6.2: the name it was opened by; a link's other name is caught by the attempt
+        for entry in manifest.references:
+            if entry.file.target.checkpoint == own:
+                raise FormatError(
+                    f"{storage.url}: references name the checkpoint itself ({own!r}): reference path "
+                    f"{entry.file.path!r} is not an earlier checkpoint"
+                )
         # Data files are read through one storage: this checkpoint's, or its root's when pieces are stored by
         # reference (own files as <name>/data/..., referenced ones by their paths relative to the root), so a
         # plan's range reads stay one batch and one reader whichever checkpoint holds the bytes.

@@ -70,6 +70,9 @@ def verify(
         return report
     report.committed = True
     manifest = checkpoint.manifest
+    if checkpoint.marker.total_bytes != manifest.total_bytes:  # informative for readers (SPEC C); ls shows it
+        message = f"COMMITTED's total_bytes is {checkpoint.marker.total_bytes}, its files hold {manifest.total_bytes}"
+        report.problems.append(Problem(storage.url, None, message))
     report.tensors = len(manifest.tensors)
     for entry in manifest.tensors:
         try:

@@ -261,6 +261,24 @@ def _local_manifest_must_understand_unused() -> None:
 
 
 @case
+def _committed_total_bytes_wrong() -> None:
+    root = copy_of(
+        "single_rank_basic",
+        "committed_total_bytes_wrong",
+        expect(
+            "FormatError",
+            "verify",
+            "SPEC.md appendix C: total_bytes is the sum of data_size over files (informative: readers never refuse "
+            "over it, a verifier reports it)",
+            "COMMITTED's total_bytes one more than the data file's size",
+            [],
+            ["total_bytes"],
+        ),
+    )
+    edit_committed(root, lambda document: document.update(total_bytes=document["total_bytes"] + 1))
+
+
+@case
 def _committed_manifest_path_trailing_newline() -> None:
     root = copy_of(
         "single_rank_basic",

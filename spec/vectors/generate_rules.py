@@ -261,6 +261,30 @@ def _local_manifest_must_understand_unused() -> None:
 
 
 @case
+def _committed_references_without_manifest_references() -> None:
+    root = copy_of(
+        "single_rank_basic",
+        "committed_references_without_manifest_references",
+        expect(
+            "FormatError",
+            "open",
+            "SPEC.md §6.2 'Commit marker' / §8 step 2a: COMMITTED's references equal what the manifest's reference "
+            "paths name",
+            "COMMITTED (version [1, 1], must_understand references) names checkpoint x attempt a; the manifest "
+            "references nothing",
+            ["COMMITTED lists referenced checkpoints"],
+            ["COMMITTED lists referenced checkpoints"],
+        ),
+    )
+
+    def edit(document: dict[str, Any]) -> None:
+        _list_references(document)
+        document["references"] = [{"checkpoint": "x", "attempt": "a"}]
+
+    edit_committed(root, edit)
+
+
+@case
 def _committed_total_bytes_wrong() -> None:
     root = copy_of(
         "single_rank_basic",
@@ -511,6 +535,47 @@ def _reference_rank_over_limit() -> None:
         [path, "16777216"],
         "reference_rank_over_limit",
     )
+
+
+@case
+def _reference_rank_not_in_holder() -> None:
+    path = f"{PARENT}/data/00005-{ATTEMPTS[PARENT]}.safetensors"
+    root = child(
+        "reference_rank_not_in_holder",
+        "NotFoundError",
+        "read",
+        "SPEC.md §8 step 6 / §13: a referenced rank its holder does not have; the file the chain names is missing",
+        f"step-2's rank-0 reference path is {path}; step-1 has ranks 0 and 1",
+        [path],
+        [path],
+    )
+
+    def local(document: dict[str, Any]) -> None:
+        document["references"][0]["path"] = path
+
+    def global_edit(document: dict[str, Any]) -> None:
+        document["references"][0]["path"] = path
+
+    reseal_child(root, local={0: local}, global_edit=global_edit)
+
+
+@case
+def _reference_local_differs_from_global() -> None:
+    root = child(
+        "reference_local_differs_from_global",
+        "FormatError",
+        "read",
+        "SPEC.md §8 step 3: a local manifest's references equal the global entries of its rank, in order",
+        "step-2's rank-0 local manifest says its referenced file has 8 bytes more than the global manifest says "
+        "(the file's real size)",
+        [CHILD_LOCAL],
+        [CHILD_LOCAL],
+    )
+
+    def local(document: dict[str, Any]) -> None:
+        document["references"][0]["data_size"] += 8
+
+    reseal_child(root, local={0: local})
 
 
 @case

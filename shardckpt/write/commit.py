@@ -102,6 +102,11 @@ def commit(
         version=FIRST_VERSION if references else FORMAT_VERSION,
         references=references,
     )
+    clash = {o.name for o in manifest.objects} & {t.name for t in manifest.tensors}
+    if clash:  # a reader refuses the manifest (SPEC 7): commit nothing rather than a checkpoint nobody opens
+        raise FormatError(
+            f"{storage.url}: {min(clash)!r} is the name of a tensor and of an object of attempt {attempt}"
+        )
     crash_point("before_global_manifest")
     manifest, encoded = _write_manifest(storage, manifest, step, metadata)
     crash_point("before_commit")

@@ -180,6 +180,20 @@ def test_shared_objects_must_agree(tmp_path) -> None:
         shardckpt.commit(url, world_size=2, attempt=attempt)
 
 
+def test_a_tensor_and_an_object_of_one_name_are_not_committed(tmp_path) -> None:
+    # Rank 0 saves a tensor x, rank 1 a value x: no rank sees both, and a reader refuses the manifest (SPEC 7).
+    url = str(tmp_path / "ck")
+    attempt = new_attempt()
+    writers = [shardckpt.ShardWriter(url, rank=rank, world_size=2, attempt=attempt) for rank in range(2)]
+    writers[0].add("x", torch.ones(2))
+    writers[1].add_object("x", 3)
+    for writer in writers:
+        writer.close()
+    with pytest.raises(shardckpt.FormatError, match="'x' is the name of a tensor and of an object"):
+        shardckpt.commit(url, world_size=2, attempt=attempt)
+    assert not os.path.exists(os.path.join(url, "COMMITTED"))
+
+
 def test_writer_refuses_bad_pieces(tmp_path) -> None:
     writer = shardckpt.ShardWriter(str(tmp_path / "ck"), rank=0, world_size=1)
     with pytest.raises(shardckpt.ShardckptUsageError):

@@ -72,7 +72,9 @@ def judge_invalid(expected: dict[str, Any], result: dict[str, Any], verified: di
     """Why a reader's (and verifier's) answer for an invalid vector is wrong (empty: it passes)."""
     problems = []
     if expected["operation"] in ("open", "read"):
-        if result.get("ok") is not False:
+        if result.get("ok") is None:
+            problems.append(f"no answer ({result.get('error')}: {result.get('message')})")
+        elif result.get("ok") is not False:
             problems.append(f"read it without an error; SPEC requires {expected['error']} ({expected['rule']})")
         elif result.get("error") != expected["error"]:
             problems.append(f"raised {result.get('error')}, expected {expected['error']}: {result.get('message')}")
@@ -101,7 +103,9 @@ def run(command: Sequence[str], checkpoint: Path, timeout: float) -> dict[str, A
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--verifier", help="a verifier command (run on invalid vectors; ok false = found it)")
+    parser.add_argument(
+        "--verifier", help="a verifier command: ok true on every valid vector, ok false on every invalid one"
+    )
     parser.add_argument("-k", default="", help="only vectors whose name contains this")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per vector (a hang fails)")
     parser.add_argument("reader", nargs="+", help="the reader command; the checkpoint path is appended")
@@ -110,7 +114,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed = total = 0
     for case in cases("valid", args.k):
         description = json.loads((case / "description.json").read_text())
-        problems = judge_valid(description, run(args.reader, case / description.get("checkpoint", ""), args.timeout))
+        checkpoint = case / description.get("checkpoint", "")
+        problems = judge_valid(description, run(args.reader, checkpoint, args.timeout))
+        if verifier and run(verifier, checkpoint, args.timeout).get("ok") is not True:
+            problems.append("the verifier did not find it ok")
         failed, total = failed + bool(problems), total + 1
         print(f"{'FAIL' if problems else 'PASS'} valid/{case.name}" + "".join(f"\n    {p}" for p in problems))
     for case in cases("invalid", args.k):

@@ -30,7 +30,9 @@ adapter = _module(SPEC / "readers" / "shardckpt_reader.py")
 @pytest.mark.parametrize("case", harness.cases("valid"), ids=lambda case: case.name)
 def test_the_library_passes_every_valid_vector(case: Path) -> None:
     description = json.loads((case / "description.json").read_text())
-    assert harness.judge_valid(description, adapter.read(str(case / description.get("checkpoint", "")))) == []
+    path = str(case / description.get("checkpoint", ""))
+    assert harness.judge_valid(description, adapter.read(path)) == []
+    assert adapter.verify(path) == {"ok": True, "problems": []}
 
 
 @pytest.mark.parametrize("case", harness.cases("invalid"), ids=lambda case: case.name)

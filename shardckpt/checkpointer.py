@@ -97,6 +97,10 @@ class Checkpointer:
     (SPEC 14). Each save records its place in the series in its manifest's metadata (SERIES_KEY: the incremental
     saves since the last full one, itself included), so a restarted job continues the series; a newest checkpoint
     that stores references but records no place (another writer's) is followed by a full save.
+
+    run_names: name each checkpoint step-XXXXXXXX-<run_id> (run_id: fresh for each Checkpointer, the id its failure
+    history events carry), so that a run started beside other runs' checkpoints (the training loop's
+    --ignore-existing) never meets a name they took; without it a taken name fails the save (AlreadyExistsError).
     """
 
     def __init__(
@@ -122,6 +126,7 @@ class Checkpointer:
         clock: Callable[[], float] = time.time,
         incremental: bool = False,
         full_every: int = knobs.FULL_EVERY,
+        run_names: bool = False,
     ) -> None:
         self.auto = every_steps == "auto"
         self.bounds = Bounds(min_every_steps, max_every_steps, min_every_seconds, max_every_seconds)
@@ -151,6 +156,7 @@ class Checkpointer:
         self.on_cadence, self.clock = on_cadence, clock
         self.cadence: Cadence | None = None  # the current automatic decision
         self.run_id = new_run_id()
+        self.run_names = run_names
         self._measured = Measurements(knobs.CADENCE_WINDOW)
         self._events: list[Event] | None = None  # coordinator: the history read at the run's start, plus its own
         self._events_source = f"{self.root}/{EVENTS_DIR}"
@@ -158,6 +164,8 @@ class Checkpointer:
         self._anchor: int | None = None  # auto: the step the interval counts from (last save, or the run's start)
         self.storage_options, self.block_size, self.on_save = storage_options, block_size, on_save
         self.group = protocol.resolve_group(process_group)
+        if run_names:  # the coordinator's id, on every rank: all ranks must save under one name
+            self.run_id = str(self._from_coordinator("sharing the run id", lambda: self.run_id))
         # Background saves run their collectives on a group of their own, so they never interleave with training's.
         self._save_group = (
             dist.new_group(backend="gloo") if async_save and isinstance(self.group, Group) else process_group
@@ -262,7 +270,7 @@ class Checkpointer:
         self._start_run(None, resumed=False)
         began = self.clock()
         self.wait()  # one save at a time: a second one queues behind the first
-        url = f"{self.root}/step-{step:08d}"
+        url = self.url_of(step)
         parent, place = self._parent_for(url)
         if not self.async_save:
             # protocol.save builds a callable state itself: a rank whose state fails tells every other rank.
@@ -286,6 +294,10 @@ class Checkpointer:
         if wait or failed is not None:
             self.wait()
         self._saved(step, stall)
+
+    def url_of(self, step: int) -> str:
+        """The URL this Checkpointer saves the checkpoint of `step` under."""
+        return f"{self.root}/step-{step:08d}" + (f"-{self.run_id}" if self.run_names else "")
 
     def wait(self) -> None:
         """Block until the background save (if any) committed; re-raise its error on this rank."""

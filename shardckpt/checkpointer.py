@@ -159,6 +159,7 @@ class Checkpointer:
         self.run_names = run_names
         self._measured = Measurements(knobs.CADENCE_WINDOW)
         self._events: list[Event] | None = None  # coordinator: the history read at the run's start, plus its own
+        self._saved_ms: list[int] = []  # coordinator: when the root's committed checkpoints were created, at the start
         self._events_source = f"{self.root}/{EVENTS_DIR}"
         self._started = self._ended = self._preemption_recorded = False
         self._anchor: int | None = None  # auto: the step the interval counts from (last save, or the run's start)
@@ -445,12 +446,15 @@ class Checkpointer:
                 warnings.warn(warning.message, warning.category, stacklevel=4)
             if self.record_failures and log.listed > 2 * knobs.CADENCE_MAX_EVENTS:
                 prune_events(root, knobs.CADENCE_MAX_EVENTS)
+            if self.auto:  # a crashed run's last sign of life: the newest checkpoint it committed
+                committed = [entry.marker for entry in list_root(root).committed() if entry.marker is not None]
+                self._saved_ms = [int(marker.created * 1000) for marker in committed]
         except ShardckptError as exc:
             # The history only tunes the cadence: without it the run goes on at the default interval.
             warnings.warn(f"failure history under {self._events_source} unreadable: {exc}", EventWarning, stacklevel=3)
             return
         self._events = list(log.events)
-        after = _after(self._events, resumed)
+        after = _after(self._events, resumed, int(self.clock() * 1000))
         self._append_event(START if after is None else RESTART, step, after)
 
     def _append_event(self, kind: str, step: int | None, after: str | None = None) -> None:
@@ -458,9 +462,12 @@ class Checkpointer:
             return
         try:
             # Names sort by time: an event never shares the millisecond of one before it (a restart and a quick
-            # close, a coarse clock), so the history's order is the order things happened in.
-            newest = max((known.time_ms for known in self._events or ()), default=-1)
-            event = Event(kind, self.run_id, max(int(self.clock() * 1000), newest + 1), step, after)
+            # close, a coarse clock), so the history's order is the order things happened in. Another run's event
+            # stamped after now (a clock ahead, or the year 9999) is not "before": stepping past it would leave
+            # every later event of this run beyond the last valid time, unrecorded.
+            now_ms = int(self.clock() * 1000)
+            known = [e.time_ms for e in self._events or () if e.run == self.run_id or e.time_ms <= now_ms]
+            event = Event(kind, self.run_id, max(now_ms, max(known, default=-1) + 1), step, after)
             record_event(open_storage(self.root, self.storage_options), event)
         except ShardckptError as exc:
             warnings.warn(f"failure history: cannot record a {kind} event: {exc}", EventWarning, stacklevel=3)
@@ -487,7 +494,8 @@ class Checkpointer:
         if self.group.rank == 0:
             history: History | None = None
             if self._events is not None:
-                history = history_of(self._events, self.run_id, int(self.clock() * 1000), self._events_source)
+                now_ms = int(self.clock() * 1000)
+                history = history_of(self._events, self.run_id, now_ms, self._events_source, self._saved_ms)
             decision = choose(
                 self.default_every_steps,
                 self.bounds,
@@ -535,11 +543,16 @@ def _name_of(url: str) -> str:
     return url.rstrip("/").rsplit("/", 1)[-1]
 
 
-def _after(events: Sequence[Event], resumed: bool) -> str | None:
+def _after(events: Sequence[Event], resumed: bool, now_ms: int) -> str | None:
     """What the newest earlier run left: clean (an end event), preemption, crash (neither); "unknown" when this run
-    resumes a checkpoint no recorded run wrote; None for a first run."""
+    resumes a checkpoint no recorded run wrote; None for a first run. A run stamped after now (a clock ahead) is not
+    one before this one (cadence.history_of leaves it out too)."""
     runs = runs_of(events)
-    starts = [(group[0].time_ms, run) for run, group in runs.items() if group[0].kind in (START, RESTART)]
+    starts = [
+        (group[0].time_ms, run)
+        for run, group in runs.items()
+        if group[0].kind in (START, RESTART) and group[0].time_ms <= now_ms
+    ]
     if not starts:
         return "unknown" if resumed else None
     kinds = {event.kind for event in runs[max(starts)[1]]}

@@ -446,13 +446,16 @@ class Checkpointer:
                 warnings.warn(warning.message, warning.category, stacklevel=4)
             if self.record_failures and log.listed > 2 * knobs.CADENCE_MAX_EVENTS:
                 prune_events(root, knobs.CADENCE_MAX_EVENTS)
-            if self.auto:  # a crashed run's last sign of life: the newest checkpoint it committed
-                committed = [entry.marker for entry in list_root(root).committed() if entry.marker is not None]
-                self._saved_ms = [int(marker.created * 1000) for marker in committed]
         except ShardckptError as exc:
             # The history only tunes the cadence: without it the run goes on at the default interval.
             warnings.warn(f"failure history under {self._events_source} unreadable: {exc}", EventWarning, stacklevel=3)
             return
+        if self.auto:  # a crashed run's last sign of life: the newest checkpoint it committed
+            try:
+                committed = [entry.marker for entry in list_root(root).committed() if entry.marker is not None]
+                self._saved_ms = [int(marker.created * 1000) for marker in committed]
+            except ShardckptError as exc:  # a crashed run then counts until the next start, an upper bound
+                warnings.warn(f"{self.root}: checkpoints unlisted for the failure history: {exc}", EventWarning, 3)
         self._events = list(log.events)
         after = _after(self._events, resumed, int(self.clock() * 1000))
         self._append_event(START if after is None else RESTART, step, after)

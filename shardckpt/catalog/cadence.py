@@ -61,9 +61,9 @@ def history_of(
     until the last sign of life the root still holds, the newest checkpoint committed (`saved_ms`: creation times
     of the root's committed checkpoints, in ms) after its start and before the next run's start, which excludes the
     time the job waited to be rescheduled; without one, until the next run's start (an upper bound). Nothing
-    happened after `now_ms`: a later time comes from a clock ahead of this run's and counts as `now_ms`, and a run
-    that began after it is left out (History.ahead): when and how long it ran is unknown, and counting it as a
-    failure that ran for no time at all would drive the interval to its minimum.
+    happened after `now_ms`, and no run went on after the next one started: a later time comes from a clock ahead
+    and counts as that bound, and a run that began after `now_ms` is left out (History.ahead): when and how long it
+    ran is unknown, and counting it as a failure that ran for no time at all would drive the interval to its minimum.
     """
     runs = runs_of(events)
     ahead = sum(1 for run, group in runs.items() if run != current_run and group[0].time_ms > now_ms)
@@ -81,7 +81,8 @@ def history_of(
         else:
             alive = [time for time in saved if began <= time <= limit]
             ended = max(alive[-1], max(event.time_ms for event in runs[run])) if alive else limit
-        exposure_ms += max(0, min(ended, now_ms) - began)
+        # A run is over when the next one starts (one job per root): an end stamped later is a clock ahead.
+        exposure_ms += max(0, min(ended, limit) - began)
         if run != current_run and END not in kinds:
             failures += 1
     return History(failures, exposure_ms / 1000, len(starts), source, ahead)

@@ -177,8 +177,8 @@ def save(
     default: when `parent` is given or SHARDCKPT_PIECE_HASHES=1. A parent saved without them is referenced in
     nothing (the save writes every piece again and warns): save the first checkpoint of a series with
     piece_hashes=True, or use Checkpointer(incremental=True), which hashes every save. Not on by default because
-    BLAKE3 over every piece made a full save 34-59% slower on 2 busy cores (`make bench`'s piece-hash row; +4% on
-    idle cores, where the hash threads run beside the write).
+    BLAKE3 over every piece made a full save take 23-59% longer on 2 busy cores (`make bench`'s piece-hash probe;
+    +4% on idle cores, where the hash threads run beside the write).
     """
     group = resolve_group(process_group)
     if not 0 <= coordinator < group.size:

@@ -31,6 +31,7 @@ from benchmarks.memory import peak_above
 from benchmarks.pagecache import drop_caches
 from shardckpt.format.layout import new_attempt
 from shardckpt.knobs import BLOCK_SIZE as DEFAULT_BLOCK_SIZE
+from shardckpt.knobs import PIECE_HASHES
 
 GIB = 1 << 30
 
@@ -184,6 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     def sc_save(path: str) -> None:
         shardckpt.save(state, path)
 
+    # What BLAKE3 piece hashes (format 1.1, what a parent needs) cost a full save: the save the default does not make.
+    hash_probe = f"shardckpt.save {'without' if PIECE_HASHES else 'with'} piece hashes (cost probe)"
+
+    def sc_save_other_hashing(path: str) -> None:
+        shardckpt.save(state, path, piece_hashes=not PIECE_HASHES)
+
     def sc_save_unchecked(path: str) -> None:
         """The same save with every CRC32C replaced by 0: what the checksums cost is the difference."""
         real = shardckpt.write.writer.crc32c
@@ -201,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch DCP save (thread_count=2, fsync)": dcp_save,
         "shardckpt.save (durable, committed)": sc_save,
         "shardckpt.save without checksums (cost probe)": sc_save_unchecked,
+        hash_probe: sc_save_other_hashing,
     }
     save_samples = {name: [] for name in saves}
     for repeat in range(args.repeats):
@@ -222,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     crc_seconds = statistics.median(checksum_seconds(state) for _ in range(args.repeats))
     unchecked = rows["shardckpt.save without checksums (cost probe)"]["gib_per_s"]
     checksum_share = 1 - rows["shardckpt.save (durable, committed)"]["gib_per_s"] / unchecked  # type: ignore[operator]
+    rates = [rows["shardckpt.save (durable, committed)"]["gib_per_s"], rows[hash_probe]["gib_per_s"]]
+    hashed_rate, unhashed_rate = rates if PIECE_HASHES else rates[::-1]
+    hash_share = 1 - hashed_rate / unhashed_rate  # type: ignore[operator]
 
     # ---- loads (cold when the page cache can be dropped)
     torch_path, st_path, sc_path = fresh("torch-load"), fresh("st-load"), fresh("sc-load")
@@ -333,6 +344,11 @@ def main(argv: list[str] | None = None) -> int:
         f"checksum cost: CRC32C of every block takes {crc_seconds * 1000:.0f} ms on one core; the durable save "
         f"with checksums is {100 * checksum_share:.1f}% slower than the same save without them"
     )
+    default = "on" if PIECE_HASHES else "off (SHARDCKPT_PIECE_HASHES=0)"
+    print(
+        f"piece hash cost: the durable save with BLAKE3 piece hashes is {100 * hash_share:.1f}% slower than the same "
+        f"save without them (by default they are {default})"
+    )
     result = {
         "state_bytes": size,
         "repeats": args.repeats,
@@ -344,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_ratio_to_disk_read": same_layout,
         "load_ratio_to_dcp": versus_dcp,
         "checksum_cost": {"crc32c_seconds": crc_seconds, "share_of_save": checksum_share},
+        "piece_hash_cost": {"default_hashes": bool(PIECE_HASHES), "share_of_save": hash_share},
     }
     write_report(args.json, result)
     shutil.rmtree(scratch, ignore_errors=True)

@@ -23,6 +23,7 @@ from shardckpt import knobs
 from shardckpt.api import latest
 from shardckpt.catalog import read_commit_marker
 from shardckpt.catalog.cadence import Bounds, Cadence, History, Measurements, choose, history_of
+from shardckpt.catalog.chain import read_opening
 from shardckpt.catalog.events import (
     END,
     EVENTS_DIR,
@@ -37,17 +38,19 @@ from shardckpt.catalog.events import (
     record_event,
     runs_of,
 )
-from shardckpt.catalog.listing import list_root
+from shardckpt.catalog.listing import Listing, list_root
 from shardckpt.catalog.retention import retain
 from shardckpt.distributed import protocol
 from shardckpt.distributed.collectives import Group, broadcast_bytes
 from shardckpt.errors import DistributedError, ShardckptError, ShardckptUsageError
-from shardckpt.format.manifest import GlobalManifest
+from shardckpt.format.manifest import CommitMarker, GlobalManifest
 from shardckpt.read.checkpoint import DEFAULT_MAX_IN_FLIGHT
 from shardckpt.statedict.staging import StagingBuffers, stage
 from shardckpt.storage import open_storage
 
 State = Mapping[str, Any] | Callable[[], Mapping[str, Any]]
+# The global manifest's metadata key under which an incremental series records each save's place in it.
+SERIES_KEY = "shardckpt.since_full"
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _NOT_YET = "the default: no checkpoint cost measured yet"
 
@@ -89,10 +92,15 @@ class Checkpointer:
     clock: Unix seconds, for event times and the cadence's measurements (tests pass a fake one).
 
     incremental: each save uses the newest committed checkpoint under root as its parent (shardckpt.save(parent=)):
-    pieces whose bytes did not change are stored by reference to the file that holds them; a save is full when the
-    root has no committed checkpoint or when the newest `full_every - 1` ones are all incremental, which bounds how
-    many checkpoints references keep alive (SPEC 14). The series is read from the root, so a restarted job
-    continues it rather than starting with a full save.
+    pieces whose bytes did not change are stored by reference to the file that holds them; every `full_every`-th
+    save is a full one, whatever retention deleted, which bounds how many checkpoints references keep alive
+    (SPEC 14). Each save records its place in the series in its manifest's metadata (SERIES_KEY: the incremental
+    saves since the last full one, itself included), so a restarted job continues the series; a newest checkpoint
+    that stores references but records no place (another writer's) is followed by a full save.
+
+    run_names: name each checkpoint step-XXXXXXXX-<run_id> (run_id: fresh for each Checkpointer, the id its failure
+    history events carry), so that a run started beside other runs' checkpoints (the training loop's
+    --ignore-existing) never meets a name they took; without it a taken name fails the save (AlreadyExistsError).
     """
 
     def __init__(
@@ -118,6 +126,7 @@ class Checkpointer:
         clock: Callable[[], float] = time.time,
         incremental: bool = False,
         full_every: int = knobs.FULL_EVERY,
+        run_names: bool = False,
     ) -> None:
         self.auto = every_steps == "auto"
         self.bounds = Bounds(min_every_steps, max_every_steps, min_every_seconds, max_every_seconds)
@@ -147,18 +156,23 @@ class Checkpointer:
         self.on_cadence, self.clock = on_cadence, clock
         self.cadence: Cadence | None = None  # the current automatic decision
         self.run_id = new_run_id()
+        self.run_names = run_names
         self._measured = Measurements(knobs.CADENCE_WINDOW)
         self._events: list[Event] | None = None  # coordinator: the history read at the run's start, plus its own
+        self._saved_ms: list[int] = []  # coordinator: when the root's committed checkpoints were created, at the start
         self._events_source = f"{self.root}/{EVENTS_DIR}"
         self._started = self._ended = self._preemption_recorded = False
         self._anchor: int | None = None  # auto: the step the interval counts from (last save, or the run's start)
         self.storage_options, self.block_size, self.on_save = storage_options, block_size, on_save
         self.group = protocol.resolve_group(process_group)
+        if run_names:  # the coordinator's id, on every rank: all ranks must save under one name
+            self.run_id = str(self._from_coordinator("sharing the run id", lambda: self.run_id))
         # Background saves run their collectives on a group of their own, so they never interleave with training's.
         self._save_group = (
             dist.new_group(backend="gloo") if async_save and isinstance(self.group, Group) else process_group
         )
         self._buffers = StagingBuffers()
+        self._series: tuple[str, str, int] | None = None  # (name, attempt, place in the series) of the last save
         self._pending: threading.Thread | None = None
         self._pending_error: BaseException | None = None
         self._signal_seen = False
@@ -257,11 +271,11 @@ class Checkpointer:
         self._start_run(None, resumed=False)
         began = self.clock()
         self.wait()  # one save at a time: a second one queues behind the first
-        url = f"{self.root}/step-{step:08d}"
-        parent = self._parent_for(url)
+        url = self.url_of(step)
+        parent, place = self._parent_for(url)
         if not self.async_save:
             # protocol.save builds a callable state itself: a rank whose state fails tells every other rank.
-            manifest, warning = self._save(state, url, step, parent)
+            manifest, warning = self._save(state, url, step, parent, place)
             elapsed = self.clock() - began
             self._record(_record_of(step, url, elapsed, elapsed, manifest, warning, parent))
             self._saved(step, elapsed)
@@ -274,11 +288,17 @@ class Checkpointer:
             failed = exc
             staged = _failing(exc)
         stall = self.clock() - began
-        self._pending = threading.Thread(target=self._background, args=(staged, url, step, stall, parent), daemon=True)
+        self._pending = threading.Thread(
+            target=self._background, args=(staged, url, step, stall, parent, place), daemon=True
+        )
         self._pending.start()
         if wait or failed is not None:
             self.wait()
         self._saved(step, stall)
+
+    def url_of(self, step: int) -> str:
+        """The URL this Checkpointer saves the checkpoint of `step` under."""
+        return f"{self.root}/step-{step:08d}" + (f"-{self.run_id}" if self.run_names else "")
 
     def wait(self) -> None:
         """Block until the background save (if any) committed; re-raise its error on this rank."""
@@ -299,26 +319,45 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------------------- internals
 
-    def _parent_for(self, url: str) -> str | None:
-        """(all ranks) The parent of the next save: the newest committed checkpoint, unless this save is full.
+    def _parent_for(self, url: str) -> tuple[str | None, int]:
+        """(all ranks) The parent of the next save (None: a full save) and the save's place in the series (0: full).
 
-        The series is read from the root, not counted in memory, so a restarted job continues it: a save is full
-        when there is no committed checkpoint, or when the newest `full_every - 1` ones all store pieces by
-        reference (the incremental saves since the last full one)."""
+        The count is what the newest committed checkpoint recorded, not what the root still holds: retention
+        deletes the saves between the last full one and the newest (only what references name stays), so counting
+        the incremental checkpoints on disk would never reach `full_every`."""
         if not self.incremental:
-            return None
+            return None, 0
 
         def look() -> list[Any]:
             listing = list_root(self.root, storage_options=self.storage_options)
             newest = listing.newest()
-            return [None if newest is None else newest.url, listing.incremental_head()]
+            if newest is None or newest.marker is None:
+                return [None, -1]
+            return [newest.url, self._place_of(listing, newest.name, newest.marker)]
 
-        newest, since_full = self._from_coordinator("choosing the parent of an incremental save", look)
-        if newest is None or since_full + 1 >= self.full_every or _name_of(newest) == _name_of(url):
-            return None
-        return str(newest)
+        newest, place = self._from_coordinator("choosing the parent of an incremental save", look)
+        if newest is None or place < 0 or place + 1 >= self.full_every or _name_of(newest) == _name_of(url):
+            return None, 0
+        return str(newest), place + 1
 
-    def _save(self, state: State, url: str, step: int, parent: str | None = None) -> tuple[GlobalManifest, str | None]:
+    def _place_of(self, listing: Listing, name: str, marker: CommitMarker) -> int:
+        """(coordinator) The newest checkpoint's place in the series: 0 when it is full, what its manifest records
+        when it references others (remembered from this run's own last save), -1 when that is unknown."""
+        if not marker.references:
+            return 0
+        if self._series is not None and self._series[:2] == (name, marker.attempt):
+            return self._series[2]
+        try:
+            metadata = read_opening(listing.root.child(name)).manifest.metadata
+        except ShardckptError as exc:
+            warnings.warn(f"{listing.root.child(name).url}: {exc}; the next save is a full one", UserWarning, 4)
+            return -1
+        place = metadata.get(SERIES_KEY)
+        return place if isinstance(place, int) and not isinstance(place, bool) and 0 < place < 1 << 62 else -1
+
+    def _save(
+        self, state: State, url: str, step: int, parent: str | None = None, place: int = 0
+    ) -> tuple[GlobalManifest, str | None]:
         """Save, then (coordinator) retention; the manifest and the warning about a newer checkpoint, if any."""
         manifest = protocol.save(
             state,
@@ -329,7 +368,10 @@ class Checkpointer:
             block_size=self.block_size,
             parent=parent,
             piece_hashes=True if self.incremental else None,  # every save of the series may be the next's parent
+            metadata={SERIES_KEY: place} if self.incremental else None,
         )
+        # A save that found nothing to reference is a full one in all but its record: the next counts from it.
+        self._series = (_name_of(url), manifest.attempt, place if manifest.references else 0)
         warning = None
         if self.group.rank == 0:
             # The checkpoint just saved stays whatever its place in the order: it is what this run has.
@@ -354,10 +396,12 @@ class Checkpointer:
         self.last_saved_step = step
         return manifest, warning
 
-    def _background(self, staged: State, url: str, step: int, stall: float, parent: str | None = None) -> None:
+    def _background(
+        self, staged: State, url: str, step: int, stall: float, parent: str | None = None, place: int = 0
+    ) -> None:
         began = self.clock()
         try:
-            manifest, warning = self._save(staged, url, step, parent)
+            manifest, warning = self._save(staged, url, step, parent, place)
         except BaseException as exc:  # surfaced by the next wait() on the training thread
             self._pending_error = exc
             return
@@ -406,8 +450,14 @@ class Checkpointer:
             # The history only tunes the cadence: without it the run goes on at the default interval.
             warnings.warn(f"failure history under {self._events_source} unreadable: {exc}", EventWarning, stacklevel=3)
             return
+        if self.auto:  # a crashed run's last sign of life: the newest checkpoint it committed
+            try:
+                committed = [entry.marker for entry in list_root(root).committed() if entry.marker is not None]
+                self._saved_ms = [int(marker.created * 1000) for marker in committed]
+            except ShardckptError as exc:  # a crashed run then counts until the next start, an upper bound
+                warnings.warn(f"{self.root}: checkpoints unlisted for the failure history: {exc}", EventWarning, 3)
         self._events = list(log.events)
-        after = _after(self._events, resumed)
+        after = _after(self._events, resumed, int(self.clock() * 1000))
         self._append_event(START if after is None else RESTART, step, after)
 
     def _append_event(self, kind: str, step: int | None, after: str | None = None) -> None:
@@ -415,9 +465,12 @@ class Checkpointer:
             return
         try:
             # Names sort by time: an event never shares the millisecond of one before it (a restart and a quick
-            # close, a coarse clock), so the history's order is the order things happened in.
-            newest = max((known.time_ms for known in self._events or ()), default=-1)
-            event = Event(kind, self.run_id, max(int(self.clock() * 1000), newest + 1), step, after)
+            # close, a coarse clock), so the history's order is the order things happened in. Another run's event
+            # stamped after now (a clock ahead, or the year 9999) is not "before": stepping past it would leave
+            # every later event of this run beyond the last valid time, unrecorded.
+            now_ms = int(self.clock() * 1000)
+            known = [e.time_ms for e in self._events or () if e.run == self.run_id or e.time_ms <= now_ms]
+            event = Event(kind, self.run_id, max(now_ms, max(known, default=-1) + 1), step, after)
             record_event(open_storage(self.root, self.storage_options), event)
         except ShardckptError as exc:
             warnings.warn(f"failure history: cannot record a {kind} event: {exc}", EventWarning, stacklevel=3)
@@ -444,7 +497,8 @@ class Checkpointer:
         if self.group.rank == 0:
             history: History | None = None
             if self._events is not None:
-                history = history_of(self._events, self.run_id, int(self.clock() * 1000), self._events_source)
+                now_ms = int(self.clock() * 1000)
+                history = history_of(self._events, self.run_id, now_ms, self._events_source, self._saved_ms)
             decision = choose(
                 self.default_every_steps,
                 self.bounds,
@@ -492,11 +546,16 @@ def _name_of(url: str) -> str:
     return url.rstrip("/").rsplit("/", 1)[-1]
 
 
-def _after(events: Sequence[Event], resumed: bool) -> str | None:
+def _after(events: Sequence[Event], resumed: bool, now_ms: int) -> str | None:
     """What the newest earlier run left: clean (an end event), preemption, crash (neither); "unknown" when this run
-    resumes a checkpoint no recorded run wrote; None for a first run."""
+    resumes a checkpoint no recorded run wrote; None for a first run. A run stamped after now (a clock ahead) is not
+    one before this one (cadence.history_of leaves it out too)."""
     runs = runs_of(events)
-    starts = [(group[0].time_ms, run) for run, group in runs.items() if group[0].kind in (START, RESTART)]
+    starts = [
+        (group[0].time_ms, run)
+        for run, group in runs.items()
+        if group[0].kind in (START, RESTART) and group[0].time_ms <= now_ms
+    ]
     if not starts:
         return "unknown" if resumed else None
     kinds = {event.kind for event in runs[max(starts)[1]]}

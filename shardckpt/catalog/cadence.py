@@ -48,30 +48,44 @@ class History:
     exposure_seconds: float
     runs: int
     source: str  # where it was read, for the log (e.g. the events URL)
+    ahead: int = 0  # other runs that began after `now` (a clock ahead of this run's): left out
 
 
-def history_of(events: Sequence[Event], current_run: str, now_ms: int, source: str) -> History:
+def history_of(
+    events: Sequence[Event], current_run: str, now_ms: int, source: str, saved_ms: Sequence[int] = ()
+) -> History:
     """Count failures and running time over the runs that have a start or restart event in `events`.
 
-    A run other than the current one failed unless it recorded a clean end. A run ran from its start to its end
-    or preemption event; a run that crashed (no such event) until the next run started, which overstates it by
-    the time the job waited to be restarted; the current run until `now_ms`.
+    A run other than the current one failed unless it recorded a clean end. A run ran from its start to its end or
+    preemption event; the current run until `now_ms`. A run that crashed left no event at its end: it ran at least
+    until the last sign of life the root still holds, the newest checkpoint committed (`saved_ms`: creation times
+    of the root's committed checkpoints, in ms) after its start and before the next run's start, which excludes the
+    time the job waited to be rescheduled; without one, until the next run's start (an upper bound). Nothing
+    happened after `now_ms`, and no run went on after the next one started: a later time comes from a clock ahead
+    and counts as that bound, and a run that began after `now_ms` is left out (History.ahead): when and how long it
+    ran is unknown, and counting it as a failure that ran for no time at all would drive the interval to its minimum.
     """
     runs = runs_of(events)
+    ahead = sum(1 for run, group in runs.items() if run != current_run and group[0].time_ms > now_ms)
+    runs = {run: group for run, group in runs.items() if run == current_run or group[0].time_ms <= now_ms}
     starts = sorted((group[0].time_ms, run) for run, group in runs.items() if group[0].kind in (START, RESTART))
+    saved = sorted(saved_ms)
     failures, exposure_ms = 0, 0
     for index, (began, run) in enumerate(starts):
         kinds = {event.kind for event in runs[run]}
+        limit = starts[index + 1][0] if index + 1 < len(starts) else now_ms
         if run == current_run:
             ended = now_ms
         elif END in kinds or PREEMPTION in kinds:
             ended = max(event.time_ms for event in runs[run] if event.kind in (END, PREEMPTION))
         else:
-            ended = starts[index + 1][0] if index + 1 < len(starts) else now_ms
-        exposure_ms += max(0, ended - began)
+            alive = [time for time in saved if began <= time <= limit]
+            ended = max(alive[-1], max(event.time_ms for event in runs[run])) if alive else limit
+        # A run is over when the next one starts (one job per root): an end stamped later is a clock ahead.
+        exposure_ms += max(0, min(ended, limit) - began)
         if run != current_run and END not in kinds:
             failures += 1
-    return History(failures, exposure_ms / 1000, len(starts), source)
+    return History(failures, exposure_ms / 1000, len(starts), source, ahead)
 
 
 def estimate_mtbf(history: History, prior_seconds: float) -> float | None:
@@ -148,10 +162,15 @@ def choose(
     why = (
         f"every {steps} steps ({seconds:.3g} s at {step_seconds[0]:.3g} s/step): sqrt(2 x cost {cost[0]:.3g} s "
         f"x MTBF {mtbf:.4g} s) = {raw:.3g} s{'; ' + ', '.join(clamps) if clamps else ''}; cost: {cost[1]}; "
-        f"MTBF: {history.exposure_seconds:.4g} s run over {history.failures} failure(s){prior} ({history.source}); "
+        f"MTBF: {history.exposure_seconds:.4g} s run over {history.failures} failure(s){prior} ({history.source}"
+        f"{_ahead(history)}); "
         f"step time: {step_seconds[1]}"
     )
     return Cadence(steps, "young", why, seconds, cost[0], mtbf, step_seconds[0], history.failures)
+
+
+def _ahead(history: History) -> str:
+    return f"; {history.ahead} run(s) stamped after this run's clock left out" if history.ahead else ""
 
 
 def _missing(history: History | None, mtbf: float | None, cost: tuple[float, str] | None) -> str:
@@ -159,7 +178,7 @@ def _missing(history: History | None, mtbf: float | None, cost: tuple[float, str
     if history is None:
         return "no failure history read"
     if mtbf is None:
-        return f"no failure recorded in {history.source} ({history.runs} run(s))"
+        return f"no failure recorded in {history.source} ({history.runs} run(s){_ahead(history)})"
     return "no checkpoint cost measured yet" if cost is None else "no step time measured yet"
 
 

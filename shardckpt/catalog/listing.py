@@ -124,16 +124,6 @@ class Listing:
         kept = self.kept_names(policy, grace, now)
         return _referencing_first([entry for entry in candidates if entry.name not in kept])
 
-    def incremental_head(self) -> int:
-        """How many of the newest committed checkpoints, counted from the newest, store pieces by reference: the
-        incremental saves since the last full one (0 when the newest is full or there is none)."""
-        count = 0
-        for entry in reversed(self.committed()):
-            if entry.marker is None or not entry.marker.references:
-                break
-            count += 1
-        return count
-
     def uses_references(self) -> bool:
         return any(entry.marker is not None and entry.marker.references for entry in self.entries)
 

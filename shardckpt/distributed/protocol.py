@@ -174,7 +174,11 @@ def save(
     file that holds it, the others are written; any world size. Before committing, the coordinator checks that
     every referenced checkpoint is still committed (else the save fails and commits nothing).
     piece_hashes: record each piece's hash (format 1.1), so that a later save can use this one as its parent;
-    default: when `parent` is given or SHARDCKPT_PIECE_HASHES=1 (hashing costs 30-50% of a save on one core).
+    default: when `parent` is given or SHARDCKPT_PIECE_HASHES=1. A parent saved without them is referenced in
+    nothing (the save writes every piece again and warns): save the first checkpoint of a series with
+    piece_hashes=True, or use Checkpointer(incremental=True), which hashes every save. Not on by default because
+    BLAKE3 over every piece made a full save take 23-59% longer on 2 busy cores (`make bench`'s piece-hash probe;
+    +4% on idle cores, where the hash threads run beside the write).
     """
     group = resolve_group(process_group)
     if not 0 <= coordinator < group.size:

@@ -60,7 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--ignore-existing",
         action="store_true",
-        help="start at step 0 even though --ckpt already holds committed checkpoints (without it, and without "
+        help="start at step 0 even though --ckpt already holds committed checkpoints, naming this run's "
+        "step-XXXXXXXX-<run id> so that they never meet the names other runs took (without it, and without "
         "--resume, such a root is refused: its higher steps would stay the newest, and a later --resume would "
         "continue the old run)",
     )

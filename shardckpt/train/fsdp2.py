@@ -62,6 +62,8 @@ class Trainer:
             on_cadence=self.on_cadence,
             incremental=args.incremental,
             full_every=args.full_every,
+            # Beside another run's checkpoints the same cadence meets the same step names: this run's carry its id.
+            run_names=args.ignore_existing and not args.resume,
         )
 
     def build(self, model: GPT) -> None:
@@ -113,7 +115,10 @@ class Trainer:
                 f"--ckpt {self.args.ckpt} already holds committed checkpoints (newest: {existing}); pass --resume to "
                 "continue from it, use a fresh root, or pass --ignore-existing to start at step 0 beside them"
             )
-        self._say(f"WARNING: starting at step 0 under {self.args.ckpt}, which already holds {existing}")
+        self._say(
+            f"WARNING: starting at step 0 under {self.args.ckpt}, which already holds {existing}; this run's "
+            f"checkpoints are named step-XXXXXXXX-{self.checkpointer.run_id}"
+        )
 
     def _resumed(self, state: dict[str, Any], step: int, began: float) -> int:
         if state["rng"].value is not None:

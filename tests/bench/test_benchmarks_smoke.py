@@ -15,6 +15,9 @@ def test_benchmark_harness_smoke(tmp_path) -> None:
     assert result["state_bytes"] > 0 and result["loads"] == "warm"
     assert any(name.startswith("shardckpt.save") for name in result["rows"])
     assert 1.0 <= result["resharded_read_ratio"] <= 1.5
+    # Issue 23.3: what piece hashes cost a full save, measured in the same run as the save without them.
+    assert any("piece hashes (cost probe)" in name for name in result["rows"])
+    assert set(result["piece_hash_cost"]) == {"default_hashes", "share_of_save"}
 
 
 def test_s3_benchmark_smoke(s3_server, tmp_path) -> None:

@@ -210,3 +210,34 @@ def test_ls_du_gc_latest_and_retention_leave_the_events_alone(tmp_path: Path) ->
     checkpointer.close()
     assert sorted(os.listdir(root)) == [EVENTS_DIR, "step-00000003"]
     assert sorted(os.listdir(root / EVENTS_DIR)) == events  # fixed every_steps records nothing by default
+
+
+def test_a_crashed_run_ran_until_its_last_checkpoint_not_until_the_next_run_started() -> None:
+    """Issue 23 (also found): a crash leaves no event; counting the crashed run until the next start counted the
+    hour the job waited to be rescheduled as running time. Its newest checkpoint the root holds bounds it."""
+    events = [Event(START, "a", T0), Event(RESTART, "b", T0 + 3_600_000, 10, "crash")]
+    now = T0 + 3_700_000
+    # a committed a checkpoint at 600 s; one before a began and one of b's time are not a's signs of life.
+    saved = [T0 - 5_000, T0 + 600_000, T0 + 3_650_000]
+    history = history_of(events, "b", now, "ROOT/events", saved)
+    assert (history.failures, history.exposure_seconds) == (1, 600.0 + 100.0)
+    # Without a checkpoint of its own time, the next start is the only bound left (as before).
+    assert history_of(events, "b", now, "ROOT/events", [T0 + 3_650_000]).exposure_seconds == 3600.0 + 100.0
+
+
+def test_a_run_stamped_after_now_is_left_out_and_a_later_end_counts_as_the_next_start() -> None:
+    """Issue 23 (also found): a run whose clock is a day ahead, a crash counted with no running time at all: with
+    --ckpt-mtbf-prior 0 its MTBF was this run's few seconds, an interval of one step. It is left out now; an end
+    stamped after now (a clock ahead) still says the run ended cleanly, and it ran until the next run began."""
+    now = T0 + 10_000
+    events = [Event(START, "ahead", T0 + 86_400_000), Event(RESTART, "b", T0, 10, "crash")]
+    history = history_of(events, "b", now, "ROOT/events")
+    assert (history.failures, history.exposure_seconds, history.runs) == (0, 10.0, 1)  # main: 1 failure in 10 s
+    assert history.ahead == 1
+    cadence = choose(
+        7, Bounds(), cost=(2.0, "measured"), step_seconds=(1.0, "measured"), history=history, prior_seconds=0.0
+    )
+    assert (cadence.steps, cadence.reason) == (7, "default") and "1 run(s) stamped after" in cadence.why
+    clean = [Event(START, "a", T0 - 50_000), Event(END, "a", now + 5_000), Event(RESTART, "b", T0, 3, "clean")]
+    history = history_of(clean, "b", now, "ROOT/events")
+    assert (history.failures, history.exposure_seconds, history.ahead) == (0, 50.0 + 10.0, 0)  # a: until b began

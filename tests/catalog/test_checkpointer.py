@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -167,6 +168,63 @@ def test_auto_cadence_follows_youngs_rule_from_the_recorded_failures(tmp_path) -
     kinds = [(e.kind, e.run == checkpointer.run_id, e.after) for e in read_events(LocalStorage(root), 10).events]
     assert kinds == [("end", True, None), (RESTART, True, "crash"), (START, False, None)]
     assert sorted(os.listdir(root)) == [EVENTS_DIR, "step-00000133"]
+
+
+def test_a_crashed_run_counts_until_its_last_checkpoint_not_while_the_job_waited(tmp_path) -> None:
+    """Issue 23 (also found): run A starts, commits a checkpoint 1000 s in, crashes; the job waits 3000 s to be
+    rescheduled. Run B counts A's 1000 s (A's checkpoint's creation time), not 4000 s."""
+    root = str(tmp_path / "ck")
+    began = time.time() - 1000.0  # A's checkpoint below is created now, 1000 s after A's start
+    first = shardckpt.Checkpointer(
+        root, every_steps="auto", mtbf_prior_seconds=0.0, preemption_signals=(), clock=_FakeClock(began)
+    )
+    first.maybe_save(1, _state(1.0), force=True)  # then A crashes: no close(), no end event
+    clock = _FakeClock(began + 4000.0)
+    second = shardckpt.Checkpointer(
+        root, every_steps="auto", mtbf_prior_seconds=0.0, preemption_signals=(), clock=clock
+    )
+    assert second.restore_latest(_state(0.0)) == 1
+    second.maybe_save(2, _state(2.0))
+    clock.now += 10.0
+    second.maybe_save(3, _state(3.0))
+    clock.now += 10.0
+    second.maybe_save(4, _state(3.0), force=True)
+    second.close()
+    assert second.cadence is not None and second.cadence.reason == "young", second.cadence
+    # One failure: A's ~1000 s (the seconds this test itself takes blur it a little) + B's 20 s; main said 4020 s.
+    assert second.cadence.mtbf_seconds is not None and 1000 <= second.cadence.mtbf_seconds < 1300, second.cadence
+
+
+def test_an_event_stamped_in_the_year_9999_does_not_stop_the_recording_of_later_ones(tmp_path) -> None:
+    """Issue 23 (also found): each new event stepped past the newest one known, so one valid event of 9999-12-31
+    put every later event beyond the last valid time: none was recorded again. It is not counted either."""
+    from shardckpt.catalog.events import MAX_TIME_MS, START, Event, read_events, record_event
+    from shardckpt.storage import LocalStorage
+
+    root = str(tmp_path / "ck")
+    record_event(LocalStorage(root), Event(START, "future", MAX_TIME_MS))
+    clock = _FakeClock(1_700_000_000.0)
+    decisions: list = []
+    for run in range(2):
+        ckpt = shardckpt.Checkpointer(
+            root, every_steps="auto", mtbf_prior_seconds=0.0, preemption_signals=(), clock=clock,
+            on_cadence=decisions.append,
+        )  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # "cannot record a start event" was a warning
+            ckpt.maybe_save(10 * run + 1, _state(1.0))
+            clock.now += 5.0
+            ckpt.maybe_save(10 * run + 2, _state(1.0), force=True)
+            ckpt.close()
+        clock.now += 100.0
+    events = read_events(LocalStorage(root), 10).events
+    # Newest name first: the 9999 one, then this test's two runs (the first a start: nothing ran before it).
+    assert [(e.kind, e.run == "future", e.after) for e in events] == [
+        ("start", True, None), ("end", False, None), ("restart", False, "clean"), ("end", False, None),
+        ("start", False, None),
+    ]  # fmt: skip
+    assert all(d.reason == "default" for d in decisions)
+    assert ckpt.cadence is not None and "1 run(s) stamped after" in ckpt.cadence.why, ckpt.cadence
 
 
 def test_a_preemption_is_recorded_and_the_next_run_counts_it(tmp_path) -> None:

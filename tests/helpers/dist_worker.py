@@ -405,6 +405,24 @@ def scenario_per_rank_load(args: dict, rank: int, world: int) -> dict:
     return outcomes
 
 
+def scenario_series(args: dict, rank: int, world: int) -> dict:
+    """An incremental series with run names on every rank (issues 23.2, 23.13): the names and parents each saw."""
+    mesh = init_device_mesh("cpu", (world,))
+    base = torch.arange(64.0).reshape(8, 8)
+    kinds, urls = [], []
+    for run in range(2):  # a restart half way: the series goes on from what the root holds, under new names
+        ckpt = shardckpt.Checkpointer(
+            args["root"], every_steps=1, keep_last=1, incremental=True, full_every=3, run_names=True
+        )
+        for step in range(3 * run + 1, 3 * run + 4):
+            state = {"base": distribute_tensor(base, mesh, [Shard(0)]), "head": torch.full((4,), float(step))}
+            ckpt.maybe_save(step, state)
+            kinds.append("F" if ckpt.records[-1].parent is None else "i")
+            urls.append(ckpt.records[-1].url)
+        ckpt.close()
+    return {"kinds": "".join(kinds), "urls": urls}
+
+
 def scenario_launch(args: dict, rank: int, world: int) -> dict:
     """For the launcher's own test: rank args["hang"] writes its pid and hangs; the others say what they see."""
     if rank == args["hang"]:

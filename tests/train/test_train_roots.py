@@ -35,8 +35,29 @@ def test_a_new_run_into_an_old_root_is_refused_then_kept_with_a_warning(tmp_path
     done = _train(root, "--ignore-existing", "--keep-last", "3")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "WARNING: step 2 is below step 90" in done.stdout, done.stdout
-    assert sorted(os.listdir(root)) == ["step-00000002", *before]
-    assert shardckpt.open(str(root / "step-00000002")).step == 2
+    first = _new_names(root, before)
+    assert [name[:14] for name in first] == ["step-00000002-"]
+    assert shardckpt.open(str(root / first[0])).step == 2
+
+
+def _new_names(root: Path, before: list[str]) -> list[str]:
+    return sorted(set(os.listdir(root)) - set(before))
+
+
+def test_ignore_existing_twice_with_the_same_cadence_never_meets_a_taken_name(tmp_path: Path) -> None:
+    """Issue 23.13: a second --ignore-existing run beside the first trained to its first checkpoint and died on
+    'step-00000002 already holds a committed checkpoint'. Each such run names its checkpoints with its run id."""
+    root = tmp_path / "old"
+    save_sharded(sample_state(90), str(root / "step-00000090"), 1, step=90)
+    before = sorted(os.listdir(root))
+    runs = [_train(root, "--ignore-existing", "--keep-last", "1") for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "checkpoints are named step-XXXXXXXX-" in run.stdout, run.stdout
+    # Retention keeps the newest (the old run's step 90) and the checkpoint each run saved last.
+    names = _new_names(root, before)
+    assert len(names) == 1 and names[0].startswith("step-00000002-"), names
+    assert shardckpt.open(str(root / names[0])).step == 2
 
 
 def test_a_fresh_root_is_not_refused(tmp_path: Path) -> None:

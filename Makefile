@@ -37,7 +37,7 @@ unit: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 tests
 
 # The documentation site, strictly: a broken link or anchor, or a page missing from mkdocs.yml's nav, fails it.
-# The CLI reference is generated from the parsers (docs/hooks/cli_reference.py); the code blocks run in unit.
+# The CLI and Python API references are generated (docs/hooks/); the Python code blocks run in unit (test_readme).
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
 

@@ -119,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     if code == 0 and args.finetune_steps > 0:
         code = finetune(workdir, args.finetune_steps)
     # Kept, never removed: the logs it pointed to along the way are what a reader wants to look at afterwards.
-    print(f"\ndemo: everything it wrote is kept in {workdir}: torchrun.log and ft.log (every rank's output),")
-    print("demo: loss-4.jsonl and loss-3.jsonl (the loss per step), checkpoints/ and finetune/; rm -rf it when done")
+    print(f"\ndemo: everything it wrote is kept in {workdir} ({', '.join(sorted(os.listdir(workdir)))}):")
+    print("demo: the .log files hold every rank's output, loss-*.jsonl the loss per step; rm -rf it when done")
     return code
 
 

@@ -1,27 +1,34 @@
 # make test: bootstrap a virtualenv on a fresh machine and run lint, types and the whole suite.
 # make test-fast: the quick loop (unit tests only: one process, no S3 server, no ranks, nothing slow).
-# make demo: run the main job.  make bench: the performance harness.
+# make demo: run the main job.  make bench: the performance harness, then its figures.  make docs: the site.
 PY ?= python3
-VENV := .venv
+# One virtualenv for every target, so `make demo` after `make test` installs nothing: the clone's .venv, or in a git
+# worktree its main checkout's once that one is installed (kept up to date from the main checkout, never re-pointed
+# at the worktree: its commands run the worktree's code from the current directory); `make VENV=DIR ...` chooses.
+MAIN_CHECKOUT := $(patsubst %/.git,%,$(shell git rev-parse --path-format=absolute --git-common-dir 2>/dev/null))
+SHARED := $(if $(wildcard $(MAIN_CHECKOUT)/.venv/.installed),$(filter-out $(CURDIR),$(MAIN_CHECKOUT)))
+VENV ?= $(if $(SHARED),$(SHARED)/.venv,.venv)
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: test test-fast lint typecheck unit demo bench clean
+.PHONY: test test-fast lint typecheck unit docs demo bench figures clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
 # torch first and pinned: anything else may pull a multi-GB CUDA build.
-$(STAMP): $(BIN)/python pyproject.toml
+$(STAMP): $(BIN)/python $(if $(SHARED),,pyproject.toml)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	DS_BUILD_OPS=0 $(BIN)/pip install -q -e '.[dev,deepspeed]'
 	touch $(STAMP)
 
+LINTED := shardckpt tests benchmarks spec examples docs/hooks
+
 lint: $(STAMP)
-	$(BIN)/ruff check shardckpt tests benchmarks spec examples
-	$(BIN)/ruff format --check shardckpt tests benchmarks spec examples
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy shardckpt
@@ -29,10 +36,15 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 tests
 
-test: lint typecheck unit
+# The documentation site, strictly: a broken link or anchor, or a page missing from mkdocs.yml's nav, fails it.
+# The CLI and Python API references are generated (docs/hooks/); the Python code blocks run in unit (test_readme).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
+
+test: lint typecheck docs unit
 
 test-fast: $(STAMP)
-	$(BIN)/ruff check shardckpt tests benchmarks spec examples
+	$(BIN)/ruff check $(LINTED)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m unit tests
 
 demo: $(STAMP)
@@ -55,6 +67,11 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.moe --ranks 4 --experts 420 --json benchmarks/moe.json
 	$(BIN)/python -m benchmarks.s3
 	$(BIN)/python -m benchmarks.ds_engine --json benchmarks/ds_engine.json
+	$(MAKE) figures
+
+# The figures of the performance pages, drawn from the JSON files that make bench wrote (those that exist).
+figures: $(STAMP)
+	$(BIN)/python -m benchmarks.figures --from benchmarks --out docs/figures
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf .venv site .pytest_cache .mypy_cache .ruff_cache .hypothesis

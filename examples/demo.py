@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -80,13 +79,13 @@ def loss_curve(rows: list[dict[str, Any]], resumed_at: int, width: int = 50) -> 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--dir", help="working directory (default: a temporary one, removed afterwards)")
+    parser.add_argument("--dir", help="working directory, kept afterwards (default: a new one under demo-out/)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--ckpt-every", type=int, default=5)
     parser.add_argument("--kill-at", type=int, default=23, help="kill a rank once this step is logged")
     parser.add_argument("--finetune-steps", type=int, default=8, help="steps of the frozen-base run (0: skip it)")
     args = parser.parse_args(argv)
-    workdir = args.dir or tempfile.mkdtemp(prefix="shardckpt-demo-")
+    workdir = args.dir or new_workdir()
     root, pid_dir = os.path.join(workdir, "checkpoints"), os.path.join(workdir, "pids")
     log_first, log_second = os.path.join(workdir, "loss-4.jsonl"), os.path.join(workdir, "loss-3.jsonl")
     common = ["--ckpt", root, "--steps", str(args.steps), "--ckpt-every", str(args.ckpt_every), "--keep-last", "3"]
@@ -119,9 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     code = cli_main(["verify", final])
     if code == 0 and args.finetune_steps > 0:
         code = finetune(workdir, args.finetune_steps)
-    if not args.dir:
-        shutil.rmtree(workdir, ignore_errors=True)
+    # Kept, never removed: the logs it pointed to along the way are what a reader wants to look at afterwards.
+    print(f"\ndemo: everything it wrote is kept in {workdir} ({', '.join(sorted(os.listdir(workdir)))}):")
+    print("demo: the .log files hold every rank's output, loss-*.jsonl the loss per step; rm -rf it when done")
     return code
+
+
+def new_workdir(parent: str = "demo-out") -> str:
+    """A fresh directory for one run of the demo, named by its start time (a new one each run, nothing reused)."""
+    os.makedirs(parent, exist_ok=True)
+    return os.path.abspath(tempfile.mkdtemp(prefix=time.strftime("run-%Y%m%d-%H%M%S-"), dir=parent))
 
 
 def finetune(workdir: str, steps: int) -> int:

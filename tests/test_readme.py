@@ -1,7 +1,10 @@
-"""Every Python snippet of README.md runs as written: extracted from the README itself, so they cannot drift.
+"""Every Python snippet of README.md and of the documentation site (docs/) runs as written: extracted from the pages
+themselves, so they cannot drift.
 
-Each runs in a fresh interpreter (under torchrun where the README says so), with only its /tmp root (or S3 bucket)
-moved to a fresh place, so that parallel runs do not share one. A new snippet fails here until it has a runner.
+Each runs in a fresh interpreter (under torchrun where the page says so), with only its /tmp root (or S3 bucket)
+moved to a fresh place, so that parallel runs do not share one. A new snippet fails here until it has a runner; a
+snippet shown on several pages (the README's quickstart is the training-loop page's) must be the same everywhere,
+and runs once.
 """
 
 from __future__ import annotations
@@ -10,32 +13,40 @@ import os
 import re
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.checkpoints import S3_BUCKET
 from tests.helpers.training import TORCH_EXTENSIONS_DIR
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-SNIPPETS = re.findall(r"^```python\n(.*?)^```$", README.read_text(), flags=re.DOTALL | re.MULTILINE)
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+SNIPPETS = [
+    (page.relative_to(REPO).as_posix(), text)
+    for page in PAGES
+    for text in re.findall(r"^```python\n(.*?)^```$", page.read_text(), flags=re.DOTALL | re.MULTILINE)
+]
 
 
 def snippet(marker: str) -> str:
-    """The one README snippet that contains `marker`."""
-    found = [text for text in SNIPPETS if marker in text]
-    assert len(found) == 1, f"{len(found)} README snippets contain {marker!r}"
-    return found[0]
+    """The snippet that contains `marker` (the same text on every page that shows it)."""
+    found = {text for _, text in SNIPPETS if marker in text}
+    where = [page for page, text in SNIPPETS if marker in text]
+    assert len(found) == 1, f"{len(found)} different snippets contain {marker!r} (in {where})"
+    return found.pop()
 
 
 # The phrase that identifies each snippet; every snippet must have exactly one (and so a test below).
 MARKERS = {
     "training loop": 'shardckpt.latest("/tmp/ckpts")',
-    "checkpointer": "shardckpt.Checkpointer(",
+    "checkpointer": '"/tmp/managed",',
     "deepspeed": "deepspeed.initialize(",
     "direct read": 'shardckpt.latest("/tmp/run")',
     "s3": '"s3://bucket/run',
-    "dcp": 'shardckpt.dcp.StorageWriter("/tmp/dcp-run',
+    "dcp": 'shardckpt.latest("/tmp/dcp-run")',
+    "incremental checkpointer": "incremental=True,",
+    "save parent": 'parent=f"{root}/step-00000001"',
 }
 
 
@@ -75,8 +86,11 @@ def run(code: str, tmp_path: Path, *, ranks: int = 0, timeout: float = 300) -> s
 
 
 def test_every_python_snippet_has_a_runner() -> None:
-    covered = [name for text in SNIPPETS for name, marker in MARKERS.items() if marker in text]
-    assert len(SNIPPETS) == len(MARKERS) and sorted(covered) == sorted(MARKERS), (len(SNIPPETS), covered)
+    for page, text in SNIPPETS:
+        names = [name for name, marker in MARKERS.items() if marker in text]
+        assert len(names) == 1, f"a python snippet of {page} matches {names or 'no marker'}:\n{text[:300]}"
+    assert {name for _, text in SNIPPETS for name, marker in MARKERS.items() if marker in text} == set(MARKERS)
+    assert sum(1 for page, _ in SNIPPETS if page == "README.md") >= 1, "the README lost its quickstart"
 
 
 @pytest.mark.dist
@@ -128,21 +142,58 @@ def test_direct_read_snippet_fits_the_bundled_model(tmp_path) -> None:
     assert "torch.Size([32, 64])" in output
 
 
-def test_s3_snippet_saves_to_the_bucket(tmp_path, s3_url) -> None:
+def test_s3_snippet_creates_its_bucket_on_a_fresh_store_and_saves_the_step(tmp_path, s3_env) -> None:
     import shardckpt
 
-    code = snippet(MARKERS["s3"]).replace("s3://bucket/run", s3_url)
-    output = run(code, tmp_path)
-    assert f"{s3_url}/step-00000100" in output
-    assert shardckpt.open(f"{s3_url}/step-00000100").read("w").tolist() == list(range(8))
-    assert s3_url.startswith(f"s3://{S3_BUCKET}/")
+    bucket = f"docs-{uuid.uuid4().hex[:12]}"  # a bucket the server does not have: the snippet must create it
+    code = snippet(MARKERS["s3"]).replace('"bucket"', f'"{bucket}"').replace("s3://bucket/", f"s3://{bucket}/")
+    assert bucket in code and "s3://bucket/" not in code
+    assert f"s3://{bucket}/run/step-00000100" in run(code, tmp_path)
+    assert f"s3://{bucket}/run/step-00000200" in run(code, tmp_path)  # run again: the next step, at a new URL
+    for step in (100, 200):
+        checkpoint = shardckpt.open(f"s3://{bucket}/run/step-{step:08d}")
+        assert checkpoint.read("w").tolist() == [step + i for i in range(8)] and checkpoint.step == step
 
 
 @pytest.mark.dist
-def test_dcp_snippet_saves_and_loads_through_the_dcp_backend(tmp_path) -> None:
+def test_dcp_snippet_resumes_on_another_world_size(tmp_path) -> None:
+    """Run as the page says, then again on 3 ranks: it continues from the 2-rank checkpoint (issue 26.11)."""
     import shardckpt
 
     root = tmp_path / "dcp-run"
-    run(snippet(MARKERS["dcp"]).replace("/tmp/dcp-run", str(root)), tmp_path, ranks=2)
-    checkpoint = shardckpt.open(str(root / "step-1"))
-    assert (checkpoint.step, checkpoint.manifest.world_size, checkpoint.objects["step"]) == (1, 2, 1)
+    code = snippet(MARKERS["dcp"]).replace("/tmp/dcp-run", str(root))
+    assert "resumed from None, saved step 1" in run(code, tmp_path, ranks=2)
+    output = run(code, tmp_path, ranks=3)
+    assert f"rank 2 of 3: resumed from {root / 'step-00000001'}, saved step 2" in output
+    checkpoint = shardckpt.open(str(root / "step-00000002"))
+    assert (checkpoint.step, checkpoint.manifest.world_size, checkpoint.objects["step"]) == (2, 3, 2)
+    assert shardckpt.latest(str(root)).endswith("step-00000002")
+
+
+def test_incremental_checkpointer_snippet_writes_only_the_head_and_continues_its_series(tmp_path) -> None:
+    root = tmp_path / "finetune"
+    code = snippet(MARKERS["incremental checkpointer"]).replace("/tmp/finetune", str(root))
+    output = run(code, tmp_path)
+    saves = re.findall(r"step (\d+): wrote (\d+) of (\d+) bytes \((full|incremental on step-\d+)\)", output)
+    assert [(int(step), kind) for step, _, _, kind in saves] == [
+        (2, "full"),
+        (4, "incremental on step-00000002"),
+        (6, "incremental on step-00000004"),
+        (8, "full"),
+    ], output
+    for _, wrote, logical, kind in saves:  # an incremental save writes the head (2% of the state) and manifests
+        assert int(wrote) < int(logical) / 20 if kind != "full" else int(wrote) >= int(logical)
+    # A restarted job continues the series: its first save is incremental on the newest checkpoint.
+    again = run(code, tmp_path)
+    assert re.search(r"^step 10: wrote \d+ of \d+ bytes \(incremental on step-00000008\)$", again, re.MULTILINE), again
+
+
+def test_save_parent_snippet_stores_the_unchanged_tensor_by_reference(tmp_path) -> None:
+    code = snippet(MARKERS["save parent"]).replace('prefix="series-"', f'prefix="series-", dir="{tmp_path}"')
+    assert str(tmp_path) in code
+    output = run(code, tmp_path)
+    rows = re.findall(r"^(\S+)/step-0000000(\d) (\d+) (\S+)$", output, re.MULTILINE)
+    assert [(step, value) for _, step, _, value in rows] == [("1", "0.0"), ("2", "1.0")], output
+    first, second = (int(size) for _, _, size, _ in rows)
+    assert first > 4 << 20 and second < 128 << 10, output  # the 4 MiB frozen tensor is stored once
+    assert rows[0][0].startswith(str(tmp_path))  # a new root per run (under the test's own directory here)

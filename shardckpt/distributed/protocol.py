@@ -7,6 +7,7 @@ manifest once -> (all) receive them, plan and read only their own boxes -> (all)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
@@ -352,11 +353,13 @@ def load(
     nearest even (values beyond the destination's range become inf); without it a dtype mismatch is refused.
     Destinations of the stored dtype stay bit-exact. Costs host memory: each converted box is read into staging
     of the stored dtype first.
-    share_reads: over a group (the default there), each stored byte that several ranks need (replicas: HSDP, DDP,
-    replicated norms, plain tensors every rank loads) is fetched by one of them and handed to the others through
-    the group, so the job reads every byte once; each rank still verifies every block it uses. Costs what
-    verify_first costs in memory (a rank holds its fetched bytes until all have arrived). False: every rank reads
-    its own bytes.
+    share_reads: each stored byte that several ranks need (replicas: HSDP, DDP, replicated norms, plain tensors
+    every rank loads) is fetched by one of them and handed to the others through the group, so the job reads every
+    byte once; each rank still verifies every block it uses, and copies each read request out as soon as it is
+    whole (memory: the read budget per exchange round, plus requests still arriving). None (the default): share
+    when the group spans several nodes (SHARDCKPT_NODE, else torchrun's GROUP_RANK, names each rank's node), where
+    it saves the storage link; ranks on one node share a page cache and a disk, and handing bytes through the
+    group costs them more than reading (measured: benchmarks.shared_reads). True: always; False: never.
     """
     group = resolve_group(process_group)
     if isinstance(group, _Solo):
@@ -410,11 +413,12 @@ def load(
     if share_reads is not False and not _any_rank(group, local_error is not None):
         assert prepared is not None
         try:
-            share = _collective(lambda: plan_exchange(group, prepared[0].plan), group)
+            only_across_nodes = share_reads is None
+            share = _collective(
+                lambda: plan_exchange(group, prepared[0].plan, only_across_nodes=only_across_nodes), group
+            )
         except Exception as exc:
             local_error = exc
-        if share is not None and not share.overlaps:
-            share = None
     try:
         if local_error is not None:
             raise local_error
@@ -430,6 +434,7 @@ def load(
                         lambda: fetch_shared(group, checkpoint, pending.plan, plan, finish=finish), group
                     )
                 )
+                stats = dataclasses.replace(stats, fetched_bytes=plan.read_bytes(group.rank))  # from storage
                 assign()
         elif verify_first:
             pending.fetch()  # every rank verifies all its bytes; the destinations are written after the vote

@@ -41,11 +41,19 @@ def node_ids(group: Group) -> list[int] | None:
     return [names[node] for node in known]
 
 
-def plan_exchange(group: Group, plan: ReadPlan, *, chunk: int = knobs.MAX_REQUEST) -> SharePlan:
-    """Every rank's needs, gathered, turned into the one plan every rank computes alike."""
+def plan_exchange(
+    group: Group, plan: ReadPlan, *, only_across_nodes: bool, chunk: int = knobs.MAX_REQUEST
+) -> SharePlan | None:
+    """Every rank's needs, gathered, turned into the one plan every rank computes alike; None (on every rank)
+    when no two ranks need the same byte, or when only_across_nodes and the ranks do not span two nodes (then
+    nothing but the node names was exchanged)."""
+    nodes = node_ids(group)
+    if only_across_nodes and (nodes is None or len(set(nodes)) < 2):
+        return None
     mine = [[request.file, request.start, request.end] for request in plan.requests]
     everyone = [[tuple(r) for r in msgpack.unpackb(b)] for b in all_gather_bytes(group, msgpack.packb(mine))]
-    return plan_shared_reads(everyone, chunk=chunk, nodes=node_ids(group))
+    share = plan_shared_reads(everyone, chunk=chunk, nodes=nodes)
+    return share if share.overlaps else None
 
 
 class _Assembly:

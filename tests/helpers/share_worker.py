@@ -81,6 +81,12 @@ def unreadable_data() -> Iterator[None]:
         LocalStorage.pread_into = original  # type: ignore[method-assign]
 
 
+def nodes(args: dict[str, Any], rank: int) -> None:
+    """Simulate nodes of args["per_node"] ranks each (SHARDCKPT_NODE), as a multi-node launch would name them."""
+    if args.get("per_node"):
+        os.environ["SHARDCKPT_NODE"] = f"node-{rank // args['per_node']}"
+
+
 def scenario_hsdp_save(args: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     model, optimizer = build(0, args["mesh"])
     generator = torch.Generator().manual_seed(7)
@@ -92,6 +98,7 @@ def scenario_hsdp_save(args: dict[str, Any], rank: int, world: int) -> dict[str,
 
 
 def scenario_hsdp_load(args: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    nodes(args, rank)
     model, optimizer = build(1, args["mesh"])
     model(torch.zeros(2, 3, dtype=torch.long)).sum().backward()  # AdamW state exists only after a step
     optimizer.step()
@@ -115,6 +122,7 @@ def scenario_ddp_save(args: dict[str, Any], rank: int, world: int) -> dict[str, 
 
 
 def scenario_ddp_load(args: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    nodes(args, rank)
     state = {"model": {k: torch.zeros_like(v) for k, v in replicated(3).items()}}
     failing = contextlib.nullcontext() if args.get("fail_rank") != rank else unreadable_data()
     with data_bytes_read() as read, failing:

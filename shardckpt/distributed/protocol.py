@@ -7,6 +7,7 @@ manifest once -> (all) receive them, plan and read only their own boxes -> (all)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from shardckpt import knobs
 from shardckpt.catalog.chain import Opening, read_opening, verify_global_manifest
 from shardckpt.distributed.collectives import Group, all_gather_bytes, any_rank, broadcast_bytes, gather_bytes
+from shardckpt.distributed.shared_reads import PeerFailed, fetch_shared, plan_exchange
 from shardckpt.errors import AlreadyExistsError, DistributedError, ShardckptUsageError
 from shardckpt.format import layout
 from shardckpt.format.bulk import gc_paused
@@ -30,6 +32,7 @@ from shardckpt.format.manifest import (
     encode_global_manifest,
 )
 from shardckpt.format.values import check_plain
+from shardckpt.planner.share import SharePlan
 from shardckpt.read.checkpoint import Checkpoint, PendingRead, ReadStats, open_checkpoint
 from shardckpt.statedict.flatten import Leaf, flatten
 from shardckpt.statedict.leaves import (
@@ -327,6 +330,7 @@ def load(
     optional: Sequence[str] = (),
     max_gap: int = knobs.MAX_GAP,
     cast: bool = False,
+    share_reads: bool | None = None,
 ) -> ReadStats:
     """Fill the tensors of `state_dict` in place from the checkpoint at `url`, on any world size and sharding.
 
@@ -353,6 +357,13 @@ def load(
     nearest even (values beyond the destination's range become inf); without it a dtype mismatch is refused.
     Destinations of the stored dtype stay bit-exact. Costs host memory: each converted box is read into staging
     of the stored dtype first.
+    share_reads: each stored byte that several ranks need (replicas: HSDP, DDP, replicated norms, plain tensors
+    every rank loads) is fetched by one of them and handed to the others through the group, so the job reads every
+    byte once; each rank still verifies every block it uses, and copies each read request out as soon as it is
+    whole (memory: the read budget per exchange round, plus requests still arriving). None (the default): share
+    when the group spans several nodes (SHARDCKPT_NODE, else torchrun's GROUP_RANK, names each rank's node), where
+    it saves the storage link; ranks on one node share a page cache and a disk, and handing bytes through the
+    group costs them more than reading (measured: benchmarks.shared_reads). True: always; False: never.
     """
     group = resolve_group(process_group)
     if isinstance(group, _Solo):
@@ -398,12 +409,45 @@ def load(
             manifest = verify_global_manifest(message["manifest"], marker, storage.describe(marker.manifest))
         checkpoint = Checkpoint(storage, marker, manifest, max_in_flight=max_in_flight, max_gap=max_gap)
         prepared = pending, assign = _prepare_fill(checkpoint, state_dict, group.rank, strict, optional, cast)
-        if verify_first:
+    except Exception as exc:
+        local_error = exc
+    share: SharePlan | None = None
+    # Every rank takes part in a shared read or none does: a rank that failed its checks stops them all here, and
+    # a plan in which no two ranks need the same byte (FSDP on the mesh that saved) reads on its own, streaming.
+    if share_reads is not False and not _any_rank(group, local_error is not None):
+        assert prepared is not None
+        try:
+            only_across_nodes = share_reads is None
+            share = _collective(
+                lambda: plan_exchange(group, prepared[0].plan, only_across_nodes=only_across_nodes), group
+            )
+        except Exception as exc:
+            local_error = exc
+    try:
+        if local_error is not None:
+            raise local_error
+        assert prepared is not None
+        pending, assign = prepared
+        if share is not None:
+            plan = share
+            if verify_first:  # every rank keeps and verifies all its bytes; destinations are written after the vote
+                pending.use(_collective(lambda: fetch_shared(group, checkpoint, pending.plan, plan), group))
+            else:
+                stats = pending.apply(
+                    fetch=lambda finish: _collective(
+                        lambda: fetch_shared(group, checkpoint, pending.plan, plan, finish=finish), group
+                    )
+                )
+                stats = dataclasses.replace(stats, fetched_bytes=plan.read_bytes(group.rank))  # from storage
+                assign()
+        elif verify_first:
             pending.fetch()  # every rank verifies all its bytes; the destinations are written after the vote
         else:
             stats = pending.apply()
             assign()
         status = _pack({"ok": True})
+    except PeerFailed:
+        status = _pack({"peer": True})
     except Exception as exc:
         local_error = exc
         status = _pack({"error": _describe(exc)})

@@ -12,7 +12,7 @@ import functools
 import math
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -391,6 +391,17 @@ class PendingRead:
         self.checkpoint, self.plan, self._buffers, self._fixups, self._began = checkpoint, plan, buffers, fixups, began
         self._fetched: list[tuple[ReadRequest, ByteArray]] | None = None
 
+    @property
+    def fetched(self) -> bool:
+        """Whether every byte of the plan is fetched and verified already (fetch() or use())."""
+        return self._fetched is not None
+
+    def use(self, fetched: Sequence[tuple[ReadRequest, ByteArray]]) -> None:
+        """Take the plan's requests fetched and verified elsewhere (a shared read) instead of fetching them."""
+        if [request for request, _ in fetched] != list(self.plan.requests):
+            raise ValueError("use() takes exactly the plan's requests, in order")
+        self._fetched = list(fetched)
+
     def fetch(self) -> None:
         checkpoint, requests = self.checkpoint, self.plan.requests
         fetched: list[tuple[ReadRequest, ByteArray]] = []
@@ -410,8 +421,13 @@ class PendingRead:
         self._fetched = fetched
 
     @gc_paused()
-    def apply(self) -> ReadStats:
-        if self._fetched is None:
+    def apply(self, fetch: Callable[[fetching.Step], object] | None = None) -> ReadStats:
+        """Write the destinations. fetch(finish): another way to get the bytes (a shared read), which calls
+        finish(request, bytes) for each request once its bytes are verified; finish copies them out."""
+        if fetch is not None:
+            buffers, copy = self._buffers, self.checkpoint.copy
+            fetch(lambda request, data: copy(request, data, buffers))
+        elif self._fetched is None:
             self.checkpoint.stream(self.plan, self._buffers)
         else:
             fetched, self._fetched = self._fetched, None

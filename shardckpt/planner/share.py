@@ -1,0 +1,135 @@
+"""Shared reads: in a collective load, which rank fetches each stored byte range that ranks need, and which ranks it
+hands those bytes to, so that every byte is read from storage once per job however many replicas need it.
+
+Pure: ranks' needs in, assignments out. The exchange itself (distributed/) and the checks (every consumer verifies
+the block checksums of what it uses, whoever fetched it) live elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from shardckpt.errors import ShardckptUsageError
+
+Range = tuple[int, int, int]  # (file, start, end): bytes [start, end) of a data file, by its piece-table index
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Bytes [start, end) of `file`, all needed by the same ranks (`consumers`, ascending), fetched by `reader`."""
+
+    file: int
+    start: int
+    end: int
+    reader: int
+    consumers: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class SharePlan:
+    """Every byte range any rank needs, once, with its reader; the same on every rank that plans it."""
+
+    world: int
+    segments: tuple[Segment, ...]  # ascending (file, start), disjoint
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether two ranks need some byte: only then does sharing save a read."""
+        return any(len(segment.consumers) > 1 for segment in self.segments)
+
+    def read_bytes(self, rank: int) -> int:
+        """Bytes `rank` fetches from storage."""
+        return sum(s.size for s in self.segments if s.reader == rank)
+
+    def rounds(self, budget: int) -> Iterator[tuple[Segment, ...]]:
+        """The segments in consecutive groups in which no rank fetches plus receives more than `budget` bytes (a
+        larger segment alone): the memory one exchange holds in flight per rank."""
+        group: list[Segment] = []
+        load = [0] * self.world
+        for segment in self.segments:
+            involved = {segment.reader, *segment.consumers}
+            if group and any(load[rank] + segment.size > budget for rank in involved):
+                yield tuple(group)
+                group, load = [], [0] * self.world
+            group.append(segment)
+            for rank in involved:
+                load[rank] += segment.size
+        if group:
+            yield tuple(group)
+
+
+def plan_shared_reads(needs: Sequence[Sequence[Range]], *, chunk: int, nodes: Sequence[int] | None = None) -> SharePlan:
+    """Assign every byte that some rank of `needs` (one list of ranges per rank) wants to one reader.
+
+    The ranges of all ranks are cut into segments at every range boundary (and into pieces of at most `chunk`
+    bytes, so one large tensor is spread over many readers); each segment is fetched by one of the ranks that
+    need it: on the node (`nodes[rank]`, when known) where most of its consumers are, the one with the fewest
+    bytes to fetch so far, ties to the lower rank. Deterministic: every rank computes the same plan.
+    """
+    if chunk < 1:
+        raise ShardckptUsageError(f"chunk must be at least 1 byte, got {chunk}")
+    world = len(needs)
+    if nodes is not None and len(nodes) != world:
+        raise ShardckptUsageError(f"nodes names {len(nodes)} ranks, needs {world}")
+    events: dict[int, list[tuple[int, int, int]]] = {}  # file -> (position, +1/-1, rank)
+    for rank, ranges in enumerate(needs):
+        for file, start, end in ranges:
+            if not 0 <= start < end:
+                raise ShardckptUsageError(f"rank {rank} needs an empty or negative range {start}:{end} of file {file}")
+            events.setdefault(file, []).extend(((start, 1, rank), (end, -1, rank)))
+    load = [0] * world
+    segments: list[Segment] = []
+    for file in sorted(events):
+        active: dict[int, int] = {}  # rank -> how many of its ranges cover the position (overlaps allowed)
+        previous = None
+        for position, delta, rank in sorted(events[file]):
+            if previous is not None and position > previous and active:
+                consumers = tuple(sorted(active))
+                for start in range(previous, position, chunk):
+                    end = min(position, start + chunk)
+                    reader = _reader(consumers, load, nodes)
+                    load[reader] += end - start
+                    segments.append(Segment(file, start, end, reader, consumers))
+            count = active.get(rank, 0) + delta
+            if count:
+                active[rank] = count
+            else:
+                del active[rank]
+            previous = position
+    return SharePlan(world, tuple(_merged(segments, chunk)))
+
+
+def _reader(consumers: tuple[int, ...], load: list[int], nodes: Sequence[int] | None) -> int:
+    candidates = consumers
+    if nodes is not None:
+        counts: dict[int, int] = {}
+        for rank in consumers:
+            counts[nodes[rank]] = counts.get(nodes[rank], 0) + 1
+        best = max(counts.values())
+        home = min(node for node, count in counts.items() if count == best)
+        candidates = tuple(rank for rank in consumers if nodes[rank] == home)
+    return min(candidates, key=lambda rank: (load[rank], rank))
+
+
+def _merged(segments: list[Segment], chunk: int) -> Iterator[Segment]:
+    """Adjacent segments with the same file, reader and consumers as one, up to `chunk` bytes (fewer reads)."""
+    current: Segment | None = None
+    for segment in segments:
+        if (
+            current is not None
+            and (current.file, current.end, current.reader, current.consumers)
+            == (segment.file, segment.start, segment.reader, segment.consumers)
+            and current.size + segment.size <= chunk
+        ):
+            current = Segment(current.file, current.start, segment.end, current.reader, current.consumers)
+            continue
+        if current is not None:
+            yield current
+        current = segment
+    if current is not None:
+        yield current

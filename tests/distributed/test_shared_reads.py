@@ -1,0 +1,70 @@
+"""Collective loads read each stored byte once per job (shardckpt.load's share_reads; by default when the ranks span
+several nodes, simulated here with SHARDCKPT_NODE):
+HSDP (a 2-D replicate x shard mesh) on the same and resharded meshes, and DDP-style replicated tensors, bit-exact,
+with the data-file bytes every rank read counted; a rank whose reads fail makes every rank raise."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.launch import run_ranks
+
+WORKER = Path(__file__).resolve().parents[1] / "helpers" / "share_worker.py"
+pytestmark = pytest.mark.dist
+
+
+def data_bytes(url: str) -> int:
+    folder = Path(url) / "data"
+    return sum(os.path.getsize(folder / name) for name in os.listdir(folder))
+
+
+def ok(results: list) -> list[dict]:
+    assert all(r and r["ok"] for r in results), results
+    return [r["value"] for r in results]
+
+
+def test_hsdp_loads_read_each_byte_once_on_the_same_and_resharded_meshes(tmp_path) -> None:
+    url = str(tmp_path / "hsdp")
+    saved = ok(run_ranks("hsdp_save", 4, {"url": url, "mesh": [2, 2]}, worker=WORKER))[0]["digests"]
+    stored = data_bytes(url)
+    for world, mesh in ((4, [2, 2]), (3, [1, 3]), (4, [4, 1])):
+        loaded = ok(run_ranks("hsdp_load", world, {"url": url, "mesh": mesh, "per_node": 2}, worker=WORKER))
+        assert all(result["digests"] == saved for result in loaded), mesh
+        read = sum(result["read"] for result in loaded)
+        assert read <= 1.05 * stored, (mesh, read, stored)  # every rank on its own: 2x on [2, 2], 4x on [4, 1]
+    alone = ok(run_ranks("hsdp_load", 4, {"url": url, "mesh": [2, 2], "share": False}, worker=WORKER))
+    assert all(result["digests"] == saved for result in alone)
+    assert sum(result["read"] for result in alone) > 1.5 * stored  # what the switch is compared against
+
+
+def test_replicated_plain_tensors_are_read_once_and_a_failing_reader_fails_every_rank(tmp_path) -> None:
+    url = str(tmp_path / "ddp")
+    ok(run_ranks("ddp_save", 1, {"url": url}, worker=WORKER))
+    loaded = ok(run_ranks("ddp_load", 4, {"url": url, "share": True}, worker=WORKER))
+    assert all(result["equal"] for result in loaded)
+    assert sum(result["read"] for result in loaded) <= 1.05 * data_bytes(url)
+    one_node = ok(run_ranks("ddp_load", 4, {"url": url}, worker=WORKER))  # the default on one node: each its own
+    assert all(result["equal"] for result in one_node)
+    assert sum(result["read"] for result in one_node) == 4 * sum(result["read"] for result in loaded)
+    # Rank 0 fetches the bytes (one segment, the least loaded of its consumers, ties to the lower rank).
+    failed = run_ranks("ddp_load", 4, {"url": url, "fail_rank": 0, "per_node": 1}, worker=WORKER)
+    assert all(r is not None and not r["ok"] for r in failed), failed
+    for result in failed:
+        assert "DistributedError" in result["error"] and "injected I/O error" in result["error"], result["error"]
+
+
+def test_a_flipped_bit_in_a_shared_range_is_caught_by_every_rank_that_uses_it(tmp_path) -> None:
+    url = str(tmp_path / "ddp")
+    ok(run_ranks("ddp_save", 1, {"url": url}, worker=WORKER))
+    data = next((Path(url) / "data").iterdir())
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01  # one bit of one replicated tensor, fetched by one rank for all four
+    data.chmod(0o644)
+    data.write_bytes(bytes(raw))
+    failed = run_ranks("ddp_load", 4, {"url": url, "per_node": 1}, worker=WORKER)
+    assert all(r is not None and not r["ok"] for r in failed), failed
+    for result in failed:  # every rank verified the bytes it was handed, and every rank names all four failures
+        assert "DistributedError" in result["error"] and result["error"].count("IntegrityError") == 4, result

@@ -1,0 +1,83 @@
+"""plan_shared_reads: every byte any rank needs is fetched once, by a rank that needs it, and reaches every rank that
+needs it; reads spread across the consumers; a hand-computed replicated case."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardckpt.errors import ShardckptUsageError
+from shardckpt.planner.share import Segment, plan_shared_reads
+
+pytestmark = pytest.mark.unit
+
+
+@st.composite
+def needs(draw: st.DrawFn) -> list[list[tuple[int, int, int]]]:
+    world = draw(st.integers(1, 6))
+    ranges = st.tuples(st.integers(0, 2), st.integers(0, 200), st.integers(1, 60))
+    return [[(f, s, s + n) for f, s, n in draw(st.lists(ranges, max_size=6))] for _ in range(world)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(needs(), st.integers(1, 70), st.booleans())
+def test_every_needed_byte_is_fetched_once_by_one_of_its_consumers(wanted, chunk, with_nodes) -> None:
+    nodes = [rank // 2 for rank in range(len(wanted))] if with_nodes else None
+    plan = plan_shared_reads(wanted, chunk=chunk, nodes=nodes)
+    owner: dict[tuple[int, int], Segment] = {}
+    for segment in plan.segments:
+        assert segment.reader in segment.consumers and segment.size <= chunk
+        for byte in range(segment.start, segment.end):
+            assert (segment.file, byte) not in owner  # disjoint: fetched once
+            owner[(segment.file, byte)] = segment
+    needed_by: dict[tuple[int, int], set[int]] = {}
+    for rank, ranges in enumerate(wanted):
+        for file, start, end in ranges:
+            for byte in range(start, end):
+                needed_by.setdefault((file, byte), set()).add(rank)
+    assert set(owner) == set(needed_by)  # nothing missing, nothing extra
+    for place, ranks in needed_by.items():
+        assert set(owner[place].consumers) == ranks
+    assert sum(plan.read_bytes(rank) for rank in range(len(wanted))) == len(needed_by)
+    assert [(s.file, s.start) for s in plan.segments] == sorted((s.file, s.start) for s in plan.segments)
+    if nodes is not None:
+        for segment in plan.segments:
+            homes = [nodes[rank] for rank in segment.consumers]
+            assert homes.count(nodes[segment.reader]) == max(homes.count(node) for node in homes)
+
+
+def test_a_replicated_tensor_is_read_once_in_turns_by_its_replicas() -> None:
+    # 4 ranks need the same 100 bytes of file 0 (a replicated tensor): chunks of 30 go to ranks 0, 1, 2, 3.
+    plan = plan_shared_reads([[(0, 0, 100)]] * 4, chunk=30)
+    assert [(s.start, s.end, s.reader) for s in plan.segments] == [(0, 30, 0), (30, 60, 1), (60, 90, 2), (90, 100, 3)]
+    assert all(s.consumers == (0, 1, 2, 3) for s in plan.segments)
+
+
+def test_private_ranges_stay_with_their_rank_and_overlaps_are_shared() -> None:
+    # HSDP-like: ranks 0 and 2 replicate shard A, ranks 1 and 3 shard B; rank 3 also reads a private range.
+    plan = plan_shared_reads([[(0, 0, 8)], [(0, 8, 16)], [(0, 0, 8)], [(0, 8, 16), (1, 0, 4)]], chunk=4)
+    table = [(s.file, s.start, s.end, s.reader, s.consumers) for s in plan.segments]
+    assert table == [
+        (0, 0, 4, 0, (0, 2)),
+        (0, 4, 8, 2, (0, 2)),
+        (0, 8, 12, 1, (1, 3)),
+        (0, 12, 16, 3, (1, 3)),
+        (1, 0, 4, 3, (3,)),
+    ]
+
+
+def test_rounds_bound_what_a_rank_fetches_and_receives() -> None:
+    plan = plan_shared_reads([[(0, 0, 100)]] * 3, chunk=10)
+    rounds = list(plan.rounds(25))
+    assert [s for r in rounds for s in r] == list(plan.segments)
+    for group in rounds:
+        for rank in range(3):
+            assert sum(s.size for s in group if rank == s.reader or rank in s.consumers) <= 25
+
+
+def test_bad_input_is_a_usage_error() -> None:
+    with pytest.raises(ShardckptUsageError, match="chunk"):
+        plan_shared_reads([[(0, 0, 1)]], chunk=0)
+    with pytest.raises(ShardckptUsageError, match="empty or negative"):
+        plan_shared_reads([[(0, 5, 5)]], chunk=4)

@@ -93,6 +93,9 @@ class Checkpointer:
     root has no committed checkpoint or when the newest `full_every - 1` ones are all incremental, which bounds how
     many checkpoints references keep alive (SPEC 14). The series is read from the root, so a restarted job
     continues it rather than starting with a full save.
+
+    total_steps: the run's last step (the step number maybe_save gets last); maybe_save saves it whatever the cadence,
+    so the final state is never lost between two cadence steps. close(step, state) does the same for any loop.
     """
 
     def __init__(
@@ -118,6 +121,7 @@ class Checkpointer:
         clock: Callable[[], float] = time.time,
         incremental: bool = False,
         full_every: int = knobs.FULL_EVERY,
+        total_steps: int | None = None,
     ) -> None:
         self.auto = every_steps == "auto"
         self.bounds = Bounds(min_every_steps, max_every_steps, min_every_seconds, max_every_seconds)
@@ -134,6 +138,9 @@ class Checkpointer:
         if not isinstance(full_every, int) or full_every < 1:
             raise ShardckptUsageError(f"full_every must be an integer >= 1, got {full_every!r}")
         self.incremental, self.full_every = incremental, full_every
+        if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)):
+            raise ShardckptUsageError(f"total_steps must be an integer or None, got {total_steps!r}")
+        self.total_steps = total_steps
         if not mtbf_prior_seconds >= 0:
             raise ShardckptUsageError(f"mtbf_prior_seconds must be >= 0, got {mtbf_prior_seconds!r}")
         self.root, self.every_steps, self.keep_last, self.async_save = (
@@ -239,6 +246,8 @@ class Checkpointer:
                 self._adopt(Cadence(self.every_steps, "default", f"every {self.every_steps} steps, {_NOT_YET}"))
         preempted = self._preemption_requested()
         due = step - self._anchor >= self.every_steps if self._anchor is not None else step % self.every_steps == 0
+        # The final state is what a finished run is for: saved whatever the cadence says.
+        force = force or step == self.total_steps
         if not (force or preempted or due) or step == self.last_saved_step:
             if preempted:
                 self._record_preemption(step)
@@ -289,9 +298,17 @@ class Checkpointer:
             error, self._pending_error = self._pending_error, None
             raise error
 
-    def close(self) -> None:
+    def close(self, step: int | None = None, state: State | None = None) -> None:
         """Wait for the last save; with record_failures, mark the run's clean end in the failure history (unless a
-        preemption signal stopped it: that was recorded when it saved)."""
+        preemption signal stopped it: that was recorded when it saved).
+
+        step, state: the run's final state, saved now unless this step is already saved (a cadence rarely falls on
+        the last step), so that latest() is where training ended.
+        """
+        if (step is None) != (state is None):
+            raise ShardckptUsageError("close(step, state): pass both (to save the final state) or neither")
+        if step is not None and state is not None and step != self.last_saved_step:
+            self.save(step, state, wait=True)
         self.wait()
         if self._started and not self._ended and not self._preemption_recorded:
             self._ended = True

@@ -62,6 +62,7 @@ class Trainer:
             on_cadence=self.on_cadence,
             incremental=args.incremental,
             full_every=args.full_every,
+            total_steps=args.steps,
         )
 
     def build(self, model: GPT) -> None:
@@ -196,7 +197,7 @@ class Trainer:
                     "lr": self.scheduler.get_last_lr()[0],
                 }
             )
-            self.checkpointer.maybe_save(self.step, self.state, force=self.step == self.args.steps)
+            self.checkpointer.maybe_save(self.step, self.state)
             if self.checkpointer.should_stop:
                 self._say(f"preempted: checkpoint of step {self.step} committed; exiting")
                 break

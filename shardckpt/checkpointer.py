@@ -28,6 +28,7 @@ from shardckpt.catalog.events import (
     EVENTS_DIR,
     PREEMPTION,
     RESTART,
+    SAVE,
     START,
     Event,
     EventWarning,
@@ -193,6 +194,7 @@ class Checkpointer:
         url = self.latest_url()
         if url is None:
             return None
+        began = self.clock()
         protocol.load(
             state,
             url,
@@ -205,7 +207,7 @@ class Checkpointer:
         )
         manifest_step = self._step_of(url)
         self.last_saved_step = manifest_step
-        self._start_run(manifest_step, resumed=True)
+        self._start_run(manifest_step, resumed=True, began=began, load_ms=round((self.clock() - began) * 1000))
         return manifest_step
 
     def latest_url(self) -> str | None:
@@ -382,6 +384,10 @@ class Checkpointer:
 
     def _record(self, record: SaveRecord) -> None:
         self.records.append(record)
+        # Committed: the history's save event (for `shardckpt goodput`), at the commit time.
+        self._append_event(
+            SAVE, record.step, stall_ms=round(max(0.0, record.stall_seconds) * 1000), every=self.every_steps
+        )
         if self.on_save is not None:
             self.on_save(record)
 
@@ -402,7 +408,9 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------ failure history and cadence
 
-    def _start_run(self, step: int | None, *, resumed: bool) -> None:
+    def _start_run(
+        self, step: int | None, *, resumed: bool, began: float | None = None, load_ms: int | None = None
+    ) -> None:
         """Once per run (first restore_latest or save): the coordinator reads the root's failure history and
         appends this run's start, or its restart with what the run before it left."""
         if self._started:
@@ -425,16 +433,27 @@ class Checkpointer:
             return
         self._events = list(log.events)
         after = _after(self._events, resumed)
-        self._append_event(START if after is None else RESTART, step, after)
+        self._append_event(START if after is None else RESTART, step, after, at=began, load_ms=load_ms)
 
-    def _append_event(self, kind: str, step: int | None, after: str | None = None) -> None:
+    def _append_event(
+        self,
+        kind: str,
+        step: int | None,
+        after: str | None = None,
+        *,
+        at: float | None = None,
+        stall_ms: int | None = None,
+        every: int | None = None,
+        load_ms: int | None = None,
+    ) -> None:
         if self.group.rank != 0 or not self.record_failures:
             return
         try:
             # Names sort by time: an event never shares the millisecond of one before it (a restart and a quick
             # close, a coarse clock), so the history's order is the order things happened in.
             newest = max((known.time_ms for known in self._events or ()), default=-1)
-            event = Event(kind, self.run_id, max(int(self.clock() * 1000), newest + 1), step, after)
+            when = int((self.clock() if at is None else at) * 1000)
+            event = Event(kind, self.run_id, max(when, newest + 1), step, after, stall_ms, every, load_ms)
             record_event(open_storage(self.root, self.storage_options), event)
         except ShardckptError as exc:
             warnings.warn(f"failure history: cannot record a {kind} event: {exc}", EventWarning, stacklevel=3)

@@ -29,6 +29,7 @@ COMMAND_MODULES = (
     "export",
     "import_dcp",
     "import_deepspeed",
+    "goodput",
 )
 
 

@@ -172,7 +172,8 @@ def save(
     state_dict may be a callable returning the state: it is built inside the protocol, so a failure to build it
     on one rank reaches every rank.
     step: recorded in COMMITTED, it orders latest(), ls, retention and gc; without it, the state's top-level 'step',
-    'global_step' or 'iteration' (an int or a 0-d integer tensor), else the number in the URL's last segment
+    'global_step' or 'iteration' (an int or a 0-d integer tensor; or one such entry in exactly one top-level dict,
+    as {"trainer": {"step": N}}), else the number in the URL's last segment
     (step-N, step_N, global_stepN, iter_N, checkpoint-N); with neither, the checkpoint sorts by commit time only.
     parent: the URL of a committed checkpoint in the same root as `url` (an incremental save, format 1.1): every
     piece whose bytes hash equal to the parent's piece of the same tensor and box is stored by reference to the

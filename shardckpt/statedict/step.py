@@ -21,8 +21,18 @@ _NAMED = re.compile(r"(?:step|global_step|iter|iteration|checkpoint)[-_]?([0-9]{
 
 def inferred_step(state: Mapping[str, Any], url: str) -> int | None:
     """The step a save without step= records: a top-level 'step', 'global_step' or 'iteration' that is an int or
-    a 0-d integer tensor, else the number in the checkpoint's name (step-N, step_N, global_stepN, iter_N,
-    checkpoint-N); None when there is neither."""
+    a 0-d integer tensor (else such an entry of the one top-level dict that has one), else the number in the
+    checkpoint's name (step-N, step_N, global_stepN, iter_N, checkpoint-N); None when there is none."""
+    found = _counter(state)
+    if found is None:
+        # One level down, when exactly one entry holds a counter: {"trainer": {"step": ...}} (the bundled loop),
+        # torchtitan's {"train_state": {"step": ...}}; two different ones are no answer.
+        nested = {_counter(value) for value in state.values() if isinstance(value, Mapping)} - {None}
+        found = nested.pop() if len(nested) == 1 else None
+    return found if found is not None else step_in_name(url)
+
+
+def _counter(state: Mapping[str, Any]) -> int | None:
     for key in STEP_KEYS:
         value = state.get(key)
         if isinstance(value, int) and not isinstance(value, bool):
@@ -36,7 +46,7 @@ def inferred_step(state: Mapping[str, Any], url: str) -> int | None:
             and value.device.type != "meta"
         ):
             return int(value.item())
-    return step_in_name(url)
+    return None
 
 
 def step_in_name(url: str) -> int | None:

@@ -65,6 +65,10 @@ def test_an_incremental_checkpoint_copies_with_its_parents_or_materialised(tmp_p
     assert [Path(url).name for url in report["committed"]] == ["step-00000001", "step-00000003"]
     assert _same(_loaded(str(tmp_path / "archive" / "step-00000003")), state)
     assert cli("verify", str(tmp_path / "archive" / "step-00000003")).returncode == 0
+    into_root = cli("copy", newest, str(tmp_path / "archive"))  # no '/': the root itself would become a checkpoint
+    assert into_root.returncode == 2 and "already exists" in into_root.stderr, into_root.stderr
+    inside = cli("copy", newest, f"{newest}/copy")
+    assert inside.returncode == 2 and "into itself" in inside.stderr, inside.stderr
     again = cli("copy", "--json", "--with-parents", newest, f"{tmp_path / 'archive'}/")  # a re-run: nothing to do
     assert again.returncode == 0 and json.loads(again.stdout)["committed"] == [], again.stderr
 

@@ -97,7 +97,10 @@ class Trainer:
         try:
             step = self.checkpointer.restore_latest(state)
         except shardckpt.DistributedError as exc:
-            hint = self.freeze_base_hint(state)
+            try:
+                hint = self.freeze_base_hint(state)
+            except shardckpt.ShardckptError:  # the hint is a courtesy: the load's own error is what matters
+                hint = ""
             if not hint:
                 raise
             raise shardckpt.DistributedError(

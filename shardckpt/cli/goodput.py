@@ -40,14 +40,20 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    from shardckpt.catalog.chain import MISSING, what_is
+    from shardckpt.catalog.chain import BROKEN, COMMITTED, INCOMPLETE, MISSING, what_is
     from shardckpt.catalog.events import read_events
     from shardckpt.catalog.goodput import analyse
     from shardckpt.storage import open_storage
 
     root = open_storage(args.root, storage_options(args.storage_option))
-    if what_is(root).kind == MISSING:
+    kind = what_is(root).kind
+    if kind == MISSING:
         raise NotFoundError(f"{root.url} does not exist (check the path or URL for a typo)")
+    if kind in (COMMITTED, INCOMPLETE, BROKEN):
+        raise ShardckptUsageError(
+            f"{root.url} is a checkpoint ({kind}); goodput reads the root the Checkpointer saves under: "
+            f"`shardckpt goodput {root.parent().url}`"
+        )
     log = read_events(root, 2 * knobs.CADENCE_MAX_EVENTS)  # all a writer keeps
     report = analyse(log.events)
     note = None

@@ -29,6 +29,7 @@ from shardckpt.catalog.events import (
     EVENTS_DIR,
     PREEMPTION,
     RESTART,
+    SAVE,
     START,
     Event,
     EventWarning,
@@ -101,6 +102,9 @@ class Checkpointer:
     run_names: name each checkpoint step-XXXXXXXX-<run_id> (run_id: fresh for each Checkpointer, the id its failure
     history events carry), so that a run started beside other runs' checkpoints (the training loop's
     --ignore-existing) never meets a name they took; without it a taken name fails the save (AlreadyExistsError).
+
+    total_steps: the run's last step (the step number maybe_save gets last); maybe_save saves it whatever the cadence,
+    so the final state is never lost between two cadence steps. close(step, state) does the same for any loop.
     """
 
     def __init__(
@@ -127,6 +131,7 @@ class Checkpointer:
         incremental: bool = False,
         full_every: int = knobs.FULL_EVERY,
         run_names: bool = False,
+        total_steps: int | None = None,
     ) -> None:
         self.auto = every_steps == "auto"
         self.bounds = Bounds(min_every_steps, max_every_steps, min_every_seconds, max_every_seconds)
@@ -143,6 +148,9 @@ class Checkpointer:
         if not isinstance(full_every, int) or full_every < 1:
             raise ShardckptUsageError(f"full_every must be an integer >= 1, got {full_every!r}")
         self.incremental, self.full_every = incremental, full_every
+        if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)):
+            raise ShardckptUsageError(f"total_steps must be an integer or None, got {total_steps!r}")
+        self.total_steps = total_steps
         if not mtbf_prior_seconds >= 0:
             raise ShardckptUsageError(f"mtbf_prior_seconds must be >= 0, got {mtbf_prior_seconds!r}")
         self.root, self.every_steps, self.keep_last, self.async_save = (
@@ -200,6 +208,7 @@ class Checkpointer:
         url = self.latest_url()
         if url is None:
             return None
+        began = self.clock()
         protocol.load(
             state,
             url,
@@ -212,7 +221,7 @@ class Checkpointer:
         )
         manifest_step = self._step_of(url)
         self.last_saved_step = manifest_step
-        self._start_run(manifest_step, resumed=True)
+        self._start_run(manifest_step, resumed=True, began=began, load_ms=round((self.clock() - began) * 1000))
         return manifest_step
 
     def latest_url(self) -> str | None:
@@ -253,6 +262,8 @@ class Checkpointer:
                 self._adopt(Cadence(self.every_steps, "default", f"every {self.every_steps} steps, {_NOT_YET}"))
         preempted = self._preemption_requested()
         due = step - self._anchor >= self.every_steps if self._anchor is not None else step % self.every_steps == 0
+        # The final state is what a finished run is for: saved whatever the cadence says.
+        force = force or step == self.total_steps
         if not (force or preempted or due) or step == self.last_saved_step:
             if preempted:
                 self._record_preemption(step)
@@ -309,9 +320,17 @@ class Checkpointer:
             error, self._pending_error = self._pending_error, None
             raise error
 
-    def close(self) -> None:
+    def close(self, step: int | None = None, state: State | None = None) -> None:
         """Wait for the last save; with record_failures, mark the run's clean end in the failure history (unless a
-        preemption signal stopped it: that was recorded when it saved)."""
+        preemption signal stopped it: that was recorded when it saved).
+
+        step, state: the run's final state, saved now unless this step is already saved (a cadence rarely falls on
+        the last step), so that latest() is where training ended.
+        """
+        if (step is None) != (state is None):
+            raise ShardckptUsageError("close(step, state): pass both (to save the final state) or neither")
+        if step is not None and state is not None and step != self.last_saved_step:
+            self.save(step, state, wait=True)
         self.wait()
         if self._started and not self._ended and not self._preemption_recorded:
             self._ended = True
@@ -409,6 +428,10 @@ class Checkpointer:
 
     def _record(self, record: SaveRecord) -> None:
         self.records.append(record)
+        # Committed: the history's save event (for `shardckpt goodput`), at the commit time.
+        self._append_event(
+            SAVE, record.step, stall_ms=round(max(0.0, record.stall_seconds) * 1000), every=self.every_steps
+        )
         if self.on_save is not None:
             self.on_save(record)
 
@@ -429,7 +452,9 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------ failure history and cadence
 
-    def _start_run(self, step: int | None, *, resumed: bool) -> None:
+    def _start_run(
+        self, step: int | None, *, resumed: bool, began: float | None = None, load_ms: int | None = None
+    ) -> None:
         """Once per run (first restore_latest or save): the coordinator reads the root's failure history and
         appends this run's start, or its restart with what the run before it left."""
         if self._started:
@@ -458,9 +483,19 @@ class Checkpointer:
                 warnings.warn(f"{self.root}: checkpoints unlisted for the failure history: {exc}", EventWarning, 3)
         self._events = list(log.events)
         after = _after(self._events, resumed, int(self.clock() * 1000))
-        self._append_event(START if after is None else RESTART, step, after)
+        self._append_event(START if after is None else RESTART, step, after, at=began, load_ms=load_ms)
 
-    def _append_event(self, kind: str, step: int | None, after: str | None = None) -> None:
+    def _append_event(
+        self,
+        kind: str,
+        step: int | None,
+        after: str | None = None,
+        *,
+        at: float | None = None,
+        stall_ms: int | None = None,
+        every: int | None = None,
+        load_ms: int | None = None,
+    ) -> None:
         if self.group.rank != 0 or not self.record_failures:
             return
         try:
@@ -469,8 +504,11 @@ class Checkpointer:
             # stamped after now (a clock ahead, or the year 9999) is not "before": stepping past it would leave
             # every later event of this run beyond the last valid time, unrecorded.
             now_ms = int(self.clock() * 1000)
+            when = now_ms if at is None else int(at * 1000)
             known = [e.time_ms for e in self._events or () if e.run == self.run_id or e.time_ms <= now_ms]
-            event = Event(kind, self.run_id, max(now_ms, max(known, default=-1) + 1), step, after)
+            event = Event(
+                kind, self.run_id, max(when, max(known, default=-1) + 1), step, after, stall_ms, every, load_ms
+            )
             record_event(open_storage(self.root, self.storage_options), event)
         except ShardckptError as exc:
             warnings.warn(f"failure history: cannot record a {kind} event: {exc}", EventWarning, stacklevel=3)

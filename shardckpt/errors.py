@@ -54,6 +54,24 @@ class DistributedError(ShardckptError):
     """One or more ranks failed a collective save or load; `failures` maps each failed rank to its cause."""
 
     def __init__(self, operation: str, failures: dict[int, str]) -> None:
+        self.operation = operation
         self.failures = dict(sorted(failures.items()))
-        details = "; ".join(f"rank {rank}: {cause}" for rank, cause in self.failures.items())
+        # Ranks failing for the same reason (a checkpoint every rank reads) are one clause, not one copy per rank.
+        ranks_of: dict[str, list[int]] = {}
+        for rank, cause in self.failures.items():
+            ranks_of.setdefault(cause, []).append(rank)
+        details = "; ".join(f"{_ranks(ranks)}: {cause}" for cause, ranks in ranks_of.items())
         super().__init__(f"{operation} failed on {len(self.failures)} rank(s): {details}")
+
+
+def _ranks(ranks: list[int]) -> str:
+    """'rank 3', 'ranks 0-2', 'ranks 0, 2, 5-7' (sorted ranks)."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    return "ranks " + ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

@@ -20,11 +20,12 @@ from shardckpt.storage import Storage
 
 EVENTS_DIR = "events"
 EVENT_FORMAT = "shardckpt-event"
-EVENT_VERSION = (1, 0)
+EVENT_VERSION = (1, 1)  # 1.1: save events, stall_ms / every / load_ms
 MAX_EVENT_BYTES = 4096  # an event is ~200 bytes; a reader refuses a larger file before reading it
 MAX_TIME_MS = int(MAX_CREATED_SECONDS * 1000)
-START, RESTART, PREEMPTION, END = "start", "restart", "preemption", "end"
-KINDS = (START, RESTART, PREEMPTION, END)
+START, RESTART, PREEMPTION, END, SAVE = "start", "restart", "preemption", "end", "save"
+KINDS = (START, RESTART, PREEMPTION, END, SAVE)
+MAX_MS = 1 << 53  # a duration in milliseconds (about 285,000 years): anything larger is not one
 # What a restart found of the run before it: a clean end, a preemption, nothing (a crash), or no earlier record.
 AFTER = ("clean", "preemption", "crash", "unknown")
 _RUN = re.compile(r"[0-9a-z]{1,32}")
@@ -43,8 +44,11 @@ class Event:
 
     kind: start (a run with no earlier record), restart (a run after an earlier one), preemption (a signal arrived;
     the run saved and stopped), end (the run finished cleanly). run: the writing run's id. time_ms: Unix time in
-    milliseconds. step: the step resumed from (start/restart), saved (preemption) or reached (end), if known.
+    milliseconds. step: the step resumed from (start/restart), saved (preemption, save) or reached (end), if known.
     after: restart only, what the run before it left (one of AFTER).
+    Version 1.1 (for `shardckpt goodput`): save (a checkpoint committed, at its commit time) with stall_ms (what
+    it cost the training loop) and every (the interval in steps then in force); start/restart with load_ms (the
+    resume's load; the event's time is when the resume began).
     """
 
     kind: str
@@ -52,6 +56,9 @@ class Event:
     time_ms: int
     step: int | None = None
     after: str | None = None
+    stall_ms: int | None = None
+    every: int | None = None
+    load_ms: int | None = None
 
     def __post_init__(self) -> None:
         where = "event"
@@ -65,6 +72,15 @@ class Event:
             raise FormatError(f"{where}: step must be null or an integer in 0..2^63-1, got {self.step!r}")
         if (self.after is not None or self.kind == RESTART) and (self.kind != RESTART or self.after not in AFTER):
             raise FormatError(f"{where}: after is for kind restart only, one of {', '.join(AFTER)}, got {self.after!r}")
+        for field, value, kinds in (
+            ("stall_ms", self.stall_ms, (SAVE,)),
+            ("every", self.every, (SAVE,)),
+            ("load_ms", self.load_ms, (START, RESTART)),
+        ):
+            if value is not None and (self.kind not in kinds or not _is_int(value) or not 0 <= value <= MAX_MS):
+                raise FormatError(
+                    f"{where}: {field} is for kind {' or '.join(kinds)} only, an integer in 0..2^53, got {value!r}"
+                )
 
 
 def _is_int(value: object) -> bool:
@@ -85,8 +101,9 @@ def encode_event(event: Event) -> bytes:
         "time_ms": event.time_ms,
         "step": event.step,
     }
-    if event.after is not None:
-        document["after"] = event.after
+    for key in ("after", "stall_ms", "every", "load_ms"):
+        if getattr(event, key) is not None:
+            document[key] = getattr(event, key)
     return (json.dumps(document, sort_keys=True) + "\n").encode()
 
 
@@ -109,7 +126,16 @@ def decode_event(data: bytes, where: str) -> Event:
         raise FormatError(f"{where}: event version {version[0]}.{version[1]} is not supported (this reader reads 1.x)")
     try:
         # Unknown keys are ignored (a later minor version may add some), as in every document of the format.
-        return Event(raw.get("kind"), raw.get("run"), raw.get("time_ms"), raw.get("step"), raw.get("after"))  # type: ignore[arg-type]
+        return Event(
+            raw.get("kind"),  # type: ignore[arg-type]
+            raw.get("run"),  # type: ignore[arg-type]
+            raw.get("time_ms"),  # type: ignore[arg-type]
+            raw.get("step"),
+            raw.get("after"),
+            raw.get("stall_ms"),
+            raw.get("every"),
+            raw.get("load_ms"),
+        )
     except FormatError as exc:
         raise FormatError(f"{where}: {str(exc).removeprefix('event: ')}") from None
 

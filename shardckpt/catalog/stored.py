@@ -257,6 +257,13 @@ class StoredCheckpoint:
                     f"{self.url} (attempt {self.marker.attempt}) references {held.url} (attempt {attempt}), whose "
                     f"COMMITTED cannot be read: {exc}"
                 ) from exc
+            if marker is None and not held.list():
+                # Typically a copy of an incremental checkpoint made without its parents (cp -r of one directory).
+                raise NotCommittedError(
+                    f"{self.url} (attempt {self.marker.attempt}) references attempt {attempt} of {held.url}, which "
+                    "is missing: this checkpoint stores pieces by reference there (it is incremental); copy it with "
+                    "its parents (`shardckpt copy --with-parents`) or self-contained (`shardckpt copy --materialize`)"
+                )
             if marker is None or marker.attempt != attempt:
                 found = "no COMMITTED" if marker is None else f"COMMITTED names attempt {marker.attempt}"
                 raise NotCommittedError(

@@ -90,6 +90,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
             f"to {', '.join(sources)}",
             highlight=False,
         )
+    missing = [parent["name"] for parent in summary.get("parents", ()) if not parent["present"]]
+    if missing:
+        console.print(
+            Text(
+                f"parent(s) {', '.join(missing)} missing from the root (or another attempt): this checkpoint cannot be "
+                "loaded here; copy checkpoints with `shardckpt copy --with-parents` or `--materialize`",
+                style="red",
+            )
+        )
     headers: tuple[str, ...] = ("tensor", "dtype", "shape", "size", "pieces", "ranks", "layout")
     if references:
         headers = (*headers, "referenced")

@@ -24,8 +24,9 @@ def register(subparsers: Any) -> None:
         NAME,
         "list the checkpoints under a root with their status",
         "List the checkpoints directly under ROOT: committed or incomplete, step, ranks, data (the bytes of the data "
-        "files, from COMMITTED: `du` also counts manifests and leftovers), commit time. A ROOT that does not exist "
-        "is an error (exit 1); one without checkpoints says what it is instead.",
+        "files, from COMMITTED: `du` also counts manifests and leftovers), commit time, and the parents an "
+        "incremental checkpoint stores pieces in (marked missing when ROOT lacks them: it cannot be loaded). A ROOT "
+        "that does not exist is an error (exit 1); one without checkpoints says what it is instead.",
         "examples:\n  shardckpt ls /ckpts\n"
         "  shardckpt ls s3://bucket/run --storage-option endpoint_url=http://127.0.0.1:8333",
     )
@@ -52,11 +53,29 @@ def run(args: argparse.Namespace, console: Console) -> int:
                 str(r.get("world_size", "-")),
                 human_bytes(r["bytes"]) if "bytes" in r else "-",
                 when(r.get("created", 0.0)),
+                _parents(r),
             ]
         )
     if rows:
-        headers = ("checkpoint", "status", "step", "ranks", "data", "committed at")
+        headers: tuple[str, ...] = ("checkpoint", "status", "step", "ranks", "data", "committed at", "parents")
+        if not any("parents" in r for r in rows):  # a root of self-contained checkpoints: no column to show
+            headers, table_rows = headers[:-1], [cells[:-1] for cells in table_rows]
         console.print(fitted_table(console, headers, table_rows, title=listing["root"], right=(2, 3, 4)))
     else:
         console.print(listing["note"], highlight=False)
     return EXIT_OK
+
+
+def _parents(row: dict[str, Any]) -> Text:
+    """The checkpoints an incremental one stores pieces in ('-' for a self-contained one); missing ones in red."""
+    names = row.get("parents")
+    if not names:
+        return Text("-")
+    missing = set(row.get("missing_parents", ()))
+    cell = Text()
+    for number, name in enumerate(names):
+        if number:
+            cell.append(", ")
+        # "missing" first: the one word that must survive a narrow terminal.
+        cell.append(f"missing {name}" if name in missing else name, style="red" if name in missing else "")
+    return cell

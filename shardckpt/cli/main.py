@@ -18,7 +18,19 @@ from shardckpt.cli.common import EXIT_FAILED, EXIT_USAGE, HelpFormatter, output_
 from shardckpt.errors import ShardckptError, ShardckptUsageError
 
 # In the order `shardckpt --help` lists them.
-COMMAND_MODULES = ("ls", "inspect", "verify", "du", "gc", "diff", "export", "import_dcp", "import_deepspeed")
+COMMAND_MODULES = (
+    "ls",
+    "inspect",
+    "verify",
+    "du",
+    "gc",
+    "copy",
+    "diff",
+    "export",
+    "import_dcp",
+    "import_deepspeed",
+    "goodput",
+)
 
 
 def _module(name: str) -> ModuleType:

@@ -25,7 +25,7 @@ from shardckpt.errors import AlreadyExistsError, ShardckptError, ShardckptUsageE
 from shardckpt.format import layout
 from shardckpt.format.values import check_plain
 from shardckpt.storage import Storage, open_storage
-from shardckpt.write.commit import commit
+from shardckpt.write.commit import already_committed, commit
 from shardckpt.write.writer import ShardWriter
 
 # A cached plan would carry the attempt of an earlier save to every rank (README: "Using it from DCP").
@@ -101,7 +101,7 @@ class StorageWriter(_DCPStorageWriter):
             raise ShardckptUsageError(PLAN_CACHING_REFUSED)
         storage = self._storage()
         if storage.exists(layout.COMMITTED):
-            raise AlreadyExistsError(f"{storage.url} already holds a committed checkpoint; save to a new URL")
+            raise AlreadyExistsError(already_committed(storage.url))
         self._attempt = layout.new_attempt()
         owners = _owners(plans)
         out = []

@@ -45,8 +45,10 @@ from shardckpt.statedict.leaves import (
 )
 from shardckpt.statedict.optimizer import optimizer_hint
 from shardckpt.statedict.replicas import Digest, replica_digest, replica_disagreements
+from shardckpt.statedict.stateful import loadable_states, saved_states
+from shardckpt.statedict.step import inferred_step
 from shardckpt.storage import Storage, open_storage
-from shardckpt.write.commit import commit
+from shardckpt.write.commit import already_committed, commit
 from shardckpt.write.parent import open_parent, parent_of
 from shardckpt.write.writer import ShardWriter
 
@@ -172,6 +174,10 @@ def save(
     process_group: the group to save over; default: the default group if torch.distributed is initialized.
     state_dict may be a callable returning the state: it is built inside the protocol, so a failure to build it
     on one rank reaches every rank.
+    step: recorded in COMMITTED, it orders latest(), ls, retention and gc; without it, the state's top-level 'step',
+    'global_step' or 'iteration' (an int or a 0-d integer tensor; or one such entry in exactly one top-level dict,
+    as {"trainer": {"step": N}}), else the number in the URL's last segment
+    (step-N, step_N, global_stepN, iter_N, checkpoint-N); with neither, the checkpoint sorts by commit time only.
     parent: the URL of a committed checkpoint in the same root as `url` (an incremental save, format 1.1): every
     piece whose bytes hash equal to the parent's piece of the same tensor and box is stored by reference to the
     file that holds it, the others are written; any world size. Before committing, the coordinator checks that
@@ -202,7 +208,10 @@ def save(
         if metadata is not None:
             check_plain(metadata, "metadata")  # before any rank writes a byte, not at commit
         # A callable state is built here, so that its failure on one rank reaches every rank like any other.
-        leaves = flatten(state_dict() if callable(state_dict) else state_dict)
+        built = saved_states(state_dict() if callable(state_dict) else state_dict)
+        if step is None and isinstance(built, Mapping):
+            step = inferred_step(built, storage.url)
+        leaves = flatten(built)
         check_savable(leaves, step)  # every entry checked before any rank writes a byte
         digest = [] if solo else replica_digest(leaves)
     except Exception as exc:
@@ -217,9 +226,7 @@ def save(
             assert storage is not None
             refused = storage.exists(layout.COMMITTED)
             opening = _pack(
-                {"refused": f"{storage.url} already holds a committed checkpoint; save to a new URL"}
-                if refused
-                else {"attempt": layout.new_attempt()}
+                {"refused": already_committed(storage.url)} if refused else {"attempt": layout.new_attempt()}
             )
         except Exception as exc:
             if solo:
@@ -365,6 +372,39 @@ def load(
     it saves the storage link; ranks on one node share a page cache and a disk, and handing bytes through the
     group costs them more than reading (measured: benchmarks.shared_reads). True: always; False: never.
     """
+    state_dict, load_statefuls = loadable_states(state_dict)
+    stats = _load(
+        state_dict,
+        url,
+        process_group,
+        coordinator,
+        storage_options,
+        strict,
+        max_in_flight,
+        verify_first,
+        optional,
+        max_gap,
+        cast,
+        share_reads,
+    )
+    load_statefuls()
+    return stats
+
+
+def _load(
+    state_dict: Mapping[str, Any],
+    url: str | Storage,
+    process_group: Any,
+    coordinator: int,
+    storage_options: dict[str, Any] | None,
+    strict: bool,
+    max_in_flight: int,
+    verify_first: bool,
+    optional: Sequence[str],
+    max_gap: int,
+    cast: bool,
+    share_reads: bool | None,
+) -> ReadStats:
     group = resolve_group(process_group)
     if isinstance(group, _Solo):
         checkpoint = open_checkpoint(open_storage(url, storage_options), max_in_flight=max_in_flight, max_gap=max_gap)

@@ -28,7 +28,8 @@ def inspect_checkpoint(url: str | Storage, *, storage_options: dict[str, Any] | 
         if what_is(storage).kind != INCOMPLETE:
             raise not_a_checkpoint(storage)  # nothing there, a root, a DCP checkpoint...: say which, and what to do
         return _incomplete(storage)
-    manifest = read_opening(storage).manifest
+    opening = read_opening(storage)
+    manifest = opening.manifest
     own = len(manifest.files)
     # The rank of every piece-table file index: own data files, then the references (SPEC 6.2).
     rank_of = [f.rank for f in manifest.files] + [entry.rank for entry in manifest.references]
@@ -80,6 +81,12 @@ def inspect_checkpoint(url: str | Storage, *, storage_options: dict[str, Any] | 
         "ranks": ranks,
         "objects": [{"name": o.name, "rank": o.rank, "value": o.value} for o in manifest.objects],
         "metadata": manifest.metadata,
+        # Format 1.1: the checkpoints of the root this one stores pieces in, and whether the root holds each as the
+        # attempt referenced (a copy made without them cannot be loaded).
+        "parents": [
+            {"name": name, "attempt": attempt, "present": _committed_as(storage.parent().child(name), attempt)}
+            for name, attempt in opening.marker.references
+        ],
         # Format 1.1: the data files of other checkpoints of the root that pieces are stored in (paths relative
         # to the root), with what each rank reads there.
         "references": [
@@ -95,6 +102,14 @@ def inspect_checkpoint(url: str | Storage, *, storage_options: dict[str, Any] | 
             for j, entry in enumerate(manifest.references)
         ],
     }
+
+
+def _committed_as(storage: Storage, attempt: str) -> bool:
+    try:
+        marker = read_commit_marker(storage)
+    except ShardckptError:
+        return False
+    return marker is not None and marker.attempt == attempt
 
 
 def _piece_bytes(entry: TensorEntry) -> list[int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardckpt.catalog.chain import DCP, DEEPSPEED, EMPTY, MISSING, what_is
-from shardckpt.catalog.listing import ALIAS, BROKEN, COMMITTED, INCOMPLETE, list_root
+from shardckpt.catalog.listing import ALIAS, BROKEN, COMMITTED, INCOMPLETE, Listing, list_root
 from shardckpt.errors import NotFoundError, ShardckptError
 from shardckpt.format import layout
 from shardckpt.storage import Storage
@@ -30,6 +30,11 @@ def list_checkpoints(root_url: str | Storage, *, storage_options: dict[str, Any]
         if status in (COMMITTED, ALIAS) and entry.marker is not None:
             marker = entry.marker
             row.update(step=marker.step, bytes=marker.total_bytes, created=marker.created, world_size=marker.world_size)
+            if marker.references:  # an incremental checkpoint: where its pieces stored by reference are
+                row["parents"] = [name for name, _ in marker.references]
+                missing = [name for name, attempt in marker.references if not _holds(listing, name, attempt)]
+                if missing:
+                    row["missing_parents"] = missing
         if status == ALIAS:
             row["alias_of"] = entry.alias_of
         if status == INCOMPLETE:
@@ -46,6 +51,12 @@ def list_checkpoints(root_url: str | Storage, *, storage_options: dict[str, Any]
     if not rows:
         result["note"] = _why_empty(listing.root)
     return result
+
+
+def _holds(listing: Listing, name: str, attempt: str) -> bool:
+    """Whether the root holds checkpoint `name` committed by `attempt` (what a reference to it needs)."""
+    entry = listing.entry(name)
+    return entry is not None and entry.marker is not None and entry.marker.attempt == attempt
 
 
 def _why_empty(root: Storage) -> str:

@@ -69,21 +69,29 @@ def verify(
         report.problems.append(Problem(storage.url, None, str(exc)))
         return report
     report.committed = True
+    check_stored(checkpoint, report, progress)
+    return report
+
+
+def check_stored(
+    checkpoint: StoredCheckpoint, report: VerifyReport, progress: Callable[[int], None] | None = None
+) -> None:
+    """verify's checks of an opened checkpoint (its marker and manifest already trusted), into `report`: also run
+    by copy on the files it wrote, before it writes COMMITTED."""
     manifest = checkpoint.manifest
     if checkpoint.marker.total_bytes != manifest.total_bytes:  # informative for readers (SPEC C); ls shows it
         message = f"COMMITTED's total_bytes is {checkpoint.marker.total_bytes}, its files hold {manifest.total_bytes}"
-        report.problems.append(Problem(storage.url, None, message))
+        report.problems.append(Problem(checkpoint.url, None, message))
     report.tensors = len(manifest.tensors)
     for entry in manifest.tensors:
         try:
             checkpoint.entry(entry.name)
         except ShardckptError as exc:
-            report.problems.append(Problem(storage.url, entry.name, str(exc)))
+            report.problems.append(Problem(checkpoint.url, entry.name, str(exc)))
     for file_number in range(len(manifest.files) + len(manifest.references)):
         report.files += 1
         _verify_file(checkpoint, file_number, report, progress)
     _check_global_pieces(checkpoint, report)
-    return report
 
 
 def _verify_file(

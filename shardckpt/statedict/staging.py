@@ -15,6 +15,7 @@ from shardckpt.statedict.dtensor import is_dtensor, local_box
 from shardckpt.statedict.flat import FlatPartition
 from shardckpt.statedict.flatten import flatten
 from shardckpt.statedict.leaves import PerRank, StagedShard, check_savable
+from shardckpt.statedict.stateful import saved_states
 from shardckpt.torch_bytes import host_staging
 
 
@@ -41,7 +42,7 @@ class StagingBuffers:
 def stage(state: Mapping[str, Any], buffers: StagingBuffers) -> dict[str, Any]:
     """A flat state dict (same names as `state` flattens to) whose tensors are host copies in `buffers`."""
     staged: dict[str, Any] = {}
-    leaves = flatten(state)
+    leaves = flatten(saved_states(state))
     check_savable(leaves)  # a tensor that cannot be stored is named here, not by a failing staging copy
     for leaf in leaves:
         value = leaf.value

@@ -134,10 +134,16 @@ def _every(text: str) -> int | str:
 
 def freeze_base(model: Any) -> None:
     """--freeze-base: only the last block, the final norm and the head of a GPT keep training."""
+    frozen = set(frozen_by_freeze_base(model))
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name not in frozen)
+
+
+def frozen_by_freeze_base(model: Any) -> list[str]:
+    """The names of the parameters --freeze-base freezes (the same names once FSDP2 shards the model)."""
     kept = [model.blocks[-1], model.ln_f, model.head]
     trainable = {id(parameter) for module in kept for parameter in module.parameters()}
-    for parameter in model.parameters():
-        parameter.requires_grad_(id(parameter) in trainable)
+    return [name for name, parameter in model.named_parameters() if id(parameter) not in trainable]
 
 
 # AdamW's settings, shared with the DeepSpeed variant of the loop so that their checkpoints interchange.

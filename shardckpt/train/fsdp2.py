@@ -22,11 +22,13 @@ from torch.optim.lr_scheduler import LambdaLR
 
 import shardckpt
 from shardckpt.catalog.cadence import Cadence
+from shardckpt.statedict.flatten import flatten
 from shardckpt.train.common import (
     ADAMW_BETAS,
     ADAMW_WEIGHT_DECAY,
     WarmupCosine,
     freeze_base,
+    frozen_by_freeze_base,
     rng_state,
     schedule_steps,
     set_rng_state,
@@ -64,6 +66,7 @@ class Trainer:
             full_every=args.full_every,
             # Beside another run's checkpoints the same cadence meets the same step names: this run's carry its id.
             run_names=args.ignore_existing and not args.resume,
+            total_steps=args.steps,
         )
 
     def build(self, model: GPT) -> None:
@@ -93,13 +96,40 @@ class Trainer:
     def resume(self) -> int | None:
         state = self.state()
         began = time.perf_counter()
-        step = self.checkpointer.restore_latest(state)
+        try:
+            step = self.checkpointer.restore_latest(state)
+        except shardckpt.DistributedError as exc:
+            try:
+                hint = self.freeze_base_hint(state)
+            except shardckpt.ShardckptError:  # the hint is a courtesy: the load's own error is what matters
+                hint = ""
+            if not hint:
+                raise
+            raise shardckpt.DistributedError(
+                exc.operation, {rank: f"{cause}; {hint}" for rank, cause in exc.failures.items()}
+            ) from exc
         if step is None:
             return None
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["trainer"]["step"]
         return self._resumed(state, step, began)
+
+    def freeze_base_hint(self, state: dict[str, Any]) -> str:
+        """After a failed resume: the flag to pass when the checkpoint lacks exactly the optimizer state that
+        --freeze-base leaves out (a run saved with it, resumed without it); '' otherwise."""
+        url = self.checkpointer.latest_url()
+        if self.args.freeze_base or url is None:
+            return ""
+        stored = shardckpt.open(url, storage_options=self.storage_options).tensors
+        missing = [leaf.name for leaf in flatten(state) if leaf.is_tensor and leaf.name not in stored]
+        frozen = tuple(f"optim.state.{name}." for name in frozen_by_freeze_base(self.model))
+        if not missing or not all(name.startswith(frozen) for name in missing):
+            return ""
+        return (
+            f"these are the optimizer state of the {len(frozen)} parameters --freeze-base keeps frozen: the "
+            "checkpoint was saved with --freeze-base; pass --freeze-base to resume it"
+        )
 
     def check_fresh_root(self) -> None:
         """Without --resume: refuse a --ckpt root that holds committed checkpoints, unless --ignore-existing.
@@ -201,7 +231,7 @@ class Trainer:
                     "lr": self.scheduler.get_last_lr()[0],
                 }
             )
-            self.checkpointer.maybe_save(self.step, self.state, force=self.step == self.args.steps)
+            self.checkpointer.maybe_save(self.step, self.state)
             if self.checkpointer.should_stop:
                 self._say(f"preempted: checkpoint of step {self.step} committed; exiting")
                 break

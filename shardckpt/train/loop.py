@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         trainer.run()
         dist.barrier()
     except shardckpt.ShardckptError as exc:
-        print(f"[train] rank {rank}: {exc}", file=sys.stderr, flush=True)
+        # A collective failure is raised alike on every rank, each copy naming every rank's cause: said once.
+        if rank == 0 or not isinstance(exc, shardckpt.DistributedError):
+            print(f"[train] rank {rank}: {exc}", file=sys.stderr, flush=True)
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()

@@ -153,9 +153,20 @@ def _existing_commit(
         _refuse_changes(storage.describe(layout.COMMITTED), committed, step, metadata)
         return committed
     raise CommitConflictError(
-        f"{storage.url} is already committed by attempt {marker.attempt} (step {marker.step}); "
-        "a committed checkpoint never changes: save to a new URL"
+        f"{storage.url} is already committed by attempt {marker.attempt} (step {marker.step}); " + SAVE_ELSEWHERE
     )
+
+
+SAVE_ELSEWHERE = (
+    "a committed checkpoint never changes: save to a new URL (one per step, e.g. ROOT/step-00000100), or let "
+    "shardckpt.Checkpointer(ROOT, every_steps=N) name, save and prune them (its maybe_save(step, state) each step; "
+    "shardckpt.latest(ROOT) finds the newest)"
+)
+
+
+def already_committed(url: str) -> str:
+    """The refusal of a save into a committed checkpoint (shardckpt.save, the DCP writer), with the way out."""
+    return f"{url} already holds a committed checkpoint; {SAVE_ELSEWHERE}"
 
 
 def _find_attempt(storage: Storage, world_size: int | None) -> str:

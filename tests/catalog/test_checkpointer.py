@@ -165,8 +165,12 @@ def test_auto_cadence_follows_youngs_rule_from_the_recorded_failures(tmp_path) -
     assert [record.step for record in saved] == [5, 68, 133]
     assert decisions[1].mtbf_seconds == pytest.approx(1007.0) and decisions[1].cost_seconds == 2.0
     assert decisions[1].failures == 1 and "1 failure(s)" in decisions[1].why, decisions[1].why
-    kinds = [(e.kind, e.run == checkpointer.run_id, e.after) for e in read_events(LocalStorage(root), 10).events]
+    events = read_events(LocalStorage(root), 10).events
+    kinds = [(e.kind, e.run == checkpointer.run_id, e.after) for e in events if e.kind != "save"]
     assert kinds == [("end", True, None), (RESTART, True, "crash"), (START, False, None)]
+    # Each committed save is in the history too (for `shardckpt goodput`): its stall and the interval then.
+    saves = [(e.step, e.stall_ms, e.every) for e in events if e.kind == "save"]
+    assert saves == [(133, 2000, 65), (68, 2000, 63), (5, 2000, 5)]  # each under the interval that chose it
     assert sorted(os.listdir(root)) == [EVENTS_DIR, "step-00000133"]
 
 
@@ -254,6 +258,7 @@ def test_a_preemption_is_recorded_and_the_next_run_counts_it(tmp_path) -> None:
         ("end", 2, None),
         ("restart", 2, "preemption"),
         ("preemption", 2, None),
+        ("save", 2, None),  # the checkpoint the signal asked for, committed just before
         ("start", None, None),
     ]
 

@@ -1,0 +1,206 @@
+"""Copying a committed checkpoint from any storage to any other (local, S3, memory): every file the manifest names,
+checked at the destination block by block before COMMITTED, written last, makes the copy a checkpoint.
+
+An incremental checkpoint's parents (the checkpoints holding its pieces stored by reference) come along with
+`with_parents`, or must already be committed at the destination's root; tools/materialize.py writes instead a copy
+that holds every piece itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardckpt import knobs
+from shardckpt.catalog.chain import read_commit_marker, read_opening, verify_global_manifest
+from shardckpt.catalog.stored import StoredCheckpoint
+from shardckpt.errors import AlreadyExistsError, IntegrityError, NotCommittedError, ShardckptUsageError
+from shardckpt.format import layout, limits
+from shardckpt.format.manifest import CommitMarker, GlobalManifest
+from shardckpt.ops.verify import VerifyReport, check_stored
+from shardckpt.storage import Storage, open_storage
+
+COPY_CHUNK = knobs.WRITE_CHUNK  # bytes read from the source and written to the destination at a time
+
+
+@dataclass
+class CopyReport:
+    """What a copy did: the checkpoints it committed at the destination (parents first), those already there
+    (the same attempt: a parent copied before, or this copy run again), files and bytes written."""
+
+    source: str
+    destination: str
+    committed: list[str] = field(default_factory=list)
+    already_there: list[str] = field(default_factory=list)
+    files: int = 0
+    bytes: int = 0
+    kept_files: int = 0  # files a copy interrupted before found complete-sized, checked like the others
+
+
+def destination_url(source: str, destination: str) -> str:
+    """`destination`, or destination/<source's name> when it ends with '/' (as cp copies into a directory)."""
+    if destination.endswith("/"):
+        return destination + source.rstrip("/").rsplit("/", 1)[-1]
+    return destination
+
+
+def copy_checkpoint(
+    source: str | Storage,
+    destination: str | Storage,
+    *,
+    with_parents: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    destination_options: dict[str, Any] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> CopyReport:
+    """Copy the committed checkpoint at `source` to `destination` (a new URL), byte for byte.
+
+    The copy is committed only after every file it wrote was read back and checked (sizes, manifest checksums,
+    safetensors headers, every block's CRC32C, piece hashes): an interrupted or failed copy has no COMMITTED, and
+    running it again keeps the complete files it wrote and writes the rest. with_parents: copy the checkpoints
+    whose pieces it references into the destination's root first (each the same way); without it they must be
+    committed there already, else ShardckptUsageError naming them. destination_options: the destination's storage
+    options (default: `storage_options`). progress(nbytes) as bytes are written.
+    """
+    src = open_storage(source, storage_options)
+    dst = open_storage(destination, storage_options if destination_options is None else destination_options)
+    if dst.url.rstrip("/").startswith(src.url.rstrip("/") + "/"):
+        raise ShardckptUsageError(f"cannot copy {src.url} into itself ({dst.url}): choose a destination outside it")
+    report = CopyReport(src.url, dst.url)
+    _copy(src, dst, with_parents, report, progress, set())
+    return report
+
+
+def _copy(
+    src: Storage,
+    dst: Storage,
+    with_parents: bool,
+    report: CopyReport,
+    progress: Callable[[int], None] | None,
+    visiting: set[str],
+) -> None:
+    opening = read_opening(src)  # NotCommittedError for anything but a committed checkpoint
+    marker, manifest = opening.marker, opening.manifest
+    existing = read_commit_marker(dst)
+    if existing is not None:
+        if existing.attempt == marker.attempt:  # this very checkpoint, copied before
+            report.already_there.append(dst.url)
+            return
+        raise AlreadyExistsError(
+            f"{dst.url} already holds a committed checkpoint (attempt {existing.attempt}, step {existing.step}), not "
+            f"a copy of {src.url} (attempt {marker.attempt}): a committed checkpoint is never overwritten; copy to "
+            "a new URL"
+        )
+    check_destination(dst, marker.manifest)
+    _parents(src, dst, marker, with_parents, report, progress, visiting | {src.url})
+    names = [marker.manifest] + [path for entry in manifest.files for path in (entry.index, entry.data)]
+    for path in names:
+        _copy_file(src, dst, path, report, progress)
+    _check_copy(src, dst, marker, manifest)
+    dst.commit_marker(layout.COMMITTED, opening.marker_raw)  # the last write: from here on the copy is a checkpoint
+    report.committed.append(dst.url)
+
+
+def check_destination(dst: Storage, own_manifest: str | None = None) -> None:
+    """Refuse a destination that holds anything but an earlier attempt at this same copy (its global manifest,
+    named by the attempt, is the first file a copy writes): a root of other checkpoints, another checkpoint."""
+    names = dst.list()
+    if names and (own_manifest is None or own_manifest not in names):
+        shown = ", ".join(sorted(names)[:5]) + (" ..." if len(names) > 5 else "")
+        raise ShardckptUsageError(
+            f"{dst.url} already exists and holds {shown}: a copy goes to a new URL (end DST with '/' to copy into "
+            "that directory under the source's name)"
+        )
+
+
+def _parents(
+    src: Storage,
+    dst: Storage,
+    marker: CommitMarker,
+    with_parents: bool,
+    report: CopyReport,
+    progress: Callable[[int], None] | None,
+    visiting: set[str],
+) -> None:
+    """The checkpoints `marker` references, committed at the destination's root (copied there with_parents)."""
+    if not marker.references:
+        return
+    names = [name for name, _ in marker.references]
+    if dst.name in names:
+        raise ShardckptUsageError(
+            f"cannot copy {src.url} to {dst.url}: it stores pieces by reference in {dst.name!r}, a checkpoint of the "
+            "same root under that name; choose another destination name"
+        )
+    src_root, dst_root = src.parent(), dst.parent()
+    absent = []
+    for name, attempt in marker.references:
+        there = read_commit_marker(dst_root.child(name))
+        if there is not None and there.attempt == attempt:
+            continue
+        if there is not None:
+            raise AlreadyExistsError(
+                f"{dst_root.child(name).url} holds a committed checkpoint of attempt {there.attempt}, not attempt "
+                f"{attempt} that {src.url} references: copy to another root"
+            )
+        absent.append((name, attempt))
+    if absent and not with_parents:
+        listed = ", ".join(name for name, _ in absent)
+        raise ShardckptUsageError(
+            f"{src.url} is incremental: it stores pieces by reference in {listed} (its parents), which "
+            f"{dst_root.url} does not hold; copy them along (--with-parents / with_parents=True) or write a copy "
+            "that holds every piece itself (--materialize)"
+        )
+    for name, attempt in absent:
+        parent = src_root.child(name)
+        if parent.url in visiting:
+            raise IntegrityError(f"{src.url}: references form a cycle through {parent.url}")
+        found = read_commit_marker(parent)
+        if found is None or found.attempt != attempt:
+            what = "missing" if found is None and not parent.list() else "not committed as that attempt"
+            raise NotCommittedError(
+                f"{src.url} references attempt {attempt} of {parent.url}, which is {what}: the pieces stored there "
+                "cannot be copied (a copy made without its parents?)"
+            )
+        _copy(parent, dst_root.child(name), True, report, progress, visiting)
+
+
+def _copy_file(
+    src: Storage, dst: Storage, path: str, report: CopyReport, progress: Callable[[int], None] | None
+) -> None:
+    size = src.size(path)
+    if dst.exists(path):
+        # An earlier copy's file (it stopped before COMMITTED): kept when complete, since every byte of it is
+        # checked below before the commit; anything else is never overwritten.
+        if dst.size(path) == size:
+            report.kept_files += 1
+            return
+        raise AlreadyExistsError(
+            f"{dst.describe(path)} exists with {dst.size(path)} bytes, not the {size} of {src.describe(path)}: "
+            "an earlier copy's? nothing is ever overwritten: delete the destination and copy again"
+        )
+    with dst.open_new(path) as handle:
+        for start in range(0, size, COPY_CHUNK):
+            chunk = src.read_range(path, start, min(start + COPY_CHUNK, size))
+            handle.write(chunk)
+            if progress is not None:
+                progress(len(chunk))
+    report.files += 1
+    report.bytes += size
+
+
+def _check_copy(src: Storage, dst: Storage, marker: CommitMarker, manifest: GlobalManifest) -> None:
+    """Read back what the destination holds and check it as verify would, before anything calls it committed."""
+    raw = dst.read_small(marker.manifest, limits.MAX_GLOBAL_MANIFEST_BYTES)
+    verify_global_manifest(raw, marker, dst.describe(marker.manifest))
+    report = VerifyReport(dst.url, committed=True)
+    copied = StoredCheckpoint(dst, marker, manifest)
+    copied.check_referenced()  # the parents at the destination are the attempts it references
+    check_stored(copied, report)
+    if report.problems:
+        shown = "; ".join(str(problem) for problem in report.problems[:5])
+        raise IntegrityError(
+            f"the copy of {src.url} at {dst.url} fails its checks, so it was not committed ({len(report.problems)} "
+            f"problem(s): {shown}); check the source with `shardckpt verify {src.url}`, delete {dst.url} and copy "
+            "again"
+        )

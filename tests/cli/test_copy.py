@@ -1,0 +1,143 @@
+"""`shardckpt copy` through the real entry point (issue 26.6): an incremental checkpoint copied with its parents,
+materialised, or refused with the way out; across storages (local -> S3 -> local); checked before COMMITTED, which
+a failed or interrupted copy never gets; a lone `cp -r` named as missing its parent by load, ls and inspect."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardckpt
+from shardckpt.errors import IntegrityError, NotCommittedError
+from shardckpt.ops.copy import copy_checkpoint
+
+ENTRY_POINT = str(Path(sys.executable).with_name("shardckpt"))
+
+
+def cli(*args: str, columns: int = 80) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": str(columns)}
+    return subprocess.run([ENTRY_POINT, *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+def _series(root: str) -> dict[str, torch.Tensor]:
+    """Three saves of an incremental series; 'frozen' never changes, so steps 2 and 3 hold it by reference."""
+    state = {"frozen": torch.arange(4096, dtype=torch.float32), "w": torch.zeros(64), "step": 0}
+    checkpointer = shardckpt.Checkpointer(root, every_steps=1, incremental=True, preemption_signals=())
+    for step in (1, 2, 3):
+        state["w"].fill_(step)
+        state["step"] = step
+        checkpointer.maybe_save(step, state)
+    checkpointer.close()
+    return state
+
+
+def _loaded(url: str, storage_options: dict | None = None) -> dict[str, torch.Tensor]:
+    into = {"frozen": torch.zeros(4096), "w": torch.zeros(64), "step": -1}
+    shardckpt.load(into, url, storage_options=storage_options)
+    return into
+
+
+def _same(a: dict, b: dict) -> bool:
+    return torch.equal(a["frozen"], b["frozen"]) and torch.equal(a["w"], b["w"]) and a["step"] == b["step"]
+
+
+def test_an_incremental_checkpoint_copies_with_its_parents_or_materialised(tmp_path) -> None:
+    root = tmp_path / "run"
+    state = _series(str(root))
+    newest = str(root / "step-00000003")
+    assert shardckpt.open(newest).marker.references  # the premise: step 3 references step 1's file
+
+    refused = cli("copy", newest, f"{tmp_path / 'archive'}/")
+    assert refused.returncode == 2, refused.stderr
+    assert "--with-parents" in refused.stderr and "--materialize" in refused.stderr
+    assert not (tmp_path / "archive" / "step-00000003" / "COMMITTED").exists()
+
+    done = cli("copy", "--json", "--with-parents", newest, f"{tmp_path / 'archive'}/")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert [Path(url).name for url in report["committed"]] == ["step-00000001", "step-00000003"]
+    assert _same(_loaded(str(tmp_path / "archive" / "step-00000003")), state)
+    assert cli("verify", str(tmp_path / "archive" / "step-00000003")).returncode == 0
+    into_root = cli("copy", newest, str(tmp_path / "archive"))  # no '/': the root itself would become a checkpoint
+    assert into_root.returncode == 2 and "already exists" in into_root.stderr, into_root.stderr
+    inside = cli("copy", newest, f"{newest}/copy")
+    assert inside.returncode == 2 and "into itself" in inside.stderr, inside.stderr
+    again = cli("copy", "--json", "--with-parents", newest, f"{tmp_path / 'archive'}/")  # a re-run: nothing to do
+    assert again.returncode == 0 and json.loads(again.stdout)["committed"] == [], again.stderr
+
+    alone = tmp_path / "alone" / "final"
+    materialized = cli("copy", "--materialize", newest, str(alone))
+    assert materialized.returncode == 0, materialized.stderr
+    assert shardckpt.open(str(alone)).marker.references == ()
+    assert shardckpt.open(str(alone)).marker.step == 3
+    assert _same(_loaded(str(alone)), state)
+    assert cli("verify", str(alone)).returncode == 0
+
+
+def test_a_lone_copy_of_an_incremental_checkpoint_says_its_parent_is_missing(tmp_path) -> None:
+    _series(str(tmp_path / "run"))
+    shutil.copytree(tmp_path / "run" / "step-00000003", tmp_path / "archive" / "step-00000003")  # cp -r
+    with pytest.raises(NotCommittedError, match=r"step-00000001, which is missing.*--with-parents"):
+        _loaded(str(tmp_path / "archive" / "step-00000003"))
+    rows = json.loads(cli("ls", "--json", str(tmp_path / "archive")).stdout)["checkpoints"]
+    assert rows[0]["parents"] == ["step-00000001"] and rows[0]["missing_parents"] == ["step-00000001"]
+    table = cli("ls", str(tmp_path / "archive"), columns=120).stdout
+    assert "parents" in table and "missing step-00000001" in table, table
+    # Narrow terminals: the column may be cut (the table rework fits names), but "missing" comes first.
+    assert "missing" in cli("ls", str(tmp_path / "archive"), columns=80).stdout
+    shown = cli("inspect", str(tmp_path / "archive" / "step-00000003"))
+    assert "step-00000001 missing" in shown.stdout, shown.stdout
+    parents = json.loads(cli("inspect", "--json", str(tmp_path / "archive" / "step-00000003")).stdout)["parents"]
+    assert [(p["name"], p["present"]) for p in parents] == [("step-00000001", False)]
+
+
+def test_copy_local_to_s3_and_back(tmp_path, s3_server, s3_url) -> None:
+    state = _series(str(tmp_path / "run"))
+    endpoint = f"--storage-option=endpoint_url={s3_server.endpoint}"
+    up = cli("copy", endpoint, "--with-parents", str(tmp_path / "run" / "step-00000003"), f"{s3_url}/")
+    assert up.returncode == 0, up.stderr
+    listed = json.loads(cli("ls", "--json", endpoint, s3_url).stdout)["checkpoints"]
+    assert [(r["name"], r.get("parents")) for r in listed] == [
+        ("step-00000001", None),
+        ("step-00000003", ["step-00000001"]),
+    ]
+    down = cli("copy", endpoint, "--materialize", f"{s3_url}/step-00000003", str(tmp_path / "back"))
+    assert down.returncode == 0, down.stderr
+    assert _same(_loaded(str(tmp_path / "back")), state)
+
+
+def test_a_failed_or_interrupted_copy_is_never_committed_and_a_rerun_finishes_it(tmp_path) -> None:
+    shardckpt.save({"w": torch.arange(50_000, dtype=torch.float32)}, str(tmp_path / "src"), step=1)
+
+    def stop(nbytes: int) -> None:
+        raise KeyboardInterrupt  # the user's ^C (or a lost machine) in the middle of the data
+
+    target = str(tmp_path / "dst")
+    with pytest.raises(KeyboardInterrupt):
+        copy_checkpoint(str(tmp_path / "src"), target, progress=stop)
+    assert not (tmp_path / "dst" / "COMMITTED").exists()
+    finished = cli("copy", "--json", str(tmp_path / "src"), target)
+    assert finished.returncode == 0, finished.stderr
+    assert json.loads(finished.stdout)["kept_files"] >= 1
+    assert torch.equal(shardckpt.open(target).read("w"), torch.arange(50_000, dtype=torch.float32))
+
+    data = next((tmp_path / "src" / "data").iterdir())
+    raw = bytearray(data.read_bytes())
+    raw[-100] ^= 0xFF  # a flipped bit in the source: the copy must not commit it
+    data.chmod(0o644)
+    data.write_bytes(bytes(raw))
+    bad = cli("copy", str(tmp_path / "src"), str(tmp_path / "bad"))
+    assert bad.returncode == 1 and "fails its checks" in bad.stderr, bad.stderr
+    assert not (tmp_path / "bad" / "COMMITTED").exists()
+    with pytest.raises(IntegrityError):
+        copy_checkpoint(str(tmp_path / "src"), str(tmp_path / "bad"))
+    shardckpt.save({"w": torch.ones(2)}, str(tmp_path / "other"), step=9)
+    refused = cli("copy", str(tmp_path / "other"), target)  # onto another committed checkpoint
+    assert refused.returncode != 0 and "never overwritten" in refused.stderr, refused.stderr

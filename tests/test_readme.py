@@ -47,6 +47,7 @@ MARKERS = {
     "dcp": 'shardckpt.latest("/tmp/dcp-run")',
     "incremental checkpointer": "incremental=True,",
     "save parent": 'parent=f"{root}/step-00000001"',
+    "torch_checkpointing": 'ShardckptStorageConfig(root="/tmp/tc-run")',
 }
 
 
@@ -197,3 +198,10 @@ def test_save_parent_snippet_stores_the_unchanged_tensor_by_reference(tmp_path) 
     first, second = (int(size) for _, _, size, _ in rows)
     assert first > 4 << 20 and second < 128 << 10, output  # the 4 MiB frozen tensor is stored once
     assert rows[0][0].startswith(str(tmp_path))  # a new root per run (under the test's own directory here)
+
+
+def test_torch_checkpointing_snippet_saves_its_format_and_loads_a_shardckpt_checkpoint(tmp_path) -> None:
+    root = tmp_path / "tc-run"
+    code = snippet(MARKERS["torch_checkpointing"]).replace("/tmp/tc-run", str(root))
+    run(code, tmp_path)
+    assert sorted(os.listdir(root)) == ["step-200", "step_100"]  # its rename committed step_100; no tmp_ left

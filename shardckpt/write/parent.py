@@ -46,6 +46,7 @@ class ParentPieces:
     name: str
     attempt: str
     holders: dict[PieceKey, Holder]
+    root: Storage | None = None  # where the holder files lie (their paths are relative to it); None: not checked
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -142,7 +143,7 @@ def open_parent(root: Storage, name: str, tensors: Collection[str]) -> ParentPie
             ParentHashAlgWarning,
             stacklevel=3,
         )
-    return ParentPieces(name, attempt, holders)
+    return ParentPieces(name, attempt, holders, root)
 
 
 class UnhashedParentWarning(UserWarning):

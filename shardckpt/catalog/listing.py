@@ -172,12 +172,18 @@ class Listing:
             if newer is None or (newer.marker is not None and now - newer.marker.created < grace):
                 kept.add(older.name)
         by_name = {entry.name: entry for entry in self.entries}
+        # The attempt is the identity a spelling cannot fake: a reference through an alias that has moved on since
+        # (or any other name that now lists another attempt) keeps the checkpoint that attempt committed.
+        by_attempt = {entry.marker.attempt: entry.name for entry in committed if entry.marker is not None}
         todo = list(kept)
         while todo:
             entry = by_name.get(todo.pop())
             marker = entry.marker if entry is not None else None
-            for spelled, _ in marker.references if marker is not None else ():
+            for spelled, attempt in marker.references if marker is not None else ():
                 name = self.canonical(spelled)  # a reference spelled through an alias keeps the real checkpoint
+                found = by_name.get(name)
+                if found is None or found.marker is None or found.marker.attempt != attempt:
+                    name = by_attempt.get(attempt, name)
                 if name not in kept:
                     kept.add(name)
                     todo.append(name)

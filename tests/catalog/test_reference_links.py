@@ -147,3 +147,18 @@ def test_an_incremental_checkpoint_opened_through_a_link_from_elsewhere_reads_it
     _loads(tmp_path / "elsewhere" / "best", 2)
     os.symlink("step-2", tmp_path / "root" / "latest")
     _loads(tmp_path / "root" / "latest", 2)
+
+
+def test_a_reference_through_an_alias_that_moved_on_still_keeps_the_checkpoint_of_its_attempt(tmp_path: Path) -> None:
+    parent_attempt = save_sharded(_state(1.0), str(tmp_path / "step-1"), 1, block_size=4096, step=1, piece_hashes=True)
+    os.symlink("step-1", tmp_path / "latest")
+    save_sharded({"trained": _state(2.0)["trained"]}, str(tmp_path / "step-2"), 1, block_size=4096, step=2)
+    reference_tensors(tmp_path / "step-2", tmp_path / "latest", parent_attempt, ["frozen"])
+    _save(tmp_path / "step-3", 3)
+    os.remove(tmp_path / "latest")
+    os.symlink("step-3", tmp_path / "latest")  # step-2 now reads wrong: pointing the alias back must still work
+    plan = gc(str(tmp_path), keep_last=2, grace=0)
+    assert plan.ok and [action.checkpoint for action in plan.actions] == []
+    os.remove(tmp_path / "latest")
+    os.symlink("step-1", tmp_path / "latest")
+    _loads(tmp_path / "step-2", 2)

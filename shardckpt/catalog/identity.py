@@ -45,7 +45,10 @@ def same_place(a: Storage, b: Storage) -> bool:
     """True when two roots are one directory (through links on local disk) or one prefix."""
     base_a, base_b = local_path(a), local_path(b)
     if base_a is not None and base_b is not None:
-        return os.path.realpath(base_a) == os.path.realpath(base_b)
+        try:  # one directory under two spellings (a case-insensitive file system) is one place too
+            return os.path.samefile(base_a, base_b)
+        except OSError:
+            return os.path.realpath(base_a) == os.path.realpath(base_b)
     return a.url.rstrip("/") == b.url.rstrip("/")
 
 

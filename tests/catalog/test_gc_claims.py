@@ -21,11 +21,10 @@ from shardckpt.ops.gc import GcPlan, gc
 from shardckpt.storage import open_storage
 from tests.helpers.checkpoints import sample_state
 
-pytestmark = pytest.mark.unit
 STALL, GRACE = 4.0, 2.0
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
 def root(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return str(tmp_path / "root") if request.param == "local" else str(request.getfixturevalue("s3_url"))
 

@@ -7,6 +7,7 @@ import json
 import struct
 from pathlib import Path
 
+import fsspec
 import pytest
 import torch
 
@@ -15,7 +16,6 @@ from shardckpt import knobs
 from shardckpt.errors import IntegrityError
 from shardckpt.ops.verify import verify
 
-pytestmark = pytest.mark.unit
 BLOCK = 4096
 
 
@@ -86,3 +86,24 @@ def test_with_the_check_off_the_damage_is_referenced_and_found_when_loading(tmp_
     assert _referenced(tmp_path / "step-2") == ["step-1"]
     with pytest.raises(IntegrityError, match="step-1"):
         _load(tmp_path / "step-2")
+
+
+@pytest.mark.s3
+def test_the_holder_check_reads_through_the_object_store_too(s3_url: str) -> None:
+    fs = fsspec.filesystem("s3")
+    for step, parent in ((1, None), (2, 1)):
+        parent_url = None if parent is None else f"{s3_url}/step-{parent}"
+        url = f"{s3_url}/step-{step}"
+        shardckpt.save(_state(step), url, step=step, block_size=BLOCK, parent=parent_url, piece_hashes=True)
+    (key,) = fs.ls(f"{s3_url.removeprefix('s3://')}/step-1/data")
+    raw = bytearray(fs.cat_file(key))
+    (size,) = struct.unpack("<Q", raw[:8])
+    begin, end = json.loads(raw[8 : 8 + size])["frozen"]["data_offsets"]
+    raw[8 + size + (begin + end) // 2] ^= 0x10
+    fs.rm(key)
+    fs.pipe_file(key, bytes(raw))
+    with pytest.warns(UserWarning, match="damaged in their holder files"):
+        shardckpt.save(_state(3), f"{s3_url}/step-3", step=3, block_size=BLOCK, parent=f"{s3_url}/step-2")
+    out = {"frozen": torch.empty(64, 130), "trained": torch.empty(16)}
+    shardckpt.load(out, f"{s3_url}/step-3")
+    assert torch.equal(out["frozen"], _state(3)["frozen"])

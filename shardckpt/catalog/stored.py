@@ -142,17 +142,17 @@ class StoredCheckpoint:
     def __init__(self, storage: Storage, marker: CommitMarker, manifest: GlobalManifest) -> None:
         self.storage, self.marker, self.manifest = storage, marker, manifest
         self.url = storage.url
-        # References name checkpoints of the root that really holds this one: opened through a link (from another
-        # root too), its references are found there, never beside the link.
-        data_root, own = home(storage) if manifest.references else (storage, storage.name)
+        own = storage.name
         for name, _ in marker.references:
             if name == own:
                 raise FormatError(f"{storage.url}: references name the checkpoint itself ({own!r}), not an earlier one")
         # Data files are read through one storage: this checkpoint's, or its root's when pieces are stored by
         # reference (own files as <name>/data/..., referenced ones by their paths relative to the root), so a
         # plan's range reads stay one batch and one reader whichever checkpoint holds the bytes.
-        self.data_storage = data_root
-        self._data_prefix = f"{own}/" if manifest.references else ""
+        # References name checkpoints of the root that really holds this one: opened through a link (from another
+        # root too), its references are found there, never beside the link.
+        self.data_storage, real_name = home(storage) if manifest.references else (storage, own)
+        self._data_prefix = f"{real_name}/" if manifest.references else ""
         self._referenced_checked = False
         self._by_rank: dict[int, list[GlobalReference]] | None = None
         self._checked: set[str] = set()

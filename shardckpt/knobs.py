@@ -37,6 +37,10 @@ HOT_CHUNK = int(_knob("HOT_CHUNK", 2 << 20))  # checksummed then written while s
 # compare. 0 (default): only saves that may be parents hash (parent= given, piece_hashes=True, Checkpointer(
 # incremental=True)); the others write 1.0 local manifests and skip the hashing pass.
 PIECE_HASHES = int(_knob("PIECE_HASHES", 0))
+# 1 (default): an incremental save reads the holder bytes of every piece it would store by reference and checks their
+# block CRC32Cs; a damaged piece is written anew (its bytes are in memory) instead of referenced, with a warning, so
+# one flipped bit never spreads to every later child. Costs one read of the referenced bytes per save; 0: trust them.
+VERIFY_REFERENCED = int(_knob("VERIFY_REFERENCED", 1))
 # One BLAKE3 stream runs at ~3.5 GB/s per core (BLAKE2b, the previous release's, at ~0.6); these threads hash pieces
 # while the writer writes them (0: hash in the writer's own thread, one after the other).
 HASH_THREADS = int(_knob("HASH_THREADS", 4))

@@ -20,7 +20,9 @@ TEMP_PREFIX = f"{layout.COMMITTED}.tmp-"  # the local commit's temporary marker 
 DIRECTORIES = (layout.RANKS_DIR, layout.DATA_DIR, "")
 # Global manifests go right after COMMITTED, so a crash mid-way never leaves a manifest whose local manifests or
 # data are gone while the manifest itself still looks committable; data last.
-_ORDER = {layout.COMMITTED: 0, "manifest": 1, layout.RANKS_DIR: 2, layout.DATA_DIR: 3, "temp": 4}
+# Claims (SPEC 14) go last: a collector's claim keeps a paused commit of its attempt from committing until every
+# file of the attempt is gone.
+_ORDER = {layout.COMMITTED: 0, "manifest": 1, layout.RANKS_DIR: 2, layout.DATA_DIR: 3, "temp": 4, "claim": 5}
 
 
 def attempt_of(path: str) -> str:
@@ -31,15 +33,20 @@ def attempt_of(path: str) -> str:
         return layout.parse_local_manifest_path(path)[1]
     if path.startswith(f"{layout.DATA_DIR}/"):
         return layout.parse_data_path(path)[1]
+    if path.startswith("claim-"):
+        return layout.parse_claim_path(path)
     return layout.parse_global_manifest_path(path)
 
 
 def deletion_order(path: str) -> tuple[int, str]:
-    """Sort key of a layout path in SPEC 14 order: COMMITTED, global manifests, ranks/, data/, temporary markers."""
+    """Sort key of a layout path in SPEC 14 order: COMMITTED, global manifests, ranks/, data/, temporary markers,
+    claims."""
     if path == layout.COMMITTED:
         return _ORDER[path], path
     if path.startswith(TEMP_PREFIX):
         return _ORDER["temp"], path
+    if path.startswith("claim-"):
+        return _ORDER["claim"], path
     return _ORDER[path.split("/", 1)[0] if "/" in path else "manifest"], path
 
 
@@ -89,7 +96,12 @@ def delete_objects(
             raise FormatError(f"refusing to delete {root.describe(name)}/{path}: only layout names are ours") from exc
     checkpoint = root.child(name)
     deleted = 0
-    for path in sorted(paths, key=deletion_order):
+    ordered = sorted(paths, key=deletion_order)
+    if layout.COMMITTED in paths:
+        # A committed checkpoint's claims (a commit's, left by a crash after COMMITTED) go first: after COMMITTED
+        # they would make its files look like a commit in progress, which no collector takes (SPEC 14).
+        ordered.sort(key=lambda path: not path.startswith("claim-"))
+    for path in ordered:
         checkpoint.delete(path)
         deleted += 1
         if after_each is not None:

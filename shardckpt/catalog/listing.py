@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +83,29 @@ class Listing:
     def entry(self, name: str) -> Entry | None:
         return next((entry for entry in self.entries if entry.name == name), None)
 
+    def canonical(self, name: str) -> str:
+        """The listed checkpoint that ROOT/name is, however a reference or a caller spelled it: the name itself, the
+        checkpoint an alias links to, or on local disk the listed name of the same directory (another case on a
+        case-insensitive file system); the name itself when none is."""
+        entry = self.entry(name)
+        if entry is not None:
+            return entry.alias_of or name
+        base = local_path(self.root)
+        if base is None or name in ("", ".", "..") or "/" in name or "\\" in name:
+            return name
+        try:
+            wanted = os.stat(os.path.join(base, name))
+        except OSError:
+            return name
+        for other in self.entries:
+            if other.alias_of is None and other.owned:
+                try:
+                    if os.path.samestat(os.stat(os.path.join(base, other.name)), wanted):
+                        return other.name
+                except OSError:
+                    continue
+        return name
+
     def committed(self) -> list[Entry]:
         """Every committed checkpoint under the root once (aliases left out), oldest first."""
         found = [entry for entry in self.entries if entry.marker is not None and entry.alias_of is None]
@@ -115,6 +138,7 @@ class Listing:
                 f"keep_last must be >= 1 (the newest checkpoint is never deleted), got {keep_last}"
             )
         owned = [entry for entry in self.committed() if entry.owned]
+        keep = {self.canonical(name) for name in keep}
         candidates = [entry for entry in owned[: max(0, len(owned) - keep_last)] if entry.name not in keep]
         if not self.uses_references() and not pinned:
             return candidates  # format 1.0 roots: the policy alone decides
@@ -122,7 +146,7 @@ class Listing:
             return []  # an unreadable COMMITTED may reference any of them: delete no committed checkpoint
         policy = {entry.name for entry in self.committed()} - {entry.name for entry in candidates} | set(pinned)
         kept = self.kept_names(policy, grace, now)
-        return _referencing_first([entry for entry in candidates if entry.name not in kept])
+        return _referencing_first([entry for entry in candidates if entry.name not in kept], self.canonical)
 
     def uses_references(self) -> bool:
         return any(entry.marker is not None and entry.marker.references for entry in self.entries)
@@ -133,28 +157,37 @@ class Listing:
         as its parent), and every checkpoint a COMMITTED of the set references."""
         committed = self.committed()
         now = time.time() if now is None else now
-        kept = set(policy)
+        kept = {self.canonical(name) for name in policy}  # a name spelled through an alias keeps its checkpoint
         for older, newer in zip(committed, [*committed[1:], None]):
             if newer is None or (newer.marker is not None and now - newer.marker.created < grace):
                 kept.add(older.name)
         by_name = {entry.name: entry for entry in self.entries}
+        # The attempt is the identity a spelling cannot fake: a reference through an alias that has moved on since
+        # (or any other name that now lists another attempt) keeps the checkpoint that attempt committed.
+        by_attempt = {entry.marker.attempt: entry.name for entry in committed if entry.marker is not None}
         todo = list(kept)
         while todo:
             entry = by_name.get(todo.pop())
             marker = entry.marker if entry is not None else None
-            for name, _ in marker.references if marker is not None else ():
+            for spelled, attempt in marker.references if marker is not None else ():
+                name = self.canonical(spelled)  # a reference spelled through an alias keeps the real checkpoint
+                found = by_name.get(name)
+                if found is None or found.marker is None or found.marker.attempt != attempt:
+                    name = by_attempt.get(attempt, name)
                 if name not in kept:
                     kept.add(name)
                     todo.append(name)
         return kept
 
 
-def _referencing_first(doomed: list[Entry]) -> list[Entry]:
+def _referencing_first(doomed: list[Entry], canonical: Callable[[str], str]) -> list[Entry]:
     """`doomed` ordered so that a checkpoint comes before every doomed checkpoint it references (oldest first
     otherwise): references point at checkpoints committed earlier, so there is no cycle to break."""
     left, ordered = list(doomed), []
     while left:
-        referenced = {name for entry in left if entry.marker is not None for name, _ in entry.marker.references}
+        referenced = {
+            canonical(name) for entry in left if entry.marker is not None for name, _ in entry.marker.references
+        }
         free = [entry for entry in left if entry.name not in referenced] or left[:1]  # a cycle: hostile markers
         ordered += free
         left = [entry for entry in left if entry not in free]

@@ -15,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shardckpt.catalog.chain import read_commit_marker, read_opening
+from shardckpt.catalog.identity import home
 from shardckpt.errors import FormatError, IntegrityError, NotCommittedError, ShardckptError, ShardckptUsageError
 from shardckpt.format import limits
 from shardckpt.format.local_manifest import LocalManifest, decode_local_manifest
@@ -151,8 +152,10 @@ class StoredCheckpoint:
         # Data files are read through one storage: this checkpoint's, or its root's when pieces are stored by
         # reference (own files as <name>/data/..., referenced ones by their paths relative to the root), so a
         # plan's range reads stay one batch and one reader whichever checkpoint holds the bytes.
-        self.data_storage = storage.parent() if manifest.references else storage
-        self._data_prefix = f"{own}/" if manifest.references else ""
+        # References name checkpoints of the root that really holds this one: opened through a link (from another
+        # root too), its references are found there, never beside the link.
+        self.data_storage, real_name = home(storage) if manifest.references else (storage, own)
+        self._data_prefix = f"{real_name}/" if manifest.references else ""
         self._referenced_checked = False
         self._by_rank: dict[int, list[GlobalReference]] | None = None
         self._checked: set[str] = set()

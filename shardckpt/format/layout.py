@@ -20,6 +20,8 @@ _ATTEMPT = re.compile(rf"[0-9a-z]{{1,{MAX_ATTEMPT_CHARS}}}")
 _DATA = re.compile(rf"{DATA_DIR}/([0-9]{{5,8}})-([0-9a-z]{{1,{MAX_ATTEMPT_CHARS}}})\.safetensors")
 _LOCAL = re.compile(rf"{RANKS_DIR}/([0-9]{{5,8}})-([0-9a-z]{{1,{MAX_ATTEMPT_CHARS}}})\.msgpack")
 _GLOBAL = re.compile(rf"manifest-([0-9a-z]{{1,{MAX_ATTEMPT_CHARS}}})\.msgpack")
+# A claim on an attempt (SPEC 14), and the temporary name a local create-only write of it may leave on a crash.
+_CLAIM = re.compile(rf"claim-([0-9a-z]{{1,{MAX_ATTEMPT_CHARS}}})(?:\.tmp-[0-9a-f]{{1,32}})?")
 
 
 def new_attempt() -> str:
@@ -43,6 +45,10 @@ def local_manifest_path(rank: int, attempt: str) -> str:
 
 def global_manifest_path(attempt: str) -> str:
     return f"manifest-{validate_attempt(attempt)}.msgpack"
+
+
+def claim_path(attempt: str) -> str:
+    return f"claim-{validate_attempt(attempt)}"
 
 
 def _check_path(path: object, pattern: re.Pattern[str], what: str) -> re.Match[str]:
@@ -75,3 +81,8 @@ def _canonical_rank(match: re.Match[str], path: object) -> int:
 
 def parse_global_manifest_path(path: object) -> str:
     return _check_path(path, _GLOBAL, "global manifest").group(1)
+
+
+def parse_claim_path(path: object) -> str:
+    """The attempt a claim (or a claim's temporary name) is on; FormatError for anything else."""
+    return _check_path(path, _CLAIM, "claim").group(1)

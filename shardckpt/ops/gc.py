@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 from shardckpt import knobs
 from shardckpt.catalog import DIRECTORIES, delete_objects, layout_objects, list_root, read_commit_marker
+from shardckpt.catalog.claims import BY_COLLECTOR, BY_COMMIT, claim, holder, release
+from shardckpt.catalog.deletion import attempt_of
 from shardckpt.crashpoints import crash_point
 from shardckpt.errors import NotFoundError, ShardckptError, ShardckptUsageError
 from shardckpt.format import layout, limits
@@ -159,8 +161,7 @@ def collect(plan: GcPlan, progress: Callable[[Action, Doomed], None] | None = No
     """
     for action in plan.actions:
         try:
-            if action.kind == "incomplete" and read_commit_marker(plan.storage.child(action.checkpoint)) is not None:
-                action.note = "committed while gc ran: left alone"
+            if action.kind == "incomplete" and not _claim_incomplete(plan.storage.child(action.checkpoint), action):
                 continue
             by_path = {doomed.path: doomed for doomed in action.objects}
 
@@ -192,20 +193,62 @@ def gc(
     return plan if dry_run else collect(plan, progress)
 
 
+def _claim_incomplete(checkpoint: Storage, action: Action) -> bool:
+    """Claim every attempt of an uncommitted checkpoint before deleting a byte of it (SPEC 14): an attempt whose
+    commit claimed it first stays whole (a save held up past the grace period commits it complete); the planned
+    objects hold the collector's claims (deleted last). False when nothing is left to delete."""
+    if not action.objects:
+        return True  # empty directories a collection left: nothing of an attempt to claim
+    attempts = sorted({attempt_of(doomed.path) for doomed in action.objects} - {""})
+    held = [attempt for attempt in attempts if claim(checkpoint, attempt, BY_COLLECTOR)]
+    if read_commit_marker(checkpoint) is not None:
+        for attempt in held:
+            release(checkpoint, attempt, BY_COLLECTOR)
+        action.note = "committed while gc ran: left alone"
+        return False
+    taken = [attempt for attempt in attempts if attempt not in held]
+    if taken:
+        action.note = f"attempt(s) {', '.join(taken)} claimed by their commit first: left whole"
+    action.objects = [doomed for doomed in action.objects if attempt_of(doomed.path) not in taken]
+    if taken:
+        action.directories = []  # the commit's files stay: so do their directories
+    return bool(action.objects)
+
+
 # --------------------------------------------------------------------------------------------- planning
 
 
 def _plan_incomplete(plan: GcPlan, name: str, checkpoint: Storage, objects: list[tuple[str, str]], now: float) -> bool:
     """Plan deleting an uncommitted checkpoint untouched for the grace period; False when it may be a running save."""
-    ages = [_age(checkpoint, path, now) for path, _ in objects]
-    youngest = math.nan if any(math.isnan(age) for age in ages) else min(ages)
+    committing = sorted(a for path, a in objects if path == layout.claim_path(a) and holder(checkpoint, a) == BY_COMMIT)
+    if committing:
+        reason = (
+            f"attempt(s) {', '.join(committing)} claimed by their commit: committing now, or a commit that crashed "
+            "while committing (remove it by hand once no save of it runs)"
+        )
+        plan.skipped.append(Skipped(name, reason))
+        return False
+    # An attempt a collector claimed can never commit (SPEC 14): what an interrupted gc left of it goes at once.
+    collected = {a for path, a in objects if path == layout.claim_path(a) and holder(checkpoint, a) == BY_COLLECTOR}
+    ages = [_age(checkpoint, path, now) for path, attempt in objects if attempt not in collected]
+    youngest = math.nan if any(math.isnan(age) for age in ages) else min(ages, default=math.inf)
     if not youngest >= plan.grace:
         when = "of unknown age" if math.isnan(youngest) else f"modified {youngest:.0f} s ago"
         reason = f"not committed, but an object is {when}: a save may be running (grace {plan.grace:g} s)"
         plan.skipped.append(Skipped(name, reason))
         return False
-    reason = f"never committed; nothing in it changed for {youngest:.0f} s (a failed save)"
+    reason = (
+        f"never committed; nothing in it changed for {youngest:.0f} s (a failed save)"
+        if math.isfinite(youngest)
+        else "never committed; a collection of it was interrupted"
+    )
     objects_sized = _sized(checkpoint, [path for path, _ in objects])
+    listed = {path for path, _ in objects}
+    attempts = sorted({attempt for _, attempt in objects} - {""})
+    # The collector's claims, created before the first deletion and deleted last (planned, so a dry run shows them).
+    objects_sized += [
+        Doomed(layout.claim_path(a), len(BY_COLLECTOR)) for a in attempts if layout.claim_path(a) not in listed
+    ]
     plan.actions.append(Action(name, "incomplete", reason, objects_sized, list(DIRECTORIES)))
     return True
 

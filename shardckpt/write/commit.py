@@ -16,6 +16,7 @@ from typing import Any
 
 from shardckpt import knobs
 from shardckpt.catalog.chain import read_commit_marker, read_global_manifest, read_marker_bytes
+from shardckpt.catalog.claims import BY_COMMIT, CREATED, claim, missing_files, release
 from shardckpt.crashpoints import crash_point
 from shardckpt.errors import (
     AlreadyExistsError,
@@ -110,6 +111,44 @@ def commit(
     crash_point("before_global_manifest")
     manifest, encoded = _write_manifest(storage, manifest, step, metadata)
     crash_point("before_commit")
+    # A collector takes a save paused for longer than its grace period for an abandoned one (SPEC 14): claim the
+    # attempt, then check that nothing of it was collected before the claim; from then on no collector touches it.
+    claimed = claim(storage, attempt, BY_COMMIT)
+    if not claimed:
+        raise CommitConflictError(
+            f"{storage.url}: a collector claimed attempt {attempt} as an abandoned save (the save was held up for "
+            "longer than gc's grace period) and deletes its files: nothing was committed; save again"
+        )
+    try:
+        missing = missing_files(storage, attempt, world_size)
+        if missing:
+            raise CommitConflictError(
+                f"{storage.url}: {len(missing)} file(s) of attempt {attempt} are gone (e.g. {missing[0]}): a collector "
+                "took the save, held up for longer than its grace period, for an abandoned one; nothing was "
+                "committed; save again"
+            )
+        committed = _create_marker(storage, manifest, encoded, attempt, step, metadata, root)
+    except BaseException:
+        if claimed == CREATED:  # a claim found held may be a concurrent committer's: its own to release
+            release(storage, attempt, BY_COMMIT)
+        raise
+    if claimed == CREATED:
+        # Committed: no collector takes a committed attempt, so the claim has done its job. Released, it cannot
+        # outlive COMMITTED (retention deletes COMMITTED first) and make the attempt's files look mid-commit.
+        release(storage, attempt, BY_COMMIT)
+    return committed
+
+
+def _create_marker(
+    storage: Storage,
+    manifest: GlobalManifest,
+    encoded: bytes,
+    attempt: str,
+    step: int | None,
+    metadata: dict[str, Any] | None,
+    root: Storage | None,
+) -> GlobalManifest:
+    """(holding the commit's claim) Re-check the referenced checkpoints, then create COMMITTED: the last write."""
     if manifest.references:
         # A collector may have deleted a referenced checkpoint since the save chose it (SPEC 9 phase 3, 14).
         assert root is not None
@@ -119,7 +158,7 @@ def commit(
         manifest=layout.global_manifest_path(attempt),
         manifest_size=len(encoded),
         manifest_crc32c=crc32c_of(encoded),
-        world_size=world_size,
+        world_size=manifest.world_size,
         total_bytes=manifest.total_bytes,
         step=manifest.step,
         created=manifest.created,

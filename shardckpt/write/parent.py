@@ -9,12 +9,13 @@ the reference names the file that physically holds the bytes, never the parent's
 from __future__ import annotations
 
 import warnings
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from shardckpt.catalog.chain import read_commit_marker, read_opening
+from shardckpt.catalog.identity import home, same_place
 from shardckpt.errors import FormatError, IntegrityError, NotCommittedError, ShardckptUsageError
 from shardckpt.format import limits
 from shardckpt.format.local_manifest import LocalManifest, decode_local_manifest
@@ -45,6 +46,7 @@ class ParentPieces:
     name: str
     attempt: str
     holders: dict[PieceKey, Holder]
+    root: Storage | None = None  # where the holder files lie (their paths are relative to it); None: not checked
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -57,13 +59,20 @@ def split_url(url: str) -> tuple[str, str]:
 
 
 def parent_of(url: str, parent: str, storage_options: dict[str, object] | None = None) -> tuple[Storage, str]:
-    """The root storage and the parent's checkpoint name, after checking the parent is a sibling of `url`."""
-    own_root, own_name = split_url(str(url))
-    parent_root, name = split_url(str(parent))
-    root = open_storage(own_root, storage_options)
-    if open_storage(parent_root, storage_options).url.rstrip("/") != root.url.rstrip("/"):
+    """The root storage and the parent's checkpoint name, after checking the parent is a sibling of `url`.
+
+    Both are taken where they really lie (catalog.identity.home): a parent spelled through a link to a checkpoint of
+    the root is recorded under the name the root lists it by, so that an alias that moves, or a collector that
+    keeps only what references name, never strands the new checkpoint; a parent that lies in another root is
+    refused (that root's collector would delete what this checkpoint needs)."""
+    split_url(str(url)), split_url(str(parent))  # ROOT/NAME urls, or a usage error naming the url
+    root, own_name = home(open_storage(str(url), storage_options))
+    parent_root, name = home(open_storage(str(parent), storage_options))
+    if not same_place(parent_root, root):
         raise ShardckptUsageError(
-            f"parent {parent} is not in the root of {url} ({root.url}): references never leave their root"
+            f"parent {parent} is {parent_root.url}/{name}, not in the root of {url} ({root.url}): references never "
+            f"leave their root (the other root's collector would delete what this checkpoint needs); copy the "
+            f"parent into {root.url} and name that copy, or save without a parent (a full save)"
         )
     try:
         check_checkpoint_name(name)
@@ -88,6 +97,25 @@ def open_parent(root: Storage, name: str, tensors: Collection[str]) -> ParentPie
             for file in np.unique(entry.pieces.arrays()[0]).tolist():
                 ranks.add(file if file < own_files else manifest.references[file - own_files].rank)
     holders: dict[PieceKey, Holder] = {}
+    resolved: dict[str, str] = {}
+
+    def real_holder(file: ReferencedFile) -> ReferencedFile:
+        """The parent's own reference, naming its holder as the root lists it (an earlier release recorded
+        the name a parent was spelled by, a link perhaps): the new reference must name the real checkpoint."""
+        spelled = file.target.checkpoint
+        if spelled not in resolved:
+            where, real = home(root.child(spelled))
+            if not same_place(where, root):
+                raise ShardckptUsageError(
+                    f"{storage.url} references {spelled}, which lies in {where.url}, not in the root {root.url}: a "
+                    "save cannot reference it (that root's collector may delete it); save without a parent (a full "
+                    "save)"
+                )
+            resolved[spelled] = real
+        if resolved[spelled] == spelled:
+            return file
+        return ReferencedFile(ReferencePath(resolved[spelled], file.target.rank, file.target.attempt), file.data_size)
+
     unhashed = []
     other_alg: dict[str, list[int]] = {}
     for rank in sorted(ranks):
@@ -98,7 +126,7 @@ def open_parent(root: Storage, name: str, tensors: Collection[str]) -> ParentPie
         if local.references is not None and local.references.hash_alg != HASH_ALG:
             other_alg.setdefault(local.references.hash_alg, []).append(rank)
             continue
-        _add_holders(holders, local, name, wanted)
+        _add_holders(holders, local, name, wanted, real_holder)
     if unhashed:
         warnings.warn(
             f"{storage.url}: the parent's ranks {unhashed} recorded no piece hashes, so none of their pieces can be "
@@ -115,7 +143,7 @@ def open_parent(root: Storage, name: str, tensors: Collection[str]) -> ParentPie
             ParentHashAlgWarning,
             stacklevel=3,
         )
-    return ParentPieces(name, attempt, holders)
+    return ParentPieces(name, attempt, holders, root)
 
 
 class UnhashedParentWarning(UserWarning):
@@ -144,7 +172,13 @@ def _first_blocks(nbytes: np.ndarray, block_size: int) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64) if blocks.size else blocks
 
 
-def _add_holders(holders: dict[PieceKey, Holder], local: LocalManifest, name: str, wanted: set[str]) -> None:
+def _add_holders(
+    holders: dict[PieceKey, Holder],
+    local: LocalManifest,
+    name: str,
+    wanted: set[str],
+    real: Callable[[ReferencedFile], ReferencedFile],
+) -> None:
     block = local.block_size
     refs = local.references
     specs = local.tensors
@@ -176,7 +210,7 @@ def _add_holders(holders: dict[PieceKey, Holder], local: LocalManifest, name: st
         first_block = int(table.first_block[row])
         crcs = table.crc32c[first_block : first_block + -(-nbytes // block)]
         # The parent's own reference: the new one names the same holder (SPEC 6.2 "No chains").
-        file = refs.files[int(table.source[row])]
+        file = real(refs.files[int(table.source[row])])
         key = (spec.name, spec.dtype, spec.shape, spec.layout, start, length)
         holders[key] = Holder(file, int(table.offset[row]), nbytes, block, crcs, table.digest(row))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,6 +34,7 @@ from shardckpt.format.strict import FORMAT_VERSION, ObjectEntry, check_name, che
 from shardckpt.format.values import check_plain
 from shardckpt.storage import Storage, open_storage
 from shardckpt.torch_bytes import format_dtype, host_bytes
+from shardckpt.write.holders import DamagedHolderWarning, damaged_holders
 from shardckpt.write.parent import Holder, ParentPieces
 
 WRITE_CHUNK = knobs.WRITE_CHUNK  # bytes handed to the backend per call
@@ -418,6 +420,22 @@ class ShardWriter:
             else:
                 written.append(piece)
                 digests.append(digest)
+        if referenced and knobs.VERIFY_REFERENCED and parent.root is not None:
+            # A flipped bit in a holder would reach every later child: such pieces are written anew (their bytes
+            # hash equal to the recorded hash, so they are the bytes the holder should hold).
+            damaged = damaged_holders(parent.root, [holder for _, holder, _ in referenced])
+            for why in sorted(set(damaged.values()))[:1]:
+                warnings.warn(
+                    f"rank {self.rank}: {len(damaged)} piece(s) of the parent are damaged in their holder files "
+                    f"(e.g. {why}): this save writes them anew instead of referencing them; `shardckpt verify` the "
+                    "checkpoints that reference them",
+                    DamagedHolderWarning,
+                    stacklevel=4,
+                )
+            for index in sorted(damaged):
+                written.append(referenced[index][0])
+                digests.append(referenced[index][2])
+            referenced = [row for index, row in enumerate(referenced) if index not in damaged]
         self._pieces = written
         return digests, referenced
 

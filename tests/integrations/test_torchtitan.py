@@ -154,3 +154,12 @@ def test_torchtitan_is_imported_only_when_its_class_is_asked_for() -> None:
         pytest.fail("importing shardckpt.integrations.torchtitan imported torchtitan", pytrace=False)
     with pytest.raises(ModuleNotFoundError, match="torchtitan"):
         torchtitan.CheckpointManager  # noqa: B018
+
+
+def test_a_save_collects_garbage_as_torchtitan_does_generation_1_not_a_full_collection(manager, monkeypatch) -> None:
+    import gc
+
+    generations: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(gc, "collect", lambda *args: generations.append(args) or 0)
+    manager.dcp_save(state(1.0), manager._create_checkpoint_id(1), "disabled", enable_garbage_collection=True)
+    assert generations == [(1,)]  # torchtitan's GarbageCollection.collect(reason) runs gc.collect(1)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import posixpath
+import re
 from collections import defaultdict
 from typing import Any
 
@@ -35,6 +37,17 @@ PLAN_CACHING_REFUSED = (
 )
 
 
+# A step in a checkpoint id's last component, as trainers name them: torchtitan's step-N, shardckpt's
+# step-00000100, step_N, Lightning's epoch=E-step=N(.ckpt), DeepSpeed's global_stepN.
+STEP_IN_NAME = re.compile(r"(?:.*[^0-9a-z])?(?:global_)?step[-_=]?([0-9]+)(?:\.[a-z]+)?", re.IGNORECASE)
+
+
+def step_in_name(checkpoint_id: str) -> int | None:
+    """The step a checkpoint id's last component names (`.../step-6`, `.../epoch=0-step=100.ckpt`), else None."""
+    match = STEP_IN_NAME.fullmatch(posixpath.basename(checkpoint_id.rstrip("/")))
+    return int(match.group(1)) if match else None
+
+
 def checkpoint_url(checkpoint_id: object) -> str:
     """A checkpoint id DCP hands over (a str or os.PathLike), as the URL shardckpt opens."""
     if isinstance(checkpoint_id, (str, os.PathLike)):
@@ -46,7 +59,9 @@ class StorageWriter(_DCPStorageWriter):
     """`dcp.save(state, storage_writer=shardckpt.dcp.StorageWriter(url))` saves a shardckpt checkpoint at `url`.
 
     Picklable (async_save's process executor sends it to a child): it holds the URL, options and step only.
-    step: recorded in the manifest (shardckpt ls, latest); block_size: bytes per checksummed block.
+    step: recorded in the manifest (shardckpt ls, latest), for `url`; by default the step its last component names
+    (step-N, step_N, ...); a writer reused for another checkpoint id (dcp.save(checkpoint_id=...) resets it) records
+    the step that id names, and refuses an id naming none when a step was given; block_size: bytes per block.
     """
 
     def __init__(
@@ -60,7 +75,8 @@ class StorageWriter(_DCPStorageWriter):
         super().__init__()
         self.url = checkpoint_url(url)
         self.storage_options = dict(storage_options) if storage_options else None
-        self.step, self.block_size = step, block_size
+        self.step, self.block_size = (step_in_name(self.url) if step is None else step), block_size
+        self._given = (self.url, step)  # the URL the caller's step belongs to
         self._attempt: str | None = None
         self._paths: dict[str, Path] = {}  # DCP's flatten mapping: entry -> path in the nested state dict
 
@@ -74,7 +90,22 @@ class StorageWriter(_DCPStorageWriter):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.url = checkpoint_url(checkpoint_id)
+            self.step = self._step_for(self.url)
         self._attempt = None
+
+    def _step_for(self, url: str) -> int | None:
+        """The step a save to `url` records: the caller's for the URL it was given with, else the one `url` names."""
+        given_url, given_step = self._given
+        if url == given_url or given_step is None:
+            return given_step if url == given_url and given_step is not None else step_in_name(url)
+        named = step_in_name(url)
+        if named is None:
+            raise ShardckptUsageError(
+                f"StorageWriter(step={given_step}) was made for {given_url} and reused for checkpoint id {url}, "
+                "which names no step (step-N): make a StorageWriter(url, step=...) for each save, or name the step "
+                "in the checkpoint id"
+            )
+        return named
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator

@@ -108,7 +108,15 @@ class StorageWriter(_DCPStorageWriter):
         return named
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """(all) Before any collective: refuse dcp.save(use_collectives=False) on more than one rank (every rank
+        would plan and commit alone, as rank 0 of 1); one process saves as usual."""
         self.is_coordinator = is_coordinator
+        if kwargs.get("use_collectives", True) is False and _ranks() > 1:
+            raise ShardckptUsageError(
+                f"dcp.save(..., use_collectives=False) to {self.url}: shardckpt commits a checkpoint only after "
+                "gathering every rank's pieces and checking they cover each tensor, which takes the collectives; "
+                "save with use_collectives=True (the default)"
+            )
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.url)
@@ -228,6 +236,13 @@ class StorageWriter(_DCPStorageWriter):
             step=self.step,
             local_manifests=gathered if len(gathered) == len(manifests) else None,
         )
+
+
+def _ranks() -> int:
+    """The default group's size, 1 without torch.distributed."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _held(plan: SavePlan) -> list[str]:

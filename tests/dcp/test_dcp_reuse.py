@@ -40,3 +40,19 @@ def test_a_reused_writer_refuses_an_id_naming_no_step_rather_than_recording_a_st
     with pytest.raises(shardckpt.ShardckptUsageError, match="names no step"):
         dcp.save(_state(6.0), checkpoint_id=str(tmp_path / "second"), storage_writer=writer)
     assert not (tmp_path / "second").exists()
+
+
+def test_use_collectives_false_saves_in_one_process_and_is_refused_up_front_on_many_ranks(
+    tmp_path, monkeypatch
+) -> None:
+    dcp.save(_state(1.0), storage_writer=shardckpt.dcp.StorageWriter(str(tmp_path / "one")), use_collectives=False)
+    assert torch.equal(shardckpt.open(str(tmp_path / "one")).read("w"), torch.full((3, 4), 1.0))
+    # On 2 ranks each would plan and commit alone as rank 0 of 1: refused in set_up_storage_writer, which DCP calls
+    # on every rank before anything is written (the same answer everywhere: no rank waits for another).
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    writer = shardckpt.dcp.StorageWriter(str(tmp_path / "two"))
+    with pytest.raises(shardckpt.ShardckptUsageError, match="use_collectives=False.*gathering every rank"):
+        writer.set_up_storage_writer(True, rank=0, use_collectives=False)
+    writer.set_up_storage_writer(True, rank=0, use_collectives=True)
+    assert not (tmp_path / "two").exists()

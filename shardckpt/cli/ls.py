@@ -57,6 +57,6 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if rows:
         headers = ("checkpoint", "status", "step", "ranks", "data", "committed at")
         console.print(fitted_table(console, headers, table_rows, title=listing["root"], right=(2, 3, 4)))
-    else:
+    if "note" in listing:
         console.print(listing["note"], highlight=False)
     return EXIT_OK

@@ -30,18 +30,38 @@ from shardckpt.format.references import check_committed_references
 from shardckpt.storage import Storage
 
 
-def read_marker_bytes(storage: Storage) -> bytes | None:
-    """The raw COMMITTED marker, or None when the checkpoint is not committed."""
+def read_marker(storage: Storage) -> tuple[str, bytes] | None:
+    """(name, raw bytes) of the marker that commits the checkpoint now, None when it is not committed.
+
+    COMMITTED makes the checkpoint exist; a save that superseded it (SPEC 14.2) committed COMMITTED-2, the next
+    COMMITTED-3, ...: the newest of the unbroken run COMMITTED, COMMITTED-2, ... is the one that counts.
+    """
     try:
-        return storage.read_small(layout.COMMITTED, limits.MAX_COMMIT_MARKER_BYTES)
+        raw = storage.read_small(layout.COMMITTED, limits.MAX_COMMIT_MARKER_BYTES)
     except NotFoundError:
         return None
+    name = layout.COMMITTED
+    for generation in range(2, limits.MAX_MARKER_GENERATION + 1):
+        successor = layout.marker_name(generation)
+        try:
+            raw = storage.read_small(successor, limits.MAX_COMMIT_MARKER_BYTES)
+        except NotFoundError:
+            break
+        name = successor
+    return name, raw
+
+
+def read_marker_bytes(storage: Storage) -> bytes | None:
+    """The raw bytes of the marker that commits the checkpoint (read_marker), or None when it is not committed."""
+    found = read_marker(storage)
+    return None if found is None else found[1]
 
 
 def read_commit_marker(storage: Storage) -> CommitMarker | None:
-    """The decoded COMMITTED marker, None when absent; FormatError (or StorageError) when unreadable."""
-    raw = read_marker_bytes(storage)
-    return None if raw is None else decode_commit_marker(raw, storage.describe(layout.COMMITTED))
+    """The decoded marker that commits the checkpoint, None when absent; FormatError (or StorageError) when
+    unreadable."""
+    found = read_marker(storage)
+    return None if found is None else decode_commit_marker(found[1], storage.describe(found[0]))
 
 
 def read_global_manifest(storage: Storage, marker: CommitMarker) -> GlobalManifest:
@@ -80,8 +100,9 @@ class Opening:
 def read_opening(storage: Storage) -> Opening:
     """Read COMMITTED and the global manifest it points at, each once, and check them; NotCommittedError if none."""
     try:
-        marker_raw = read_marker_bytes(storage)
-        marker = None if marker_raw is None else decode_commit_marker(marker_raw, storage.describe(layout.COMMITTED))
+        found = read_marker(storage)
+        marker_raw = None if found is None else found[1]
+        marker = None if found is None else decode_commit_marker(found[1], storage.describe(found[0]))
     except StorageError as exc:
         raise StorageError(f"cannot read {storage.describe(layout.COMMITTED)}: {exc}") from exc
     if marker_raw is None or marker is None:

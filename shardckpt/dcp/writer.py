@@ -62,6 +62,10 @@ class StorageWriter(_DCPStorageWriter):
     step: recorded in the manifest (shardckpt ls, latest), for `url`; by default the step its last component names
     (step-N, step_N, ...); a writer reused for another checkpoint id (dcp.save(checkpoint_id=...) resets it) records
     the step that id names, and refuses an id naming none when a step was given; block_size: bytes per block.
+    supersede: a save to a URL that holds a committed checkpoint does what DCP's own writer does there (a rollback
+    saving step-6 again, Lightning's last.ckpt): the new save is written beside the old one and, once committed,
+    replaces it for every reader (SPEC 14.2); the old one stays whole until then and gc collects it after.
+    False: such a save fails with AlreadyExistsError on every rank before anything is written.
     """
 
     def __init__(
@@ -71,11 +75,13 @@ class StorageWriter(_DCPStorageWriter):
         storage_options: dict[str, Any] | None = None,
         step: int | None = None,
         block_size: int = knobs.BLOCK_SIZE,
+        supersede: bool = True,
     ) -> None:
         super().__init__()
         self.url = checkpoint_url(url)
         self.storage_options = dict(storage_options) if storage_options else None
         self.step, self.block_size = (step_in_name(self.url) if step is None else step), block_size
+        self.supersede = supersede
         self._given = (self.url, step)  # the URL the caller's step belongs to
         self._attempt: str | None = None
         self._paths: dict[str, Path] = {}  # DCP's flatten mapping: entry -> path in the nested state dict
@@ -134,13 +140,16 @@ class StorageWriter(_DCPStorageWriter):
         return dataclasses.replace(plan, storage_data={"objects": objects})
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """(coordinator) Refuse a committed URL, draw the attempt, name the objects each rank stores (SPEC 7
-        "Names", over all ranks' entries); raising here fails dcp.save on every rank."""
+        """(coordinator) Refuse a committed URL unless superseding, draw the attempt, name the objects each rank
+        stores (SPEC 7 "Names", over all ranks' entries); raising here fails dcp.save on every rank."""
         if any(not plan.usable for plan in plans):
             raise ShardckptUsageError(PLAN_CACHING_REFUSED)
         storage = self._storage()
-        if storage.exists(layout.COMMITTED):
-            raise AlreadyExistsError(f"{storage.url} already holds a committed checkpoint; save to a new URL")
+        if not self.supersede and storage.exists(layout.COMMITTED):
+            raise AlreadyExistsError(
+                f"{storage.url} already holds a committed checkpoint; save to a new URL (or StorageWriter(url, "
+                "supersede=True) to replace it as DCP does)"
+            )
         self._attempt = layout.new_attempt()
         owners = _owners(plans)
         out = []
@@ -235,6 +244,7 @@ class StorageWriter(_DCPStorageWriter):
             attempt=attempts.pop(),
             step=self.step,
             local_manifests=gathered if len(gathered) == len(manifests) else None,
+            supersede=self.supersede,
         )
 
 

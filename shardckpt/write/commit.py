@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from shardckpt import knobs
-from shardckpt.catalog.chain import read_commit_marker, read_global_manifest, read_marker_bytes
+from shardckpt.catalog.chain import read_commit_marker, read_global_manifest, read_marker
 from shardckpt.crashpoints import crash_point
 from shardckpt.errors import (
     AlreadyExistsError,
@@ -55,6 +55,7 @@ def commit(
     local_manifests: Sequence[bytes] | None = None,
     storage_options: dict[str, Any] | None = None,
     root: Storage | None = None,
+    supersede: bool = False,
 ) -> GlobalManifest:
     """Validate the local manifests of one attempt and commit the checkpoint at `url` atomically.
 
@@ -67,9 +68,13 @@ def commit(
     saves); otherwise they are read from storage. Re-committing the attempt that already committed (or whose
     global manifest a failed commit already wrote) reuses what it recorded: a `step` or `metadata` given here
     must equal the recorded one (None keeps it), else CommitConflictError, as for any other attempt.
+
+    supersede: where another attempt is committed already, commit this one as its successor (SPEC 14.2: the next
+    COMMITTED-<g>, created only if absent) instead of raising CommitConflictError; the superseded attempt's files
+    stay until a collector finds them older than its grace period.
     """
     storage = open_storage(url, storage_options)
-    committed = _existing_commit(storage, attempt, step, metadata)
+    committed = _existing_commit(storage, attempt, step, metadata, supersede)
     if committed is not None:
         return committed
     if local_manifests is None:
@@ -122,26 +127,44 @@ def commit(
         references=committed_references(manifest.references),
     )
     marker_bytes = encode_commit_marker(marker)
+    name = _next_marker(storage) if supersede else layout.COMMITTED
     try:
-        storage.commit_marker(layout.COMMITTED, marker_bytes)
+        storage.commit_marker(name, marker_bytes)
     except AlreadyExistsError:
         # A concurrent committer won the race: success only if it committed this very manifest.
-        winner = _existing_commit(storage, attempt, step, metadata)
+        winner = _existing_commit(storage, attempt, step, metadata, False)
         if winner is None:
             raise
         return winner
-    if read_marker_bytes(storage) != marker_bytes:  # never report success for a marker that does not read back
-        raise IntegrityError(f"{storage.describe(layout.COMMITTED)} does not hold the marker bytes just written")
+    # Never report success for a marker that does not read back.
+    if storage.read_small(name, limits.MAX_COMMIT_MARKER_BYTES) != marker_bytes:
+        raise IntegrityError(f"{storage.describe(name)} does not hold the marker bytes just written")
     # The manifest just validated and written (its bytes read back equal): decoding them again would only cost.
     return manifest
 
 
+def _next_marker(storage: Storage) -> str:
+    """The name of the marker that supersedes the newest one (COMMITTED when there is none yet)."""
+    found = read_marker(storage)
+    if found is None:
+        return layout.COMMITTED
+    generation = layout.marker_generation(found[0])
+    assert generation is not None  # read_marker only reads marker names
+    if generation >= limits.MAX_MARKER_GENERATION:
+        raise AlreadyExistsError(
+            f"{storage.url} was superseded {generation - 1} times, the most SPEC 14.2 allows: save to a new URL"
+        )
+    return layout.marker_name(generation + 1)
+
+
 def _existing_commit(
-    storage: Storage, attempt: str | None, step: int | None, metadata: dict[str, Any] | None
+    storage: Storage, attempt: str | None, step: int | None, metadata: dict[str, Any] | None, supersede: bool
 ) -> GlobalManifest | None:
     marker = read_commit_marker(storage)
     if marker is None:
         return None
+    if supersede and attempt is not None and marker.attempt != attempt:
+        return None  # another attempt's checkpoint: this one commits as its successor
     if attempt is None or marker.attempt == attempt:
         # Committing what is already committed is a no-op (a retried commit after a lost reply).
         committed = read_global_manifest(storage, marker)

@@ -114,7 +114,16 @@ def test_a_rank_failing_in_write_data_fails_the_save_everywhere_and_commits_noth
         shardckpt.open(args["failed"])
 
 
-def test_a_save_into_a_committed_url_is_refused_on_every_rank(saved) -> None:
+def test_a_save_into_a_committed_url_is_refused_on_every_rank_without_supersede(saved) -> None:
     _, verdicts = saved
     for verdict in verdicts:
         assert verdict["refused"] == {"raised": "CheckpointException", "causes": {"0": "AlreadyExistsError"}}
+
+
+def test_a_second_save_to_one_url_supersedes_the_first_on_2_ranks(saved) -> None:
+    args, _ = saved
+    assert sorted(name for name in os.listdir(args["ours"]) if name.startswith("COMMITTED")) == [
+        "COMMITTED",
+        "COMMITTED-2",
+    ]
+    assert shardckpt.open(args["ours"]).step == 7  # the loads above read the successor, bit-equal

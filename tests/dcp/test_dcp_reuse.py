@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 import shardckpt
 import shardckpt.dcp
@@ -56,3 +57,111 @@ def test_use_collectives_false_saves_in_one_process_and_is_refused_up_front_on_m
         writer.set_up_storage_writer(True, rank=0, use_collectives=False)
     writer.set_up_storage_writer(True, rank=0, use_collectives=True)
     assert not (tmp_path / "two").exists()
+
+
+def _load(url: str) -> dict:
+    target = _state(0.0)
+    dcp.load(target, storage_reader=shardckpt.dcp.StorageReader(url))
+    return target
+
+
+def test_a_rollback_saves_the_same_step_again_and_the_new_save_supersedes_the_old(tmp_path) -> None:
+    root = tmp_path / "checkpoint"
+    for step in (2, 4, 6):
+        dcp.save(_state(float(step)), checkpoint_id=str(root / f"step-{step}"), storage_writer=writer_for(root, step))
+    # Resumed from step 4, the run reaches step 6 again with other values: DCP's own writer overwrote step-6.
+    dcp.save(_state(60.0), checkpoint_id=str(root / "step-6"), storage_writer=writer_for(root, 6))
+    assert sorted(p.name for p in (root / "step-6").iterdir() if p.name.startswith("COMMITTED")) == [
+        "COMMITTED",
+        "COMMITTED-2",
+    ]
+    assert torch.equal(_load(str(root / "step-6"))["w"], torch.full((3, 4), 60.0))
+    assert torch.equal(shardckpt.open(str(root / "step-6")).read("w"), torch.full((3, 4), 60.0))
+    assert shardckpt.latest(str(root)) == str(root / "step-6")
+    # A third save supersedes the second; ls lists step-6 once, with the newest one's step.
+    dcp.save(_state(61.0), checkpoint_id=str(root / "step-6"), storage_writer=writer_for(root, 6))
+    assert torch.equal(_load(str(root / "step-6"))["w"], torch.full((3, 4), 61.0))
+    from shardckpt.ops.ls import list_checkpoints
+
+    rows = list_checkpoints(str(root))["checkpoints"]
+    assert [(row["name"], row["status"], row["step"]) for row in rows] == [
+        ("step-2", "committed", 2),
+        ("step-4", "committed", 4),
+        ("step-6", "committed", 6),
+    ]
+
+
+def writer_for(root, step: int) -> shardckpt.dcp.StorageWriter:
+    return shardckpt.dcp.StorageWriter(str(root / f"step-{step}"))
+
+
+def test_gc_collects_what_a_superseding_save_replaced_and_keeps_every_marker(tmp_path) -> None:
+    from shardckpt.ops.gc import gc
+
+    url = str(tmp_path / "step-6")
+    dcp.save(_state(6.0), storage_writer=shardckpt.dcp.StorageWriter(url))
+    first = shardckpt.open(url).manifest.attempt
+    dcp.save(_state(60.0), storage_writer=shardckpt.dcp.StorageWriter(url))
+    second = shardckpt.open(url).manifest.attempt
+    assert first != second
+    done = gc(str(tmp_path), grace=0)
+    assert done.ok
+    left = sorted(str(p.relative_to(tmp_path / "step-6")) for p in (tmp_path / "step-6").rglob("*") if p.is_file())
+    assert left == sorted(
+        [
+            "COMMITTED",
+            "COMMITTED-2",
+            f"manifest-{second}.msgpack",
+            f"data/00000-{second}.safetensors",
+            f"ranks/00000-{second}.msgpack",
+        ]
+    )
+    assert torch.equal(_load(url)["w"], torch.full((3, 4), 60.0))
+    # Pruning the checkpoint deletes COMMITTED first, then the successor markers, then the rest.
+    from shardckpt.catalog.deletion import checkpoint_objects
+    from shardckpt.storage import open_storage
+
+    assert checkpoint_objects(open_storage(url))[:2] == ["COMMITTED", "COMMITTED-2"]
+
+
+def test_a_superseding_save_killed_before_its_commit_leaves_the_old_checkpoint_whole(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    url = str(tmp_path / "step-6")
+    dcp.save(_state(6.0), storage_writer=shardckpt.dcp.StorageWriter(url))
+    script = (
+        "import torch, torch.distributed.checkpoint as dcp, shardckpt.dcp\n"
+        f"dcp.save({{'w': torch.full((3, 4), 60.0), 'meta': {{'step': 60}}}}, "
+        f"storage_writer=shardckpt.dcp.StorageWriter({url!r}))\n"
+    )
+    env = dict(os.environ, SHARDCKPT_CRASH_AT="before_commit")
+    killed = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=120)
+    assert killed.returncode == -9, killed.stderr.decode()[-2000:]
+    assert len(list((tmp_path / "step-6").glob("manifest-*.msgpack"))) == 2  # the new attempt got that far
+    assert not (tmp_path / "step-6" / "COMMITTED-2").exists()
+    assert torch.equal(_load(url)["w"], torch.full((3, 4), 6.0))
+
+
+def test_without_supersede_a_committed_url_is_refused_before_anything_is_written(tmp_path) -> None:
+    url = str(tmp_path / "step-6")
+    dcp.save(_state(6.0), storage_writer=shardckpt.dcp.StorageWriter(url))
+    before = sorted(p.name for p in (tmp_path / "step-6").rglob("*"))
+    with pytest.raises(CheckpointException) as refused:
+        dcp.save(_state(7.0), storage_writer=shardckpt.dcp.StorageWriter(url, supersede=False))
+    cause = refused.value.failures[0][0]
+    assert isinstance(cause, shardckpt.AlreadyExistsError) and "supersede=True" in str(cause)
+    assert sorted(p.name for p in (tmp_path / "step-6").rglob("*")) == before
+    # shardckpt.save keeps its own rule: a committed URL is never saved over.
+    with pytest.raises(shardckpt.AlreadyExistsError):
+        shardckpt.save(_state(7.0), url)
+
+
+def test_a_successor_marker_without_committed_is_not_a_checkpoint(tmp_path) -> None:
+    url = str(tmp_path / "step-6")
+    dcp.save(_state(6.0), storage_writer=shardckpt.dcp.StorageWriter(url))
+    dcp.save(_state(60.0), storage_writer=shardckpt.dcp.StorageWriter(url))
+    (tmp_path / "step-6" / "COMMITTED").unlink()  # what a deletion cut short after its first step leaves
+    with pytest.raises(shardckpt.NotCommittedError):
+        shardckpt.open(url)

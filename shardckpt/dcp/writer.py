@@ -48,6 +48,23 @@ def step_in_name(checkpoint_id: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+# The manifest metadata entry holding DCP's flatten mapping (entry -> key path in the nested state dict): what
+# dcp.load's empty-state-dict planner (format_utils.dcp_to_torch_save) needs to rebuild the nesting.
+DCP_PATHS = "dcp_paths"
+
+
+def nested_paths(planner_data: object) -> dict[str, list[str | int]]:
+    """DCP's flatten mapping as a plain value, without the entries that are their own one-key path."""
+    if not isinstance(planner_data, dict):
+        return {}
+    paths: dict[str, list[str | int]] = {}
+    for name, path in planner_data.items():
+        steps = list(path) if isinstance(path, (tuple, list)) else []
+        if isinstance(name, str) and steps != [name] and all(isinstance(step, (str, int)) for step in steps):
+            paths[name] = steps
+    return paths
+
+
 def checkpoint_url(checkpoint_id: object) -> str:
     """A checkpoint id DCP hands over (a str or os.PathLike), as the URL shardckpt opens."""
     if isinstance(checkpoint_id, (str, os.PathLike)):
@@ -238,11 +255,13 @@ class StorageWriter(_DCPStorageWriter):
             raise ShardckptError(f"{self.url}: the ranks' results name attempts {sorted(map(str, attempts))}")
         manifests = [data.get("manifest") if isinstance(data, dict) else None for data in carried]
         gathered = [m for m in manifests if isinstance(m, bytes)]
+        paths = nested_paths(metadata.planner_data)
         commit(
             self._storage(),
             world_size=len(results),
             attempt=attempts.pop(),
             step=self.step,
+            metadata={DCP_PATHS: paths} if paths else None,
             local_manifests=gathered if len(gathered) == len(manifests) else None,
             supersede=self.supersede,
         )

@@ -30,25 +30,30 @@ from shardckpt.format.references import check_committed_references
 from shardckpt.storage import Storage
 
 
-def read_marker(storage: Storage) -> tuple[str, bytes] | None:
-    """(name, raw bytes) of the marker that commits the checkpoint now, None when it is not committed.
+def read_markers(storage: Storage) -> list[tuple[str, bytes]]:
+    """(name, raw bytes) of every marker of the checkpoint, oldest first; [] when it is not committed.
 
     COMMITTED makes the checkpoint exist; a save that superseded it (SPEC 14.2) committed COMMITTED-2, the next
-    COMMITTED-3, ...: the newest of the unbroken run COMMITTED, COMMITTED-2, ... is the one that counts.
+    COMMITTED-3, ...: the last of the unbroken run COMMITTED, COMMITTED-2, ... is the one that counts.
     """
     try:
-        raw = storage.read_small(layout.COMMITTED, limits.MAX_COMMIT_MARKER_BYTES)
+        markers = [(layout.COMMITTED, storage.read_small(layout.COMMITTED, limits.MAX_COMMIT_MARKER_BYTES))]
     except NotFoundError:
-        return None
-    name = layout.COMMITTED
+        return []
     for generation in range(2, limits.MAX_MARKER_GENERATION + 1):
         successor = layout.marker_name(generation)
         try:
-            raw = storage.read_small(successor, limits.MAX_COMMIT_MARKER_BYTES)
+            markers.append((successor, storage.read_small(successor, limits.MAX_COMMIT_MARKER_BYTES)))
         except NotFoundError:
             break
-        name = successor
-    return name, raw
+    return markers
+
+
+def read_marker(storage: Storage) -> tuple[str, bytes] | None:
+    """(name, raw bytes) of the marker that commits the checkpoint now (read_markers' last), None when it is not
+    committed."""
+    markers = read_markers(storage)
+    return markers[-1] if markers else None
 
 
 def read_marker_bytes(storage: Storage) -> bytes | None:

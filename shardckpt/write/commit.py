@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from shardckpt import knobs
-from shardckpt.catalog.chain import read_commit_marker, read_global_manifest, read_marker
+from shardckpt.catalog.chain import read_commit_marker, read_global_manifest, read_marker, read_markers
 from shardckpt.crashpoints import crash_point
 from shardckpt.errors import (
     AlreadyExistsError,
@@ -33,6 +33,7 @@ from shardckpt.format.manifest import (
     FileEntry,
     GlobalManifest,
     crc32c_of,
+    decode_commit_marker,
     decode_global_manifest,
     encode_commit_marker,
     encode_global_manifest,
@@ -164,7 +165,15 @@ def _existing_commit(
     if marker is None:
         return None
     if supersede and attempt is not None and marker.attempt != attempt:
-        return None  # another attempt's checkpoint: this one commits as its successor
+        # Another attempt's checkpoint: this one commits as its successor, unless it was committed before and
+        # superseded since (a retried commit must not bring it back over the newer save).
+        for name, raw in read_markers(storage)[:-1]:
+            if decode_commit_marker(raw, storage.describe(name)).attempt == attempt:
+                raise CommitConflictError(
+                    f"{storage.describe(name)}: attempt {attempt} was committed and has since been superseded by "
+                    f"attempt {marker.attempt}; it is not committed again"
+                )
+        return None
     if attempt is None or marker.attempt == attempt:
         # Committing what is already committed is a no-op (a retried commit after a lost reply).
         committed = read_global_manifest(storage, marker)

@@ -165,3 +165,45 @@ def test_a_successor_marker_without_committed_is_not_a_checkpoint(tmp_path) -> N
     (tmp_path / "step-6" / "COMMITTED").unlink()  # what a deletion cut short after its first step leaves
     with pytest.raises(shardckpt.NotCommittedError):
         shardckpt.open(url)
+
+
+def _prepared(url: str, value: float) -> str:
+    """An attempt's files, written and not committed: what a save has done when it reaches its commit."""
+    from shardckpt.format.layout import new_attempt
+
+    attempt = new_attempt()
+    writer = shardckpt.ShardWriter(url, rank=0, world_size=1, attempt=attempt)
+    writer.add("w", torch.full((3, 4), value), global_shape=(3, 4), offsets=(0, 0))
+    writer.close()
+    return attempt
+
+
+def test_of_two_saves_superseding_at_once_one_commits_and_a_superseded_attempt_never_comes_back(
+    tmp_path, monkeypatch
+) -> None:
+    from shardckpt.write import commit as commit_module
+
+    url = str(tmp_path / "step-6")
+    first, second, third = (_prepared(url, value) for value in (6.0, 60.0, 61.0))
+    commit_module.commit(url, world_size=1, attempt=first)
+    # Both racers chose COMMITTED-2 before either created it: the create-only marker lets exactly one win.
+    monkeypatch.setattr(commit_module, "_next_marker", lambda storage: "COMMITTED-2")
+    commit_module.commit(url, world_size=1, attempt=second, supersede=True)
+    with pytest.raises(shardckpt.CommitConflictError, match="already committed by attempt"):
+        commit_module.commit(url, world_size=1, attempt=third, supersede=True)
+    monkeypatch.undo()
+    assert shardckpt.open(url).manifest.attempt == second
+    # A retried commit of the first attempt (superseded since) is refused, not committed as COMMITTED-3.
+    with pytest.raises(shardckpt.CommitConflictError, match="superseded by attempt"):
+        commit_module.commit(url, world_size=1, attempt=first, supersede=True)
+    commit_module.commit(url, world_size=1, attempt=second, supersede=True)  # the committed one: a no-op
+    assert not (tmp_path / "step-6" / "COMMITTED-3").exists()
+    assert torch.equal(shardckpt.open(url).read("w"), torch.full((3, 4), 60.0))
+
+
+def test_a_save_to_the_same_s3_url_supersedes_with_a_conditional_create(s3_url) -> None:
+    url = f"{s3_url}/step-6"
+    dcp.save(_state(6.0), storage_writer=shardckpt.dcp.StorageWriter(url))
+    dcp.save(_state(60.0), storage_writer=shardckpt.dcp.StorageWriter(url))
+    assert torch.equal(_load(url)["w"], torch.full((3, 4), 60.0))
+    assert shardckpt.latest(s3_url) == url

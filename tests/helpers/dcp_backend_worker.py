@@ -181,7 +181,10 @@ def scenario_save(args: dict, rank: int, world: int) -> dict:
     )
     # As DCP overwrites: the same URL saved again supersedes the committed checkpoint (SPEC 14.2); loads read it.
     dcp.save(state, storage_writer=shardckpt.dcp.StorageWriter(args["ours"], step=7, block_size=BLOCK_SIZE))
-    return {"failed": failed, "refused": refused, "loads": load_all(args)}
+    # The state dict exactly as given to dcp.save (this rank's own key of one dict) loads with shardckpt.load.
+    same = {"dataloader": {f"dp_rank_{rank}": b""}, "extra": {"epoch": 0, "tag": "", "blob": b"", "history": []}}
+    shardckpt.load(same, args["ours"])
+    return {"failed": failed, "refused": refused, "loads": load_all(args), "same": _jsonable(same)}
 
 
 def _stop_checkpoint_process() -> None:

@@ -209,6 +209,11 @@ def _planner_data(manifest: GlobalManifest, entries: Mapping[str, Any], url: str
         if not valid:
             raise FormatError(f"{url}: manifest metadata {DCP_PATHS!r}: entry {name!r} has no key path")
         paths[name] = tuple(path)
+    # DCP nests by these paths (set_element): one that is another's prefix, or two alike, would fail inside torch.
+    ordered = sorted(paths.items(), key=lambda item: [(isinstance(step, int), str(step)) for step in item[1]])
+    for (first, a), (second, b) in zip(ordered, ordered[1:]):
+        if b[: len(a)] == a:
+            raise FormatError(f"{url}: manifest metadata {DCP_PATHS!r}: entries {first!r} and {second!r} nest at once")
     return paths
 
 
@@ -229,10 +234,18 @@ def full_state_dict(url: str | os.PathLike[str], *, storage_options: dict[str, A
     """Everything a checkpoint holds as one nested state dict of full tensors, in this process (no process group):
     what format_utils.dcp_to_torch_save loads from a DCP directory, for a shardckpt checkpoint. DCP picks its own
     reader for a bare checkpoint_id, so dcp.load of a shardckpt URL takes storage_reader=StorageReader(url)."""
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}
     reader = StorageReader(url, storage_options=storage_options)
-    _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)  # type: ignore[no-untyped-call]
+    reader.read_metadata()  # its errors as they are: DCP turns one in read_metadata into an AssertionError
+    try:
+        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)  # type: ignore[no-untyped-call]
+    except CheckpointException as exc:  # a BaseException wrapping each rank's cause: raise ours as itself
+        ours = [cause for cause, _ in exc.failures.values() if isinstance(cause, ShardckptError)]
+        if ours:
+            raise ours[0] from None
+        raise
     return state

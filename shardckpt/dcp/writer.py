@@ -45,7 +45,8 @@ STEP_IN_NAME = re.compile(r"(?:.*[^0-9a-z])?(?:global_)?step[-_=]?([0-9]+)(?:\.[
 def step_in_name(checkpoint_id: str) -> int | None:
     """The step a checkpoint id's last component names (`.../step-6`, `.../epoch=0-step=100.ckpt`), else None."""
     match = STEP_IN_NAME.fullmatch(posixpath.basename(checkpoint_id.rstrip("/")))
-    return int(match.group(1)) if match else None
+    step = int(match.group(1)) if match else None
+    return step if step is not None and step < 1 << 63 else None  # a manifest's step is a 64-bit integer
 
 
 # The manifest metadata entry holding DCP's flatten mapping (entry -> key path in the nested state dict): what
@@ -95,6 +96,10 @@ class StorageWriter(_DCPStorageWriter):
         supersede: bool = True,
     ) -> None:
         super().__init__()
+        if step is not None and (
+            isinstance(step, bool) or not isinstance(step, int) or not -(1 << 63) <= step < 1 << 63
+        ):
+            raise ShardckptUsageError(f"step must be an integer (64-bit) or None, got {type(step).__name__} {step!r}")
         self.url = checkpoint_url(url)
         self.storage_options = dict(storage_options) if storage_options else None
         self.step, self.block_size = (step_in_name(self.url) if step is None else step), block_size

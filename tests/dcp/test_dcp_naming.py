@@ -229,3 +229,16 @@ def test_a_full_load_without_a_state_dict_comes_back_nested_as_dcp_saved_it(tmp_
     assert full["loader"]["blob"] == saved["loader"]["blob"] and full["epoch"] == 2
     assert full["optim"]["param_groups"][0]["lr"] == saved["optim"]["param_groups"][0]["lr"]
     assert "model.w" not in full and "optim.state.w.exp_avg" not in full
+
+
+def test_recorded_key_paths_that_cannot_nest_are_a_format_error_not_a_torch_crash(tmp_path) -> None:
+    from shardckpt.write.commit import commit
+
+    url, attempt = str(tmp_path / "ck"), "a1"
+    writer = shardckpt.ShardWriter(url, rank=0, world_size=1, attempt=attempt)
+    writer.add("a", torch.ones(1), global_shape=(1,), offsets=(0,))
+    writer.add("b", torch.ones(1), global_shape=(1,), offsets=(0,))
+    writer.close()
+    commit(url, world_size=1, attempt=attempt, metadata={"dcp_paths": {"a": ["x"], "b": ["x", "y"]}})
+    with pytest.raises(shardckpt.FormatError, match="entries 'a' and 'b' nest at once"):
+        shardckpt.dcp.full_state_dict(url)

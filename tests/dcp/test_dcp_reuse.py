@@ -23,7 +23,10 @@ def _state(value: float) -> dict:
 def test_step_in_name_reads_the_steps_trainers_put_in_checkpoint_names() -> None:
     names = ["/r/step-6", "s3://b/step-00000100/", "/r/step_12", "/r/epoch=0-step=100.ckpt", "/r/global_step7"]
     assert [step_in_name(name) for name in names] == [6, 100, 12, 100, 7]
-    assert [step_in_name(name) for name in ["/r/last.ckpt", "/r/steps", "/r/mystep-5x", "/r/step-"]] == [None] * 4
+    unnamed = ["/r/last.ckpt", "/r/steps", "/r/mystep-5x", "/r/step-", f"/r/step-{1 << 63}"]  # too large: none
+    assert [step_in_name(name) for name in unnamed] == [None] * 5
+    with pytest.raises(shardckpt.ShardckptUsageError, match="64-bit"):
+        shardckpt.dcp.StorageWriter("/r/x", step=1 << 63)  # refused before a byte is written
 
 
 def test_a_reused_writer_records_the_step_each_checkpoint_id_names(tmp_path) -> None:

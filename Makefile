@@ -59,6 +59,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks --size-mib 2048 --repeats 5 --json benchmarks/results.json
 	$(BIN)/python -m benchmarks.distributed --size-mib 2048 --json benchmarks/distributed.json
 	$(BIN)/python -m benchmarks.dcp_backend --size-mib 2048 --json benchmarks/dcp_backend.json
+	$(BIN)/python -m benchmarks.torchtitan_save --json benchmarks/torchtitan_save.json
 	$(BIN)/python -m benchmarks.loop_state --json benchmarks/loop_state.json
 	$(BIN)/python -m benchmarks.scale --ranks 1024 4096 --json benchmarks/scale.json
 	$(BIN)/python -m benchmarks.scale_dcp --ranks 1024 4096 --json benchmarks/scale_dcp.json

@@ -79,6 +79,9 @@ GC_GRACE = float(_knob("GC_GRACE", 3600.0))  # seconds: gc leaves anything young
 # Streaming tools (tools/export.py, tools/diff.py)
 MEMORY_LIMIT = int(_knob("MEMORY_LIMIT", 1 << 30))  # bytes of tensor data export and diff hold at once
 EXPORT_SHARD_SIZE = int(_knob("EXPORT_SHARD_SIZE", 5 * 10**9))  # what transformers' save_pretrained uses
+# `shardckpt inspect`: objects named alike (a.b.*.z: torchtitan's per-parameter hyperparameters) shown as one row
+# when at least this many share the pattern
+INSPECT_GROUP_MIN = int(_knob("INSPECT_GROUP_MIN", 4))
 
 # Automatic checkpoint cadence (Checkpointer(every_steps="auto"), catalog/cadence.py)
 CADENCE_MTBF_PRIOR = float(_knob("CADENCE_MTBF_PRIOR", 3600.0))  # seconds: one prior failure per this long

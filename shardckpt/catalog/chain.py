@@ -30,18 +30,43 @@ from shardckpt.format.references import check_committed_references
 from shardckpt.storage import Storage
 
 
-def read_marker_bytes(storage: Storage) -> bytes | None:
-    """The raw COMMITTED marker, or None when the checkpoint is not committed."""
+def read_markers(storage: Storage) -> list[tuple[str, bytes]]:
+    """(name, raw bytes) of every marker of the checkpoint, oldest first; [] when it is not committed.
+
+    COMMITTED makes the checkpoint exist; a save that superseded it (SPEC 14.2) committed COMMITTED-2, the next
+    COMMITTED-3, ...: the last of the unbroken run COMMITTED, COMMITTED-2, ... is the one that counts.
+    """
     try:
-        return storage.read_small(layout.COMMITTED, limits.MAX_COMMIT_MARKER_BYTES)
+        markers = [(layout.COMMITTED, storage.read_small(layout.COMMITTED, limits.MAX_COMMIT_MARKER_BYTES))]
     except NotFoundError:
-        return None
+        return []
+    for generation in range(2, limits.MAX_MARKER_GENERATION + 1):
+        successor = layout.marker_name(generation)
+        try:
+            markers.append((successor, storage.read_small(successor, limits.MAX_COMMIT_MARKER_BYTES)))
+        except NotFoundError:
+            break
+    return markers
+
+
+def read_marker(storage: Storage) -> tuple[str, bytes] | None:
+    """(name, raw bytes) of the marker that commits the checkpoint now (read_markers' last), None when it is not
+    committed."""
+    markers = read_markers(storage)
+    return markers[-1] if markers else None
+
+
+def read_marker_bytes(storage: Storage) -> bytes | None:
+    """The raw bytes of the marker that commits the checkpoint (read_marker), or None when it is not committed."""
+    found = read_marker(storage)
+    return None if found is None else found[1]
 
 
 def read_commit_marker(storage: Storage) -> CommitMarker | None:
-    """The decoded COMMITTED marker, None when absent; FormatError (or StorageError) when unreadable."""
-    raw = read_marker_bytes(storage)
-    return None if raw is None else decode_commit_marker(raw, storage.describe(layout.COMMITTED))
+    """The decoded marker that commits the checkpoint, None when absent; FormatError (or StorageError) when
+    unreadable."""
+    found = read_marker(storage)
+    return None if found is None else decode_commit_marker(found[1], storage.describe(found[0]))
 
 
 def read_global_manifest(storage: Storage, marker: CommitMarker) -> GlobalManifest:
@@ -80,8 +105,9 @@ class Opening:
 def read_opening(storage: Storage) -> Opening:
     """Read COMMITTED and the global manifest it points at, each once, and check them; NotCommittedError if none."""
     try:
-        marker_raw = read_marker_bytes(storage)
-        marker = None if marker_raw is None else decode_commit_marker(marker_raw, storage.describe(layout.COMMITTED))
+        found = read_marker(storage)
+        marker_raw = None if found is None else found[1]
+        marker = None if found is None else decode_commit_marker(found[1], storage.describe(found[0]))
     except StorageError as exc:
         raise StorageError(f"cannot read {storage.describe(layout.COMMITTED)}: {exc}") from exc
     if marker_raw is None or marker is None:

@@ -20,14 +20,30 @@ TEMP_PREFIX = f"{layout.COMMITTED}.tmp-"  # the local commit's temporary marker 
 DIRECTORIES = (layout.RANKS_DIR, layout.DATA_DIR, "")
 # Global manifests go right after COMMITTED, so a crash mid-way never leaves a manifest whose local manifests or
 # data are gone while the manifest itself still looks committable; data last.
+# The successor markers of a superseded checkpoint (SPEC 14.2) go after COMMITTED, which alone makes it exist.
 # Claims (SPEC 14) go last: a collector's claim keeps a paused commit of its attempt from committing until every
 # file of the attempt is gone.
-_ORDER = {layout.COMMITTED: 0, "manifest": 1, layout.RANKS_DIR: 2, layout.DATA_DIR: 3, "temp": 4, "claim": 5}
+_ORDER = {
+    layout.COMMITTED: 0,
+    "successor": 1,
+    "manifest": 2,
+    layout.RANKS_DIR: 3,
+    layout.DATA_DIR: 4,
+    "temp": 5,
+    "claim": 6,
+}
+
+
+def is_temp_marker(path: str) -> bool:
+    """True for the temporary file of a local commit of COMMITTED or a successor marker (`<marker>.tmp-<hex>`)."""
+    marker, separator, _ = path.partition(".tmp-")
+    return bool(separator) and "/" not in path and layout.marker_generation(marker) is not None
 
 
 def attempt_of(path: str) -> str:
-    """The attempt a layout path belongs to ("" for COMMITTED and temporary markers); FormatError for any other name."""
-    if path == layout.COMMITTED or (path.startswith(TEMP_PREFIX) and "/" not in path):
+    """The attempt a layout path belongs to ("" for commit markers and temporary markers); FormatError for any other
+    name."""
+    if layout.marker_generation(path) is not None or is_temp_marker(path):
         return ""
     if path.startswith(f"{layout.RANKS_DIR}/"):
         return layout.parse_local_manifest_path(path)[1]
@@ -43,7 +59,9 @@ def deletion_order(path: str) -> tuple[int, str]:
     claims."""
     if path == layout.COMMITTED:
         return _ORDER[path], path
-    if path.startswith(TEMP_PREFIX):
+    if layout.marker_generation(path) is not None:
+        return _ORDER["successor"], path
+    if is_temp_marker(path):
         return _ORDER["temp"], path
     if path.startswith("claim-"):
         return _ORDER["claim"], path
@@ -53,7 +71,8 @@ def deletion_order(path: str) -> tuple[int, str]:
 def layout_objects(checkpoint: Storage) -> list[tuple[str, str]]:
     """(path, attempt) of every object in a checkpoint directory that the layout names, COMMITTED excepted.
 
-    In deletion order; temporary markers have attempt "". Anything else is not ours: never listed.
+    In deletion order; successor markers (COMMITTED-<g>, SPEC 14.2) and temporary markers have attempt "" (see
+    `is_successor`). Anything else is not ours: never listed.
     """
     candidates = [name for name in checkpoint.list() if name != layout.COMMITTED]
     for directory in (layout.RANKS_DIR, layout.DATA_DIR):
@@ -65,6 +84,11 @@ def layout_objects(checkpoint: Storage) -> list[tuple[str, str]]:
         except FormatError:
             continue
     return sorted(found, key=lambda item: deletion_order(item[0]))
+
+
+def is_successor(path: str) -> bool:
+    """True for a successor marker COMMITTED-<g>: part of a committed checkpoint, never a leftover of an attempt."""
+    return path != layout.COMMITTED and layout.marker_generation(path) is not None
 
 
 def checkpoint_objects(checkpoint: Storage) -> list[str]:

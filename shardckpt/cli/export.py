@@ -41,6 +41,7 @@ def register(subparsers: Any) -> None:
         "  shardckpt export s3://bucket/run/step-00001000 ./hf --dtype bf16 --strip-prefix model. \\\n"
         "      --max-shard-size 2GB --memory-limit 512MiB\n"
         "  shardckpt export CKPT ./hf --include '^model\\.' --exclude 'rotary|\\.inv_freq$'\n"
+        "  shardckpt export torchtitan/checkpoint/step-1000 ./hf --heads 32 --dtype bf16   # llama, HF names\n"
         "\n"
         "Load the result with safetensors.torch.load_file on each shard, or transformers' from_pretrained\n"
         "(add the model's config.json to OUT). Sizes: 5GB = 5*10^9 bytes, 5GiB = 5*2^30 bytes.",
@@ -65,6 +66,16 @@ def register(subparsers: Any) -> None:
     )
     command.add_argument(
         "--max-shard-size", type=parse_size, default="5GB", metavar="SIZE", help="bytes per file (default: 5GB)"
+    )
+    command.add_argument(
+        "--heads",
+        type=int,
+        metavar="N",
+        help="a torchtitan llama checkpoint (found by its tok_embeddings/layers.N.attention keys) is exported under "
+        "HF's LlamaForCausalLM names, wq/wk permuted per head as torchtitan's adapter does: its n_heads",
+    )
+    command.add_argument(
+        "--kv-heads", type=int, metavar="N", help="with --heads: the model's n_kv_heads (default: from wk's shape)"
     )
     command.add_argument(
         "--force",
@@ -92,6 +103,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
             out_options=storage_options(args.storage_option),
             progress=progress,
             force=args.force,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
         )
     files: list[dict[str, Any]] = [
         {"file": shard.file, "tensors": len(shard.tensors), "bytes": shard.nbytes} for shard in report.shards

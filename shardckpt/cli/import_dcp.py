@@ -25,7 +25,8 @@ def register(subparsers: Any) -> None:
         "becomes one rank. The .metadata pickle is read with a restricted unpickler that admits only DCP's own "
         "metadata classes (anything else is refused before it runs); tensor bytes are copied straight out of "
         "the records, never through torch.load. Plain values (optimizer hyperparameters, counters) become "
-        "objects; values that are not plain data are skipped and listed. Tensor names stay DCP's keys, so "
+        "objects; a value that is not plain data (a set, a class instance) fails the import before anything is "
+        "written, naming it, unless --allow-skip leaves such values out (listed). Tensor names stay DCP's keys, so "
         "shardckpt.load({'model': ..., 'optim': ...}) restores what dcp.save({'model': ..., 'optim': ...}) saved.",
         "examples:\n"
         "  shardckpt import-dcp /ckpts/dcp/step-1000 /ckpts/shardckpt/step-00001000 --step 1000\n"
@@ -37,6 +38,12 @@ def register(subparsers: Any) -> None:
     )
     command.add_argument("url", metavar="URL", help="where to write the new checkpoint (must not be committed)")
     command.add_argument("--step", type=int, help="training step to record in the new checkpoint")
+    command.add_argument(
+        "--allow-skip",
+        action="store_true",
+        help="import even when some values cannot be stored as plain values: leave them out and list them "
+        "(without it such an import fails, exit 1, and writes nothing)",
+    )
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
@@ -45,7 +52,13 @@ def run(args: argparse.Namespace, console: Console) -> int:
     options = storage_options(args.storage_option)
     with progress_bar(console, "importing", not (args.json or args.quiet)) as progress:
         report = import_dcp(
-            args.dcp_dir, args.url, step=args.step, storage_options=options, source_options=options, progress=progress
+            args.dcp_dir,
+            args.url,
+            step=args.step,
+            storage_options=options,
+            source_options=options,
+            progress=progress,
+            allow_skip=args.allow_skip,
         )
     if args.json:
         summary = {

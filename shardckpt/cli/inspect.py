@@ -13,6 +13,7 @@ from typing import Any
 from rich.console import Console
 from rich.text import Text
 
+from shardckpt import knobs
 from shardckpt.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
@@ -57,6 +58,12 @@ def register(subparsers: Any) -> None:
         help="only tensors and objects whose name matches (re.search)",
     )
     command.add_argument("--tree", action="store_true", help="group tensor names by their dotted prefixes")
+    command.add_argument(
+        "--all-objects",
+        action="store_true",
+        help="one row per object (by default objects named alike, e.g. one learning rate per parameter, "
+        f"optimizer.param_groups.*.lr, share one row when at least {knobs.INSPECT_GROUP_MIN} do; --json lists all)",
+    )
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
@@ -142,12 +149,44 @@ def run(args: argparse.Namespace, console: Console) -> int:
         fitted_table(console, ("data file", "rank", "size", "pieces"), rank_rows, title="ranks", right=(1, 2, 3))
     )
     if summary["objects"]:
-        object_rows: list[list[Cell]] = [
-            [o["name"], "shared" if o["rank"] is None else str(o["rank"]), _preview(o["value"])]
-            for o in summary["objects"]
-        ]
+        objects = summary["objects"]
+        object_rows = _object_rows(objects, 0 if args.all_objects else knobs.INSPECT_GROUP_MIN)
         console.print(fitted_table(console, ("object", "rank", "value"), object_rows, title="objects", crop=2))
     return EXIT_OK
+
+
+def _object_rows(objects: list[dict[str, Any]], group_min: int) -> list[list[Cell]]:
+    """One row per object, except that objects named alike (same first two and last dotted parts, e.g.
+    optimizer.param_groups.<parameter>.lr) share one row `a.b.*.z` when at least `group_min` (> 0) of them do."""
+
+    def pattern(o: dict[str, Any]) -> tuple[str, ...]:
+        parts = o["name"].split(".")
+        alike = group_min and len(parts) >= 4
+        return (*parts[:2], "*", parts[-1], str(o["rank"])) if alike else (o["name"], str(o["rank"]))
+
+    groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+    for o in objects:
+        groups.setdefault(pattern(o), []).append(o)
+    rows: list[list[Cell]] = []
+    shown: set[tuple[str, ...]] = set()
+    for o in objects:
+        key = pattern(o)
+        members = groups[key]
+        rank = "shared" if o["rank"] is None else str(o["rank"])
+        if len(members) < max(group_min, 2):
+            rows.append([o["name"], rank, _preview(o["value"])])
+            continue
+        if key in shown:
+            continue
+        shown.add(key)
+        previews = {_preview(m["value"]) for m in members}
+        value = (
+            Text(f"{previews.pop()}  ({len(members)} objects)")
+            if len(previews) == 1
+            else Text(f"{len(members)} objects, {len(previews)} distinct values", style="dim")
+        )
+        rows.append([".".join(key[:-1]), rank, value])
+    return rows
 
 
 def _referenced(referenced: dict[str, Any] | None) -> str:

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         if not any("parents" in r for r in rows):  # a root of self-contained checkpoints: no column to show
             headers, table_rows = headers[:-1], [cells[:-1] for cells in table_rows]
         console.print(fitted_table(console, headers, table_rows, title=listing["root"], right=(2, 3, 4)))
-    else:
+    if "note" in listing:
         console.print(listing["note"], highlight=False)
     return EXIT_OK
 

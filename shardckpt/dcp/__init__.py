@@ -3,7 +3,7 @@ StorageReader for dcp.load. They write and read ordinary committed shardckpt che
 
 from __future__ import annotations
 
-from shardckpt.dcp.reader import StorageReader
+from shardckpt.dcp.reader import StorageReader, full_state_dict
 from shardckpt.dcp.writer import StorageWriter
 
-__all__ = ["StorageReader", "StorageWriter"]
+__all__ = ["StorageReader", "StorageWriter", "full_state_dict"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import math
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from torch.futures import Future
 
 from shardckpt.catalog.chain import Opening, read_opening
 from shardckpt.dcp.naming import Path, dcp_entries, value_at
-from shardckpt.dcp.writer import checkpoint_url
+from shardckpt.dcp.writer import DCP_PATHS, checkpoint_url
 from shardckpt.errors import FormatError, ShardckptError
 from shardckpt.format.manifest import GlobalManifest
 from shardckpt.planner import Box
@@ -77,7 +78,11 @@ class StorageReader(_DCPStorageReader):
         }
         self._values, self._per_rank = _value_entries(manifest, set(entries), self.url)
         entries.update({name: BytesStorageMetadata() for name in (*self._values, *self._per_rank)})
-        return Metadata(state_dict_metadata=entries, storage_meta=StorageMeta(checkpoint_id=self.url))
+        return Metadata(
+            state_dict_metadata=entries,
+            planner_data=_planner_data(manifest, entries, self.url),
+            storage_meta=StorageMeta(checkpoint_id=self.url),
+        )
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -190,6 +195,28 @@ def _value_entries(
     return shared, per_rank
 
 
+def _planner_data(manifest: GlobalManifest, entries: Mapping[str, Any], url: str) -> dict[str, tuple[str | int, ...]]:
+    """DCP's flatten mapping (entry -> key path), which its empty-state-dict planner nests a full load by: as
+    dcp.save through StorageWriter recorded it; entries it does not name are their own one-key path."""
+    recorded = manifest.metadata.get(DCP_PATHS, {})
+    if not isinstance(recorded, dict):
+        raise FormatError(f"{url}: manifest metadata {DCP_PATHS!r} is not a map of entry -> key path")
+    paths: dict[str, tuple[str | int, ...]] = {name: (name,) for name in entries}
+    for name, path in recorded.items():
+        if name not in entries:
+            continue  # a value that was not stored (an empty map DCP drops)
+        valid = isinstance(path, list) and path and all(isinstance(step, (str, int)) for step in path)
+        if not valid:
+            raise FormatError(f"{url}: manifest metadata {DCP_PATHS!r}: entry {name!r} has no key path")
+        paths[name] = tuple(path)
+    # DCP nests by these paths (set_element): one that is another's prefix, or two alike, would fail inside torch.
+    ordered = sorted(paths.items(), key=lambda item: [(isinstance(step, int), str(step)) for step in item[1]])
+    for (first, a), (second, b) in zip(ordered, ordered[1:]):
+        if b[: len(a)] == a:
+            raise FormatError(f"{url}: manifest metadata {DCP_PATHS!r}: entries {first!r} and {second!r} nest at once")
+    return paths
+
+
 def _tagged_tensor(value: Any) -> bool:
     return isinstance(value, dict) and set(value) == {TENSOR_TAG}
 
@@ -201,3 +228,24 @@ def _box(item: ReadItem) -> Box:
         raise ShardckptError(f"DCP read item for {item.storage_index.fqn!r} names no chunk")
     offsets = tuple(int(c) + int(o) for c, o in zip(chunk, item.storage_offsets))
     return Box(offsets, tuple(int(n) for n in item.lengths))
+
+
+def full_state_dict(url: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything a checkpoint holds as one nested state dict of full tensors, in this process (no process group):
+    what format_utils.dcp_to_torch_save loads from a DCP directory, for a shardckpt checkpoint. DCP picks its own
+    reader for a bare checkpoint_id, so dcp.load of a shardckpt URL takes storage_reader=StorageReader(url)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    reader = StorageReader(url, storage_options=storage_options)
+    reader.read_metadata()  # its errors as they are: DCP turns one in read_metadata into an AssertionError
+    try:
+        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)  # type: ignore[no-untyped-call]
+    except CheckpointException as exc:  # a BaseException wrapping each rank's cause: raise ours as itself
+        ours = [cause for cause, _ in exc.failures.values() if isinstance(cause, ShardckptError)]
+        if ours:
+            raise ours[0] from None
+        raise
+    return state

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import posixpath
+import re
 from collections import defaultdict
 from typing import Any
 
@@ -35,6 +37,35 @@ PLAN_CACHING_REFUSED = (
 )
 
 
+# A step in a checkpoint id's last component, as trainers name them: torchtitan's step-N, shardckpt's
+# step-00000100, step_N, Lightning's epoch=E-step=N(.ckpt), DeepSpeed's global_stepN.
+STEP_IN_NAME = re.compile(r"(?:.*[^0-9a-z])?(?:global_)?step[-_=]?([0-9]+)(?:\.[a-z]+)?", re.IGNORECASE)
+
+
+def step_in_name(checkpoint_id: str) -> int | None:
+    """The step a checkpoint id's last component names (`.../step-6`, `.../epoch=0-step=100.ckpt`), else None."""
+    match = STEP_IN_NAME.fullmatch(posixpath.basename(checkpoint_id.rstrip("/")))
+    step = int(match.group(1)) if match else None
+    return step if step is not None and step < 1 << 63 else None  # a manifest's step is a 64-bit integer
+
+
+# The manifest metadata entry holding DCP's flatten mapping (entry -> key path in the nested state dict): what
+# dcp.load's empty-state-dict planner (format_utils.dcp_to_torch_save) needs to rebuild the nesting.
+DCP_PATHS = "dcp_paths"
+
+
+def nested_paths(planner_data: object) -> dict[str, list[str | int]]:
+    """DCP's flatten mapping as a plain value, without the entries that are their own one-key path."""
+    if not isinstance(planner_data, dict):
+        return {}
+    paths: dict[str, list[str | int]] = {}
+    for name, path in planner_data.items():
+        steps = list(path) if isinstance(path, (tuple, list)) else []
+        if isinstance(name, str) and steps != [name] and all(isinstance(step, (str, int)) for step in steps):
+            paths[name] = steps
+    return paths
+
+
 def checkpoint_url(checkpoint_id: object) -> str:
     """A checkpoint id DCP hands over (a str or os.PathLike), as the URL shardckpt opens."""
     if isinstance(checkpoint_id, (str, os.PathLike)):
@@ -46,7 +77,13 @@ class StorageWriter(_DCPStorageWriter):
     """`dcp.save(state, storage_writer=shardckpt.dcp.StorageWriter(url))` saves a shardckpt checkpoint at `url`.
 
     Picklable (async_save's process executor sends it to a child): it holds the URL, options and step only.
-    step: recorded in the manifest (shardckpt ls, latest); block_size: bytes per checksummed block.
+    step: recorded in the manifest (shardckpt ls, latest), for `url`; by default the step its last component names
+    (step-N, step_N, ...); a writer reused for another checkpoint id (dcp.save(checkpoint_id=...) resets it) records
+    the step that id names, and refuses an id naming none when a step was given; block_size: bytes per block.
+    supersede: a save to a URL that holds a committed checkpoint does what DCP's own writer does there (a rollback
+    saving step-6 again, Lightning's last.ckpt): the new save is written beside the old one and, once committed,
+    replaces it for every reader (SPEC 14.2); the old one stays whole until then and gc collects it after.
+    False: such a save fails with AlreadyExistsError on every rank before anything is written.
     """
 
     def __init__(
@@ -56,11 +93,18 @@ class StorageWriter(_DCPStorageWriter):
         storage_options: dict[str, Any] | None = None,
         step: int | None = None,
         block_size: int = knobs.BLOCK_SIZE,
+        supersede: bool = True,
     ) -> None:
         super().__init__()
+        if step is not None and (
+            isinstance(step, bool) or not isinstance(step, int) or not -(1 << 63) <= step < 1 << 63
+        ):
+            raise ShardckptUsageError(f"step must be an integer (64-bit) or None, got {type(step).__name__} {step!r}")
         self.url = checkpoint_url(url)
         self.storage_options = dict(storage_options) if storage_options else None
-        self.step, self.block_size = step, block_size
+        self.step, self.block_size = (step_in_name(self.url) if step is None else step), block_size
+        self.supersede = supersede
+        self._given = (self.url, step)  # the URL the caller's step belongs to
         self._attempt: str | None = None
         self._paths: dict[str, Path] = {}  # DCP's flatten mapping: entry -> path in the nested state dict
 
@@ -74,10 +118,33 @@ class StorageWriter(_DCPStorageWriter):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.url = checkpoint_url(checkpoint_id)
+            self.step = self._step_for(self.url)
         self._attempt = None
 
+    def _step_for(self, url: str) -> int | None:
+        """The step a save to `url` records: the caller's for the URL it was given with, else the one `url` names."""
+        given_url, given_step = self._given
+        if url == given_url or given_step is None:
+            return given_step if url == given_url and given_step is not None else step_in_name(url)
+        named = step_in_name(url)
+        if named is None:
+            raise ShardckptUsageError(
+                f"StorageWriter(step={given_step}) was made for {given_url} and reused for checkpoint id {url}, "
+                "which names no step (step-N): make a StorageWriter(url, step=...) for each save, or name the step "
+                "in the checkpoint id"
+            )
+        return named
+
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """(all) Before any collective: refuse dcp.save(use_collectives=False) on more than one rank (every rank
+        would plan and commit alone, as rank 0 of 1); one process saves as usual."""
         self.is_coordinator = is_coordinator
+        if kwargs.get("use_collectives", True) is False and _ranks() > 1:
+            raise ShardckptUsageError(
+                f"dcp.save(..., use_collectives=False) to {self.url}: shardckpt commits a checkpoint only after "
+                "gathering every rank's pieces and checking they cover each tensor, which takes the collectives; "
+                "save with use_collectives=True (the default)"
+            )
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.url)
@@ -95,13 +162,15 @@ class StorageWriter(_DCPStorageWriter):
         return dataclasses.replace(plan, storage_data={"objects": objects})
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """(coordinator) Refuse a committed URL, draw the attempt, name the objects each rank stores (SPEC 7
-        "Names", over all ranks' entries); raising here fails dcp.save on every rank."""
+        """(coordinator) Refuse a committed URL unless superseding, draw the attempt, name the objects each rank
+        stores (SPEC 7 "Names", over all ranks' entries); raising here fails dcp.save on every rank."""
         if any(not plan.usable for plan in plans):
             raise ShardckptUsageError(PLAN_CACHING_REFUSED)
         storage = self._storage()
-        if storage.exists(layout.COMMITTED):
-            raise AlreadyExistsError(already_committed(storage.url))
+        if not self.supersede and storage.exists(layout.COMMITTED):
+            raise AlreadyExistsError(
+                already_committed(storage.url) + " (StorageWriter(url, supersede=True) replaces it, as DCP does)"
+            )
         self._attempt = layout.new_attempt()
         owners = _owners(plans)
         out = []
@@ -190,13 +259,23 @@ class StorageWriter(_DCPStorageWriter):
             raise ShardckptError(f"{self.url}: the ranks' results name attempts {sorted(map(str, attempts))}")
         manifests = [data.get("manifest") if isinstance(data, dict) else None for data in carried]
         gathered = [m for m in manifests if isinstance(m, bytes)]
+        paths = nested_paths(metadata.planner_data)
         commit(
             self._storage(),
             world_size=len(results),
             attempt=attempts.pop(),
             step=self.step,
+            metadata={DCP_PATHS: paths} if paths else None,
             local_manifests=gathered if len(gathered) == len(manifests) else None,
+            supersede=self.supersede,
         )
+
+
+def _ranks() -> int:
+    """The default group's size, 1 without torch.distributed."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _held(plan: SavePlan) -> list[str]:

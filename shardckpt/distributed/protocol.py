@@ -524,9 +524,14 @@ def _prepare_fill(
     missing = sorted({name for name, _, _ in items if name not in stored})
     # Per-rank values come from this rank's own; a rank the saving job did not have follows its PerRank's choice.
     sources = {}
+    split: dict[str, Any] = {}  # containers DCP saved as parts, one per rank that held some (SPEC 7 "Names")
     for leaf in leaves:
         if leaf.is_plain and leaf.name not in shared:
-            missing.append(leaf.name)
+            found = _from_parts(leaf.name, leaf.value, shared, missing)
+            if found is None:
+                missing.append(leaf.name)
+            else:
+                split[leaf.name] = found
         if not isinstance(leaf.value, PerRank):
             continue
         if rank < saved_world:
@@ -578,8 +583,33 @@ def _prepare_fill(
                 leaf.value.value = mine[leaf.name]
             elif leaf.is_plain and leaf.name in shared:
                 leaf.assign(shared[leaf.name])
+            elif leaf.is_plain and leaf.name in split:
+                leaf.assign(split[leaf.name])
 
     return pending, assign
+
+
+def _from_parts(name: str, destination: Any, shared: Mapping[str, Any], missing: list[str]) -> Any:
+    """The value of plain entry `name` rebuilt from the objects it was stored as, one per part, or None.
+
+    A container whose parts different ranks held (torchtitan's {"dataloader": {"dp_rank_<r>": ...}} through dcp.save)
+    is stored as its parts `name.<key>` (SPEC 7 "Names"): the destination's keys are filled from them, as DCP fills
+    them; a key with no stored part is missing. None when no object is stored under `name.`.
+    """
+    prefix = f"{name}."
+    if not isinstance(destination, Mapping) or not any(key.startswith(prefix) for key in shared):
+        return None
+    value = {}
+    for key, part in destination.items():
+        inner = f"{prefix}{key}"
+        if inner in shared:
+            value[key] = shared[inner]
+            continue
+        found = _from_parts(inner, part, shared, missing)
+        if found is None:
+            missing.append(inner)  # strict=False: the destination keeps its own
+        value[key] = part if found is None else found
+    return value
 
 
 def _is_optional(name: str, optional: Sequence[str]) -> bool:

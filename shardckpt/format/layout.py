@@ -9,9 +9,10 @@ import re
 import secrets
 
 from shardckpt.errors import FormatError
-from shardckpt.format.limits import MAX_ATTEMPT_CHARS, MAX_PATH_CHARS
+from shardckpt.format.limits import MAX_ATTEMPT_CHARS, MAX_MARKER_GENERATION, MAX_PATH_CHARS
 
 COMMITTED = "COMMITTED"
+_SUCCESSOR = re.compile(r"COMMITTED-([2-9]|[1-9][0-9]{1,4})")  # SPEC 14.2: generation 2.. in plain decimal
 DATA_DIR = "data"
 RANKS_DIR = "ranks"
 
@@ -22,6 +23,22 @@ _LOCAL = re.compile(rf"{RANKS_DIR}/([0-9]{{5,8}})-([0-9a-z]{{1,{MAX_ATTEMPT_CHAR
 _GLOBAL = re.compile(rf"manifest-([0-9a-z]{{1,{MAX_ATTEMPT_CHARS}}})\.msgpack")
 # A claim on an attempt (SPEC 14), and the temporary name a local create-only write of it may leave on a crash.
 _CLAIM = re.compile(rf"claim-([0-9a-z]{{1,{MAX_ATTEMPT_CHARS}}})(?:\.tmp-[0-9a-f]{{1,32}})?")
+
+
+def marker_name(generation: int) -> str:
+    """The commit marker of a checkpoint's `generation`: COMMITTED (1), then COMMITTED-2, COMMITTED-3, ... for the
+    saves that superseded it (SPEC 14.2)."""
+    if not 1 <= generation <= MAX_MARKER_GENERATION:
+        raise FormatError(f"marker generation must be 1..{MAX_MARKER_GENERATION}, got {generation}")
+    return COMMITTED if generation == 1 else f"{COMMITTED}-{generation}"
+
+
+def marker_generation(name: str) -> int | None:
+    """The generation of a commit marker name (COMMITTED: 1, COMMITTED-<g>: g), None for any other name."""
+    if name == COMMITTED:
+        return 1
+    match = _SUCCESSOR.fullmatch(name)
+    return int(match.group(1)) if match and int(match.group(1)) <= MAX_MARKER_GENERATION else None
 
 
 def new_attempt() -> str:

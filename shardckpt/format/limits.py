@@ -20,6 +20,7 @@ MAX_WORLD_SIZE = 1 << 24
 MIN_BLOCK_SIZE = 4 << 10
 MAX_BLOCK_SIZE = 64 << 20
 MAX_ATTEMPT_CHARS = 32
+MAX_MARKER_GENERATION = 10_000  # COMMITTED-<g> successor markers (SPEC 14.2): a reader probes at most this many
 MAX_HEADER_JSON_BYTES = 100_000_000  # a data file's safetensors header JSON (SPEC 4): what stock readers accept
 MAX_COVER_CORNERS = 1 << 26  # signed corner points an irregular (non-grid) box tiling's cover check may need
 MAX_CREATED_SECONDS = 253402300799.0  # 9999-12-31T23:59:59Z, the last second Python's datetime can show

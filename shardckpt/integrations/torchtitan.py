@@ -26,6 +26,7 @@ from shardckpt.storage import open_storage
 
 STEP_NAME = re.compile(r"step-(\d+)")  # torchtitan's _create_checkpoint_id: FOLDER/step-N
 MODEL = "model"  # torchtitan's key of the flattened model state (components/checkpointer/base.py)
+GC_GENERATION = 1  # what torchtitan's GarbageCollection.collect collects by default (tools/utils.py)
 DCP_METADATA = ".metadata"  # what a checkpoint DCP's own FileSystemWriter wrote holds
 
 
@@ -82,6 +83,12 @@ def save(
     return None
 
 
+def collect_garbage() -> None:
+    """The collection torchtitan's own dcp_save runs after a save (GarbageCollection.collect: gc.collect(1)). A full
+    collection walks every object of a large job (0.37 s of a 0.68 s save in a profile), DCP's time needs this."""
+    gc.collect(GC_GENERATION)
+
+
 def is_dcp_directory(checkpoint_id: str, storage_options: dict[str, Any] | None = None) -> bool:
     """True for a checkpoint DCP's own FileSystemWriter wrote (`.metadata`, no COMMITTED): DCP's reader reads it."""
     storage = open_storage(checkpoint_id, storage_options)
@@ -116,7 +123,7 @@ class ShardckptManagerMixin:
             storage_options=self.storage_options,
         )
         if enable_garbage_collection:
-            gc.collect()
+            collect_garbage()
         return result
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:

@@ -15,8 +15,10 @@ called, so a hostile file cannot reach os.system, eval, getattr or an import:
 - a tensor record's `data.pkl`: torch's rebuild functions and storage classes are replaced by stand-ins that
   only *describe* the tensor (storage key, dtype, offset, size, stride); the bytes are read from the zip by the
   importer, never by torch.load.
-- a bytes record's `data.pkl`: no global at all, so only plain values (numbers, strings, lists, dicts,
-  tuples) load, checked as a tree (unpickled.check_tree); anything else is refused and the importer skips it.
+- a bytes record's `data.pkl`: plain values (numbers, strings, bytes, lists, dicts, tuples) load, checked as a
+  tree (unpickled.check_tree); the only globals are the ones protocol 2 writes for them (bytes as
+  `_codecs.encode`, OrderedDict) as stand-ins that rebuild bytes or a dict, and the other types torch.save
+  writes for plain Python values (set, complex, slice, deque, ...) as stand-ins that refuse them by name.
 Nothing admitted is shared mutable state: torch's own classes are never handed to a pickle, and a BUILD on any
 admitted object is refused (unpickled.py says why). Before any unpickler runs, pickle_scan checks the opcodes.
 
@@ -32,7 +34,7 @@ import pickle
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -484,7 +486,55 @@ TENSOR_RECORD_ADMITTED: dict[tuple[str, str], Any] = {
     **torch_values((torch.dtype,)),
     ("collections", "OrderedDict"): collections.OrderedDict,
 }
-VALUE_ADMITTED: dict[tuple[str, str], Any] = {("collections", "OrderedDict"): dict}
+
+
+def _latin1(text: object, encoding: object) -> bytes:
+    """Stand-in for _codecs.encode, which torch.save's pickle protocol 2 writes for every non-empty bytes value as
+    encode(the bytes as latin-1 text, "latin1"): the same bytes back, nothing else."""
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise FormatError(f"_codecs.encode({brief(text)}, {brief(encoding)}) is not how a pickle writes bytes")
+    try:
+        return text.encode("latin-1")
+    except UnicodeEncodeError:
+        raise FormatError("_codecs.encode of text beyond latin-1 is not how a pickle writes bytes") from None
+
+
+def _bytes(*args: object) -> bytes:
+    """Stand-in for bytes() and bytearray() as pickles call them: (), or the bytes (bytearray becomes bytes: a
+    plain value has one binary type)."""
+    if not args:
+        return b""
+    if len(args) == 1 and isinstance(args[0], (bytes, bytearray)):
+        return bytes(args[0])
+    if len(args) == 2 and isinstance(args[0], str) and args[1] in ("latin1", "latin-1"):
+        return _latin1(*args)
+    raise FormatError(f"bytes{brief(args)} is not how a pickle writes bytes")
+
+
+def _not_plain(kind: str) -> StandIn:
+    """A type torch.save pickles for a plain Python value that shardckpt cannot store as one (SPEC 7 values are
+    None, bool, int, float, str, bytes, lists, tuples and string- or int-keyed maps): refused by name."""
+
+    def refuse(*args: object) -> NoReturn:
+        raise FormatError(
+            f"a Python {kind}, which a shardckpt object cannot hold (plain values: None, bool, int, float, str, "
+            "bytes, list, tuple, dict); convert it in the state before saving"
+        )
+
+    return StandIn(refuse, kind)
+
+
+_BUILTINS = ("builtins", "__builtin__")  # torch.save writes pickle protocol 2: Python 2's module names
+_NOT_PLAIN = {"set": "set", "frozenset": "frozenset", "complex": "complex", "slice": "slice", "range": "range"}
+VALUE_ADMITTED: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): dict,
+    ("_codecs", "encode"): StandIn(_latin1, "_codecs.encode"),
+    **{(module, name): StandIn(_bytes, name) for module in _BUILTINS for name in ("bytes", "bytearray")},
+    **{(module, name): _not_plain(kind) for module in _BUILTINS for name, kind in _NOT_PLAIN.items()},
+    ("__builtin__", "xrange"): _not_plain("range"),
+    ("collections", "deque"): _not_plain("collections.deque"),
+    ("collections", "defaultdict"): _not_plain("collections.defaultdict"),
+}
 
 
 def read_tensor_pickle(data: bytes, where: str) -> StoredTensor:

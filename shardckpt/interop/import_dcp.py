@@ -45,6 +45,7 @@ __all__ = ["ImportReport", "import_dcp"]
 
 METADATA_FILE = ".metadata"
 MAX_METADATA_BYTES = 8 << 30
+MAX_LISTED = 20  # skipped values an error names one by one
 
 
 def import_dcp(
@@ -55,12 +56,14 @@ def import_dcp(
     storage_options: dict[str, Any] | None = None,
     source_options: dict[str, Any] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    allow_skip: bool = False,
 ) -> ImportReport:
     """Write the DCP checkpoint in `dcp_dir` as a new committed checkpoint at `url`; one rank per .distcp file.
 
-    `progress(nbytes, total)` is called as data bytes are written (total: the tensor bytes to import). Values
-    that are not plain data are skipped and listed in the report; anything else that cannot be read exactly
-    raises FormatError before the commit.
+    `progress(nbytes, total)` is called as data bytes are written (total: the tensor bytes to import). A value
+    that cannot be stored as a plain value (a set, a class instance, ...) fails the import with FormatError naming
+    every such value, before anything is written; with allow_skip, those values are left out and listed in the
+    report. Anything else that cannot be read exactly raises FormatError before the commit.
     """
     began = time.perf_counter()
     source = SourceDir(dcp_dir, source_options, kind="a DCP checkpoint directory", index=METADATA_FILE)
@@ -74,6 +77,13 @@ def import_dcp(
         raise AlreadyExistsError(f"{target.url} already holds a committed checkpoint; import into a new location")
     with ExitStack() as mapped:
         objects = _objects(source, metadata, report, mapped)
+    if report.skipped and not allow_skip:
+        listed = "; ".join(f"{name!r}: {reason}" for name, reason in report.skipped[:MAX_LISTED])
+        more = f"; and {len(report.skipped) - MAX_LISTED} more" if len(report.skipped) > MAX_LISTED else ""
+        raise FormatError(
+            f"{source.url}: {len(report.skipped)} value(s) cannot be imported, nothing was written: {listed}{more}. "
+            "Import without them with allow_skip=True (`shardckpt import-dcp --allow-skip`)"
+        )
     attempt = layout.new_attempt()
     counting = with_progress(target, progress, _tensor_bytes(metadata) if progress is not None else 0)
     for rank in range(world):

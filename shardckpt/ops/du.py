@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from shardckpt.catalog.chain import read_commit_marker, read_opening
+from shardckpt.catalog.deletion import is_temp_marker
 from shardckpt.catalog.listing import ALIAS, classify, list_root
 from shardckpt.errors import FormatError, NotFoundError, ShardckptError
 from shardckpt.format import layout
@@ -119,9 +120,9 @@ def referenced_bytes(manifest: GlobalManifest) -> int:
 
 def _classify(path: str, committed: str | None) -> str:
     """committed, leftover (another attempt's file, or any layout file when nothing is committed) or other."""
-    if path == layout.COMMITTED:
+    if layout.marker_generation(path) is not None:  # COMMITTED, or a successor (SPEC 14.2)
         return "committed" if committed else "other"
-    if path.startswith(f"{layout.COMMITTED}.tmp-"):
+    if is_temp_marker(path):
         return "leftover"  # a commit marker's temporary file, left by a commit that died
     attempt = _attempt_of(path)
     if attempt is None:
@@ -146,7 +147,9 @@ def _files(storage: Storage, prefix: str, depth: int) -> list[str]:
     paths = []
     for name in storage.list(prefix):
         path = f"{prefix}/{name}" if prefix else name
-        known = path == layout.COMMITTED or _attempt_of(path) is not None  # layout files: no listing needed
+        known = (
+            layout.marker_generation(path) is not None or _attempt_of(path) is not None
+        )  # layout files: no listing needed
         inside = storage.list(path) if depth < MAX_DEPTH and not known else []
         if inside:
             paths.extend(_files(storage, path, depth + 1))

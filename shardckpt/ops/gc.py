@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from shardckpt import knobs
 from shardckpt.catalog import DIRECTORIES, delete_objects, layout_objects, list_root, read_commit_marker
 from shardckpt.catalog.claims import BY_COLLECTOR, BY_COMMIT, claim, holder, release
-from shardckpt.catalog.deletion import attempt_of
+from shardckpt.catalog.deletion import attempt_of, is_successor
 from shardckpt.crashpoints import crash_point
 from shardckpt.errors import NotFoundError, ShardckptError, ShardckptUsageError
 from shardckpt.format import layout, limits
@@ -131,7 +131,8 @@ def plan_gc(
             elif not objects:
                 _plan_skeleton(plan, name, checkpoint, now)
             continue
-        stale = [(path, attempt) for path, attempt in objects if attempt != entry.marker.attempt]
+        # Files of attempts a later save superseded (SPEC 14.2) are leftovers too; the markers are not.
+        stale = [(p, attempt) for p, attempt in objects if attempt != entry.marker.attempt and not is_successor(p)]
         if stale:
             _plan_leftovers(plan, name, checkpoint, stale, now)
     doomed = []
@@ -286,7 +287,7 @@ def _plan_leftovers(plan: GcPlan, name: str, checkpoint: Storage, stale: list[tu
         plan.skipped.append(Skipped(name, f"{len(stale) - len(old)} leftover object(s) younger than the grace period"))
     if old:
         attempts = sorted({attempt for path, attempt in stale if path in old and attempt})
-        reason = f"files of failed attempts {', '.join(attempts) or '(temporary markers)'}"
+        reason = f"files of failed or superseded attempts {', '.join(attempts) or '(temporary markers)'}"
         plan.actions.append(Action(name, "leftovers", reason, _sized(checkpoint, old)))
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardckpt.catalog.chain import DCP, DEEPSPEED, EMPTY, MISSING, what_is
+from shardckpt.catalog.chain import DCP, DEEPSPEED, EMPTY, MAX_CHILDREN_LOOKED_AT, MISSING, what_is
 from shardckpt.catalog.listing import ALIAS, BROKEN, COMMITTED, INCOMPLETE, Listing, list_root
 from shardckpt.errors import NotFoundError, ShardckptError
 from shardckpt.format import layout
@@ -50,6 +50,10 @@ def list_checkpoints(root_url: str | Storage, *, storage_options: dict[str, Any]
     result: dict[str, Any] = {"root": listing.root.url, "checkpoints": rows}
     if not rows:
         result["note"] = _why_empty(listing.root)
+    else:
+        foreign = _foreign_children(listing.root, {row["name"] for row in rows})
+        if foreign:
+            result["note"] = f"{listing.root.url} also holds {foreign}"
     return result
 
 
@@ -57,6 +61,34 @@ def _holds(listing: Listing, name: str, attempt: str) -> bool:
     """Whether the root holds checkpoint `name` committed by `attempt` (what a reference to it needs)."""
     entry = listing.entry(name)
     return entry is not None and entry.marker is not None and entry.marker.attempt == attempt
+
+
+IMPORTS = {DCP: ("PyTorch DCP", "import-dcp"), DEEPSPEED: ("DeepSpeed", "import-deepspeed")}
+
+
+def _foreign_children(root: Storage, skip: set[str]) -> str | None:
+    """The children of `root` that are other frameworks' checkpoints (DCP, DeepSpeed), said with the command
+    that converts one; None when there are none. Looks at the first MAX_CHILDREN_LOOKED_AT names only."""
+    found: dict[str, list[str]] = {}
+    for name in root.list()[:MAX_CHILDREN_LOOKED_AT]:
+        if name in skip:
+            continue
+        try:
+            kind = what_is(root.child(name)).kind
+        except ShardckptError:
+            continue  # unreadable or gone: ls shows what it can
+        if kind in IMPORTS:
+            found.setdefault(kind, []).append(name)
+    said = []
+    for kind, names in found.items():
+        framework, command = IMPORTS[kind]
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        example = root.child(names[-1]).url
+        said.append(
+            f"{len(names)} {framework} checkpoint(s) ({shown}), not shardckpt ones: convert one with "
+            f"`shardckpt {command} {example} NEW_URL`"
+        )
+    return "; ".join(said) or None
 
 
 def _why_empty(root: Storage) -> str:
@@ -73,6 +105,9 @@ def _why_empty(root: Storage) -> str:
         return f"no checkpoints: {url} is a DeepSpeed save directory (convert it with `shardckpt import-deepspeed`)"
     if place.kind in (COMMITTED, INCOMPLETE, BROKEN):
         return f"no checkpoints under {url}: it is a checkpoint itself ({place.kind}; see `shardckpt inspect {url}`)"
+    foreign = _foreign_children(root, set())
+    if foreign:
+        return f"no shardckpt checkpoints under {url}: it holds {foreign}"
     return f"no checkpoints under {url}"
 
 

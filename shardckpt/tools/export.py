@@ -26,7 +26,7 @@ from shardckpt.format.dtypes import itemsize
 from shardckpt.read.checkpoint import Checkpoint
 from shardckpt.read.streaming import arena_view, chunk_arena, chunk_elements, open_streaming, read_chunks
 from shardckpt.storage import Storage, open_storage
-from shardckpt.tools.hf_names import DEFAULT_INCLUDE, DTYPES, INDEX_FILE
+from shardckpt.tools.hf_names import DEFAULT_INCLUDE, DTYPES, INDEX_FILE, is_torchtitan_llama, torchtitan_llama_name
 from shardckpt.torch_bytes import host_bytes, torch_dtype
 
 DEFAULT_MAX_SHARD_SIZE = knobs.EXPORT_SHARD_SIZE
@@ -40,6 +40,7 @@ class ExportedTensor:
     name: str  # name in the export
     dtype: str  # format dtype written
     shape: tuple[int, ...]
+    heads: int = 0  # > 0: rows permuted per head of this many, as torchtitan's llama -> HF (hf_names)
 
     @property
     def nbytes(self) -> int:
@@ -110,6 +111,54 @@ def select_tensors(
     return chosen
 
 
+def select_torchtitan_llama(
+    checkpoint: Checkpoint, *, dtype: str | None = None, heads: int | None = None, kv_heads: int | None = None
+) -> list[ExportedTensor]:
+    """The model tensors of a torchtitan llama checkpoint under their Hugging Face names (hf_names.TORCHTITAN_LLAMA),
+    wq and wk with their rows permuted per head as torchtitan's state dict adapter does; `heads` is the model's
+    n_heads (its checkpoint does not record it), `kv_heads` its n_kv_heads (default: from wk's shape)."""
+    if dtype is not None and dtype not in DTYPES:
+        raise ShardckptUsageError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    entries = {entry.name: entry for entry in checkpoint.manifest.tensors}
+    if not heads or heads < 1:
+        raise ShardckptUsageError(
+            f"{checkpoint.url} holds a torchtitan llama model: its attention weights are permuted per head on the "
+            "way to Hugging Face, so the export needs the model's number of heads: pass heads= (--heads N, the "
+            "n_heads of its torchtitan model args, num_attention_heads in HF's config.json)"
+        )
+    wq = entries["layers.0.attention.wq.weight"]
+    dim = wq.shape[1] if len(wq.shape) == 2 else 0
+    if len(wq.shape) != 2 or wq.shape[0] % heads or (wq.shape[0] // heads) % 2:
+        raise ShardckptUsageError(
+            f"{checkpoint.url}: layers.0.attention.wq.weight of shape {list(wq.shape)} does not split into {heads} "
+            "heads of an even size: check --heads"
+        )
+    head_dim = wq.shape[0] // heads
+    wk = entries.get("layers.0.attention.wk.weight")
+    found_kv = wk.shape[0] // head_dim if wk is not None and len(wk.shape) == 2 and wk.shape[0] % head_dim == 0 else 0
+    if kv_heads is None:
+        kv_heads = found_kv
+    if not kv_heads or kv_heads != found_kv:
+        raise ShardckptUsageError(
+            f"{checkpoint.url}: layers.0.attention.wk.weight of shape {list(wk.shape) if wk else None} does not hold "
+            f"{kv_heads} heads of {head_dim} rows ({heads} heads over {dim} columns): check --heads / --kv-heads"
+        )
+    chosen = []
+    for entry in checkpoint.manifest.tensors:
+        mapped = torchtitan_llama_name(entry.name)
+        if mapped is None:
+            continue
+        name, permuted = mapped
+        groups = {"q": heads, "k": kv_heads}.get(permuted or "", 0)
+        if groups and (len(entry.shape) != 2 or entry.shape[0] != groups * head_dim):
+            raise ShardckptUsageError(
+                f"{checkpoint.url}: {entry.name} of shape {list(entry.shape)} is not {groups} heads of {head_dim} rows"
+            )
+        written = DTYPES[dtype] if dtype is not None and entry.dtype in FLOATING else entry.dtype
+        chosen.append(ExportedTensor(entry.name, name, written, entry.shape, groups))
+    return chosen
+
+
 def plan_shards(tensors: list[ExportedTensor], max_shard_size: int) -> list[ExportShard]:
     """Fill files in order up to max_shard_size bytes (a larger tensor gets a file of its own), as transformers does.
 
@@ -171,8 +220,13 @@ def export_hf_safetensors(
     out_options: dict[str, Any] | None = None,
     progress: Callable[[int, int], None] | None = None,
     force: bool = False,
+    heads: int | None = None,
+    kv_heads: int | None = None,
 ) -> ExportReport:
     """Export the selected tensors of the checkpoint at `url` into the directory `out` (which must hold no export).
+
+    A checkpoint torchtitan saved for a llama model (hf_names.is_torchtitan_llama), exported without include or
+    strip_prefix, is exported as Hugging Face's LlamaForCausalLM names it (select_torchtitan_llama: needs `heads`).
 
     force=True first deletes a previous export in `out`: its index and the files that index names, nothing else
     (a file it does not name, or a checkpoint in `out`, is refused before anything is deleted).
@@ -182,10 +236,12 @@ def export_hf_safetensors(
     """
     began = time.perf_counter()
     checkpoint = open_streaming(url, memory_limit, storage_options=storage_options)
-    shards = plan_shards(
-        select_tensors(checkpoint, dtype=dtype, include=include, exclude=exclude, strip_prefix=strip_prefix),
-        max_shard_size,
-    )
+    names = [entry.name for entry in checkpoint.manifest.tensors]
+    if include is None and exclude is None and not strip_prefix and is_torchtitan_llama(names):
+        selected = select_torchtitan_llama(checkpoint, dtype=dtype, heads=heads, kv_heads=kv_heads)
+    else:
+        selected = select_tensors(checkpoint, dtype=dtype, include=include, exclude=exclude, strip_prefix=strip_prefix)
+    shards = plan_shards(selected, max_shard_size)
     target = open_storage(out, out_options)
     existing = [name for name in target.list() if name.endswith(".safetensors") or name == INDEX_FILE]
     if force:
@@ -254,6 +310,9 @@ def _write_tensor(
     total: int,
     progress: Callable[[int, int], None] | None,
 ) -> None:
+    if tensor.heads:
+        _write_permuted(checkpoint, tensor, handle, total, progress)
+        return
     stored = checkpoint.entry(tensor.source).dtype
     converts = stored != tensor.dtype
     per_element = itemsize(stored) + (itemsize(tensor.dtype) if converts else 0)
@@ -263,6 +322,22 @@ def _write_tensor(
         converted, _ = arena_view(arena, elements * itemsize(stored), elements, torch_dtype(tensor.dtype))
     for chunk in read_chunks(checkpoint, tensor.source, elements, arena):
         data = chunk if converted is None else converted[: chunk.numel()].copy_(chunk)
+        handle.write(memoryview(host_bytes(data)))  # type: ignore[arg-type]  # numpy arrays are buffers
+        if progress is not None:
+            progress(data.numel() * data.element_size(), total)
+
+
+def _write_permuted(
+    checkpoint: Checkpoint, tensor: ExportedTensor, handle: Any, total: int, progress: Callable[[int, int], None] | None
+) -> None:
+    """A wq/wk weight head by head, each head's rows reordered as torchtitan's _permute does for HF: row 2a + b of
+    a head (pair a, element b of Meta's interleaved RoPE) becomes row b * head_dim / 2 + a (HF's rotate_half)."""
+    rows, columns = tensor.shape
+    head_dim = rows // tensor.heads
+    for head in range(tensor.heads):
+        block = checkpoint.read(tensor.source, offsets=(head * head_dim, 0), shape=(head_dim, columns))
+        block = block.view(head_dim // 2, 2, columns).transpose(0, 1).reshape(head_dim, columns)
+        data = block.to(torch_dtype(tensor.dtype)).contiguous()
         handle.write(memoryview(host_bytes(data)))  # type: ignore[arg-type]  # numpy arrays are buffers
         if progress is not None:
             progress(data.numel() * data.element_size(), total)

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from shardckpt import knobs
-from shardckpt.catalog.chain import read_commit_marker, read_global_manifest, read_marker_bytes
+from shardckpt.catalog.chain import read_commit_marker, read_global_manifest, read_marker, read_markers
 from shardckpt.catalog.claims import BY_COMMIT, CREATED, claim, missing_files, release
 from shardckpt.crashpoints import crash_point
 from shardckpt.errors import (
@@ -34,6 +34,7 @@ from shardckpt.format.manifest import (
     FileEntry,
     GlobalManifest,
     crc32c_of,
+    decode_commit_marker,
     decode_global_manifest,
     encode_commit_marker,
     encode_global_manifest,
@@ -56,6 +57,7 @@ def commit(
     local_manifests: Sequence[bytes] | None = None,
     storage_options: dict[str, Any] | None = None,
     root: Storage | None = None,
+    supersede: bool = False,
 ) -> GlobalManifest:
     """Validate the local manifests of one attempt and commit the checkpoint at `url` atomically.
 
@@ -68,9 +70,13 @@ def commit(
     saves); otherwise they are read from storage. Re-committing the attempt that already committed (or whose
     global manifest a failed commit already wrote) reuses what it recorded: a `step` or `metadata` given here
     must equal the recorded one (None keeps it), else CommitConflictError, as for any other attempt.
+
+    supersede: where another attempt is committed already, commit this one as its successor (SPEC 14.2: the next
+    COMMITTED-<g>, created only if absent) instead of raising CommitConflictError; the superseded attempt's files
+    stay until a collector finds them older than its grace period.
     """
     storage = open_storage(url, storage_options)
-    committed = _existing_commit(storage, attempt, step, metadata)
+    committed = _existing_commit(storage, attempt, step, metadata, supersede)
     if committed is not None:
         return committed
     if local_manifests is None:
@@ -127,7 +133,7 @@ def commit(
                 "took the save, held up for longer than its grace period, for an abandoned one; nothing was "
                 "committed; save again"
             )
-        committed = _create_marker(storage, manifest, encoded, attempt, step, metadata, root)
+        committed = _create_marker(storage, manifest, encoded, attempt, step, metadata, root, supersede)
     except BaseException:
         if claimed == CREATED:  # a claim found held may be a concurrent committer's: its own to release
             release(storage, attempt, BY_COMMIT)
@@ -147,8 +153,10 @@ def _create_marker(
     step: int | None,
     metadata: dict[str, Any] | None,
     root: Storage | None,
+    supersede: bool,
 ) -> GlobalManifest:
-    """(holding the commit's claim) Re-check the referenced checkpoints, then create COMMITTED: the last write."""
+    """(holding the commit's claim) Re-check the referenced checkpoints, then create COMMITTED (or, superseding,
+    the next successor marker): the last write."""
     if manifest.references:
         # A collector may have deleted a referenced checkpoint since the save chose it (SPEC 9 phase 3, 14).
         assert root is not None
@@ -166,25 +174,51 @@ def _create_marker(
         references=committed_references(manifest.references),
     )
     marker_bytes = encode_commit_marker(marker)
+    name = _next_marker(storage) if supersede else layout.COMMITTED
     try:
-        storage.commit_marker(layout.COMMITTED, marker_bytes)
+        storage.commit_marker(name, marker_bytes)
     except AlreadyExistsError:
         # A concurrent committer won the race: success only if it committed this very manifest.
-        winner = _existing_commit(storage, attempt, step, metadata)
+        winner = _existing_commit(storage, attempt, step, metadata, False)
         if winner is None:
             raise
         return winner
-    if read_marker_bytes(storage) != marker_bytes:  # never report success for a marker that does not read back
-        raise IntegrityError(f"{storage.describe(layout.COMMITTED)} does not hold the marker bytes just written")
+    # Never report success for a marker that does not read back.
+    if storage.read_small(name, limits.MAX_COMMIT_MARKER_BYTES) != marker_bytes:
+        raise IntegrityError(f"{storage.describe(name)} does not hold the marker bytes just written")
     # The manifest just validated and written (its bytes read back equal): decoding them again would only cost.
     return manifest
 
 
+def _next_marker(storage: Storage) -> str:
+    """The name of the marker that supersedes the newest one (COMMITTED when there is none yet)."""
+    found = read_marker(storage)
+    if found is None:
+        return layout.COMMITTED
+    generation = layout.marker_generation(found[0])
+    assert generation is not None  # read_marker only reads marker names
+    if generation >= limits.MAX_MARKER_GENERATION:
+        raise AlreadyExistsError(
+            f"{storage.url} was superseded {generation - 1} times, the most SPEC 14.2 allows: save to a new URL"
+        )
+    return layout.marker_name(generation + 1)
+
+
 def _existing_commit(
-    storage: Storage, attempt: str | None, step: int | None, metadata: dict[str, Any] | None
+    storage: Storage, attempt: str | None, step: int | None, metadata: dict[str, Any] | None, supersede: bool
 ) -> GlobalManifest | None:
     marker = read_commit_marker(storage)
     if marker is None:
+        return None
+    if supersede and attempt is not None and marker.attempt != attempt:
+        # Another attempt's checkpoint: this one commits as its successor, unless it was committed before and
+        # superseded since (a retried commit must not bring it back over the newer save).
+        for name, raw in read_markers(storage)[:-1]:
+            if decode_commit_marker(raw, storage.describe(name)).attempt == attempt:
+                raise CommitConflictError(
+                    f"{storage.describe(name)}: attempt {attempt} was committed and has since been superseded by "
+                    f"attempt {marker.attempt}; it is not committed again"
+                )
         return None
     if attempt is None or marker.attempt == attempt:
         # Committing what is already committed is a no-op (a retried commit after a lost reply).

@@ -41,3 +41,21 @@ def test_du_counts_a_checkpoint_behind_a_link_once_and_agrees_with_ls(tmp_path) 
     assert set(usage) == {"step-00000002", "step-00000010", "broken", "half"}
     statuses = {r["name"]: r["status"] for r in list_checkpoints(root)["checkpoints"] if r["status"] != "alias"}
     assert {name: c.status for name, c in usage.items()} == statuses
+
+
+def test_ls_of_a_folder_of_dcp_checkpoints_says_what_they_are_and_how_to_import_one(tmp_path) -> None:
+    import torch
+
+    from tests.helpers.dcp_files import dcp_dir
+
+    root = tmp_path / "titan"
+    for step in (2, 4):
+        dcp_dir(root / f"step-{step}", {"w": torch.ones(2)})
+    note = list_checkpoints(str(root))["note"]
+    assert note.startswith(f"no shardckpt checkpoints under {root}: it holds 2 PyTorch DCP checkpoint(s)")
+    assert "(step-2, step-4)" in note and f"`shardckpt import-dcp {root / 'step-4'} NEW_URL`" in note
+    # Beside shardckpt checkpoints, ls lists those and still names the DCP ones it does not list.
+    save_sharded(sample_state(0), str(root / "step-6"), 2, step=6)
+    listing = list_checkpoints(str(root))
+    assert [row["name"] for row in listing["checkpoints"]] == ["step-6"]
+    assert "also holds 2 PyTorch DCP checkpoint(s) (step-2, step-4)" in listing["note"]

@@ -114,7 +114,27 @@ def test_a_rank_failing_in_write_data_fails_the_save_everywhere_and_commits_noth
         shardckpt.open(args["failed"])
 
 
-def test_a_save_into_a_committed_url_is_refused_on_every_rank(saved) -> None:
+def test_a_save_into_a_committed_url_is_refused_on_every_rank_without_supersede(saved) -> None:
     _, verdicts = saved
     for verdict in verdicts:
         assert verdict["refused"] == {"raised": "CheckpointException", "causes": {"0": "AlreadyExistsError"}}
+
+
+def test_a_second_save_to_one_url_supersedes_the_first_on_2_ranks(saved) -> None:
+    args, _ = saved
+    assert sorted(name for name in os.listdir(args["ours"]) if name.startswith("COMMITTED")) == [
+        "COMMITTED",
+        "COMMITTED-2",
+    ]
+    assert shardckpt.open(args["ours"]).step == 7  # the loads above read the successor, bit-equal
+
+
+def test_shardckpt_load_of_the_state_as_dcp_saved_it_fills_each_ranks_own_key(saved) -> None:
+    _, verdicts = saved
+    for rank, verdict in enumerate(verdicts):
+        loader = {f"dp_rank_{rank}": {"bytes": bytes([rank] * 3).hex()}}
+        blob = {"bytes": b"\x00\x01state".hex()}
+        assert verdict["same"] == {
+            "dataloader": loader,
+            "extra": {"epoch": 3, "tag": "dcp", "blob": blob, "history": [1.5, 2.5]},
+        }

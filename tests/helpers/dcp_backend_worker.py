@@ -151,7 +151,8 @@ def _refusal(run: Any) -> dict[str, Any]:
 
 
 def scenario_save(args: dict, rank: int, world: int) -> dict:
-    """Save once through each path, fail one save on rank 1, refuse a save into a committed URL, load on 2 ranks."""
+    """Save once through each path, fail one save on rank 1, refuse a save into a committed URL, then supersede it,
+    load on 2 ranks."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -175,8 +176,15 @@ def scenario_save(args: dict, rank: int, world: int) -> dict:
         save_file(reference, args["reference"])
     dist.barrier()
     failed = _refusal(lambda: dcp.save(state, storage_writer=FailingWriter(args["failed"], block_size=BLOCK_SIZE)))
-    refused = _refusal(lambda: dcp.save(state, storage_writer=shardckpt.dcp.StorageWriter(args["ours"])))
-    return {"failed": failed, "refused": refused, "loads": load_all(args)}
+    refused = _refusal(
+        lambda: dcp.save(state, storage_writer=shardckpt.dcp.StorageWriter(args["ours"], supersede=False))
+    )
+    # As DCP overwrites: the same URL saved again supersedes the committed checkpoint (SPEC 14.2); loads read it.
+    dcp.save(state, storage_writer=shardckpt.dcp.StorageWriter(args["ours"], step=7, block_size=BLOCK_SIZE))
+    # The state dict exactly as given to dcp.save (this rank's own key of one dict) loads with shardckpt.load.
+    same = {"dataloader": {f"dp_rank_{rank}": b""}, "extra": {"epoch": 0, "tag": "", "blob": b"", "history": []}}
+    shardckpt.load(same, args["ours"])
+    return {"failed": failed, "refused": refused, "loads": load_all(args), "same": _jsonable(same)}
 
 
 def _stop_checkpoint_process() -> None:

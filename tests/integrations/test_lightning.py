@@ -152,3 +152,19 @@ def test_lightning_is_imported_only_when_its_class_is_asked_for() -> None:
         pytest.fail("importing shardckpt.integrations.lightning imported lightning", pytrace=False)
     with pytest.raises(ModuleNotFoundError, match="lightning"):
         lightning.ModelParallelStrategy  # noqa: B018
+
+
+def test_save_last_saves_one_path_again_and_again_and_the_newest_loads(tmp_path) -> None:
+    url = str(tmp_path / "last.ckpt")  # ModelCheckpoint(save_last=True) saves every time to this one path
+    for step in (12, 24):
+        model, optimizer = trained(step)
+        saved = trainer_checkpoint(model, optimizer)
+        saved["global_step"] = step
+        strategy_class(Strategy)(model, optimizer).save_checkpoint(saved, url)
+    fresh_model, fresh_optimizer = trained(0)
+    entries = strategy_class(Strategy)(fresh_model, fresh_optimizer).load_checkpoint(url)
+    assert entries["global_step"] == 24 and shardckpt.open(url).step == 24
+    for (name, a), (_, b) in zip(model.state_dict().items(), fresh_model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    strategy_class(Strategy)(fresh_model, fresh_optimizer).remove_checkpoint(url)
+    assert not os.path.exists(url)

@@ -154,3 +154,28 @@ def test_torchtitan_is_imported_only_when_its_class_is_asked_for() -> None:
         pytest.fail("importing shardckpt.integrations.torchtitan imported torchtitan", pytrace=False)
     with pytest.raises(ModuleNotFoundError, match="torchtitan"):
         torchtitan.CheckpointManager  # noqa: B018
+
+
+def test_a_save_collects_garbage_as_torchtitan_does_generation_1_not_a_full_collection(manager, monkeypatch) -> None:
+    import gc
+
+    generations: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(gc, "collect", lambda *args: generations.append(args) or 0)
+    manager.dcp_save(state(1.0), manager._create_checkpoint_id(1), "disabled", enable_garbage_collection=True)
+    assert generations == [(1,)]  # torchtitan's GarbageCollection.collect(reason) runs gc.collect(1)
+
+
+def test_a_rollback_to_an_older_step_saves_over_the_newer_steps_as_torchtitans_dcp_does(manager) -> None:
+    for step in (4, 6):
+        manager.dcp_save(state(float(step)), manager._create_checkpoint_id(step), "disabled")
+    # --checkpoint.load_step 4: the run resumes at 4 and reaches step 6 again (here through async_save's thread,
+    # where the AlreadyExistsError of a refusal surfaced one save late).
+    manager.dcp_load(state(0.0), manager._create_checkpoint_id(4), False, False)
+    manager.dcp_save(state(66.0), manager._create_checkpoint_id(6), "async").result()
+    assert manager._find_load_step() == 6
+    target = state(0.0)
+    manager.dcp_load(target, manager._create_checkpoint_id(6), False, False)
+    assert torch.equal(target["tok.weight"], torch.full((6, 4), 66.0)) and target["train_state"]["step"] == 66
+    manager.dcp_save(state(8.0), manager._create_checkpoint_id(8), "disabled")
+    manager._purge_stale_checkpoints()  # keep_latest_k=2: step-4 goes, the superseded step-6 is one checkpoint
+    assert sorted(os.listdir(manager.folder)) == ["step-6", "step-8"]

@@ -6,6 +6,7 @@ does not exist.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import os
 import pickle
@@ -47,7 +48,10 @@ def test_every_dtype_and_layout_dcp_writes_imports_bit_for_bit(tmp_path) -> None
     }
     state = {**tensors, "nested": {"x": torch.ones(2), "n": 4, "t": (1, 2.0)}, "when": datetime.date(2025, 1, 2)}
     dcp.save(state, checkpoint_id=str(tmp_path / "dcp"))
-    report = import_dcp(str(tmp_path / "dcp"), str(tmp_path / "ck"))
+    with pytest.raises(FormatError, match=r"1 value\(s\) cannot be imported, nothing was written: 'when': .*datetime"):
+        import_dcp(str(tmp_path / "dcp"), str(tmp_path / "ck"))
+    assert not (tmp_path / "ck").exists()
+    report = import_dcp(str(tmp_path / "dcp"), str(tmp_path / "ck"), allow_skip=True)
     assert report.skipped == [("when", report.skipped[0][1])] and "datetime" in report.skipped[0][1]
     checkpoint = shardckpt.open(str(tmp_path / "ck"))
     for name, tensor in {**tensors, "nested.x": torch.ones(2)}.items():
@@ -162,3 +166,50 @@ def test_records_that_cannot_be_read_exactly_are_refused(tmp_path) -> None:
     (tmp_path / "escape" / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(FormatError, match="not a plain file name"):
         import_dcp(str(tmp_path / "escape"), str(tmp_path / "escape" / "ck"))
+
+
+def test_every_plain_value_torch_save_pickles_imports_and_every_other_fails_the_import_by_name(tmp_path) -> None:
+    """torch.save writes protocol 2: bytes as _codecs.encode(latin-1 text), b"" as bytes(), bytearray, sets, ...
+    A real torchtitan data loader's state is bytes: it was dropped with exit 0 (issue 24)."""
+    plain = {
+        "position": b"\x00\x07\xff",
+        "empty": b"",
+        "buffer": bytearray(b"\x80\x00"),
+        "every_byte": bytes(range(256)),
+        "nested": {"rng": (b"\x01", [b"", 2.5]), "none": None, "flag": True, "inf": float("inf")},
+        "ordered": collections.OrderedDict(b=1, a=2),
+    }
+    not_plain = {
+        "seen": {1, 2},
+        "frozen": frozenset({3}),
+        "z": 1 + 2j,
+        "window": slice(1, 5, 2),
+        "span": range(3),
+        "queue": collections.deque([1]),
+    }  # a defaultdict is a mapping: DCP flattens it into plain entries itself
+    dcp.save({"w": torch.ones(2), **plain}, checkpoint_id=str(tmp_path / "plain"))
+    report = import_dcp(str(tmp_path / "plain"), str(tmp_path / "ck"))
+    assert report.skipped == []
+    objects = shardckpt.open(str(tmp_path / "ck")).objects
+    assert objects == {**plain, "buffer": b"\x80\x00", "ordered": {"b": 1, "a": 2}}  # one binary type, one map
+    target = {"w": torch.zeros(2), **{name: None for name in plain}}
+    target["nested"] = {"rng": None, "none": 0, "flag": None, "inf": None}
+    shardckpt.load(target, str(tmp_path / "ck"))
+    assert target["position"] == b"\x00\x07\xff" and target["nested"]["rng"] == (b"\x01", [b"", 2.5])
+
+    dcp.save({"w": torch.ones(2), **not_plain, "kept": b"x"}, checkpoint_id=str(tmp_path / "other"))
+    with pytest.raises(FormatError) as refused:
+        import_dcp(str(tmp_path / "other"), str(tmp_path / "ck2"))
+    message = str(refused.value)
+    assert "6 value(s) cannot be imported, nothing was written" in message and "--allow-skip" in message
+    for name, kind in [("seen", "set"), ("z", "complex"), ("window", "slice"), ("queue", "deque")]:
+        assert f"'{name}': a Python " in message and kind in message, name
+    assert not (tmp_path / "ck2").exists()
+    report = import_dcp(str(tmp_path / "other"), str(tmp_path / "ck2"), allow_skip=True)
+    assert sorted(name for name, _ in report.skipped) == sorted(not_plain)
+    assert shardckpt.open(str(tmp_path / "ck2")).objects == {"kept": b"x"}
+    # The command line: exit 1 and nothing written, or exit 0 with --allow-skip, the skipped values listed.
+    assert cli_main(["import-dcp", str(tmp_path / "other"), str(tmp_path / "ck3")]) == 1
+    assert not (tmp_path / "ck3").exists()
+    assert cli_main(["import-dcp", "--allow-skip", str(tmp_path / "other"), str(tmp_path / "ck3")]) == 0
+    assert shardckpt.open(str(tmp_path / "ck3")).objects == {"kept": b"x"}

@@ -249,8 +249,9 @@ def test_hostile_documents_through_open_and_read(original: Path, tmp_path_factor
 
 
 def _assert_layout_path(root: Path, path: str) -> None:
-    """`path` is a name the layout gives (any attempt, any rank) and resolves inside the checkpoint."""
-    if path not in (layout.COMMITTED, "", layout.RANKS_DIR, layout.DATA_DIR):
+    """`path` is a name the layout gives (any attempt, any rank, a successor marker of SPEC 14.2) and resolves inside
+    the checkpoint."""
+    if path not in ("", layout.RANKS_DIR, layout.DATA_DIR) and layout.marker_generation(path) is None:
         parsers = (layout.parse_data_path, layout.parse_local_manifest_path, layout.parse_global_manifest_path)
         for parse in parsers:
             try:

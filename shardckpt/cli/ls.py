@@ -12,7 +12,8 @@ from rich.console import Console
 from rich.text import Text
 
 from shardckpt.cli.common import EXIT_OK, human_bytes, new_command, print_json, storage_options, when
-from shardckpt.cli.tables import Cell, fitted_table
+from shardckpt.cli.tables import Cell, Column, print_table
+from shardckpt.cli.text import line, printable, styled
 from shardckpt.ops.ls import list_checkpoints
 
 NAME = "ls"
@@ -25,7 +26,7 @@ def register(subparsers: Any) -> None:
         "list the checkpoints under a root with their status",
         "List the checkpoints directly under ROOT: committed or incomplete, step, ranks, data (the bytes of the data "
         "files, from COMMITTED: `du` also counts manifests and leftovers), commit time. A ROOT that does not exist "
-        "is an error (exit 1); one without checkpoints says what it is instead.",
+        "is an error (exit 3, as for every command); one without checkpoints says what it is instead.",
         "examples:\n  shardckpt ls /ckpts\n"
         "  shardckpt ls s3://bucket/run --storage-option endpoint_url=http://127.0.0.1:8333",
     )
@@ -41,13 +42,13 @@ def run(args: argparse.Namespace, console: Console) -> int:
     colors = {"committed": "green", "incomplete": "yellow", "broken": "red", "alias": "cyan"}
     table_rows: list[list[Cell]] = []
     for r in rows:
-        status = Text(r["status"], style=colors[r["status"]])
-        if "alias_of" in r:
-            status.append(f" of {r['alias_of']}")
+        name: Cell = r["name"]
+        if "alias_of" in r:  # as ls -l shows a link: the target beside the name, where it folds like one
+            name = Text(printable(r["name"], name=True) + " -> " + printable(r["alias_of"], name=True))
         table_rows.append(
             [
-                r["name"],
-                status,
+                name,
+                styled(r["status"], colors[r["status"]]),
                 "-" if r.get("step") is None else str(r["step"]),
                 str(r.get("world_size", "-")),
                 human_bytes(r["bytes"]) if "bytes" in r else "-",
@@ -55,8 +56,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
             ]
         )
     if rows:
-        headers = ("checkpoint", "status", "step", "ranks", "data", "committed at")
-        console.print(fitted_table(console, headers, table_rows, title=listing["root"], right=(2, 3, 4)))
+        columns = [
+            Column("checkpoint"),
+            Column("status"),
+            Column("step", right=True, drop=4),
+            Column("ranks", right=True, drop=1),
+            Column("data", right=True, drop=3),
+            Column("committed at", drop=2),
+        ]
+        print_table(console, columns, table_rows, title=listing["root"])
     else:
-        console.print(listing["note"], highlight=False)
+        console.print(line(listing["note"]))
     return EXIT_OK

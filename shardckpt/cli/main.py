@@ -98,9 +98,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(arguments)
     except _UsageError as exc:
-        if not json_output:
-            exc.parser.print_usage(sys.stderr)
-        sys.exit(_fail("UsageError", f"{exc.parser.prog}: {exc}", EXIT_USAGE, json_output))  # as argparse exits
+        exc.parser.print_usage(sys.stderr)
+        print(f"{exc.parser.prog}: error: {printable(str(exc))}", file=sys.stderr)  # argparse's own words
+        if json_output:
+            print_json(
+                {"error": {"type": "UsageError", "message": f"{exc.parser.prog}: {exc}", "exit_code": EXIT_USAGE}}
+            )
+        sys.exit(EXIT_USAGE)  # as argparse exits
     run = next(module.run for module in map(_module, COMMAND_MODULES) if args.command == module.NAME)
     console = output_console()
     try:

@@ -9,7 +9,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from shardckpt.catalog import list_root
+from shardckpt.catalog import Listing, list_root
 from shardckpt.distributed.protocol import load, save
 from shardckpt.errors import ShardckptUsageError
 from shardckpt.format.manifest import GlobalManifest
@@ -17,8 +17,14 @@ from shardckpt.read.checkpoint import Checkpoint, ReadStats
 from shardckpt.storage import Storage
 
 
+class NoCheckpointWarning(UserWarning):
+    """latest() found no committed checkpoint under a root: a job that resumes from it starts from scratch. Said out
+    loud because a mistyped root looks exactly like a new one (filter this warning where a fresh root is expected)."""
+
+
 def latest(root_url: str | Storage, *, storage_options: dict[str, Any] | None = None) -> str | None:
-    """URL of the newest committed checkpoint directly under `root_url`, or None.
+    """URL of the newest committed checkpoint directly under `root_url`, or None (with a NoCheckpointWarning that
+    names the root and says whether it does not exist, is empty, or holds no committed checkpoint).
 
     Newest by shardckpt.catalog.order_key (step, then commit time, then name), the order retention and gc keep by.
     A link to a checkpoint of the same root is that checkpoint: the URL returned is the checkpoint's own, never
@@ -29,7 +35,21 @@ def latest(root_url: str | Storage, *, storage_options: dict[str, Any] | None = 
         if entry.error is not None and entry.alias_of is None:
             warnings.warn(f"skipping {entry.url}: {entry.error}", stacklevel=2)
     newest = listing.newest()
-    return None if newest is None else newest.url
+    if newest is None:
+        warnings.warn(_nothing_under(listing), NoCheckpointWarning, stacklevel=2)
+        return None
+    return newest.url
+
+
+def _nothing_under(listing: Listing) -> str:
+    root = listing.root
+    if listing.entries:
+        why = f"it holds {len(listing.entries)} name(s), none a committed checkpoint (`shardckpt ls {root.url}`)"
+    elif root.exists(""):
+        why = "it is empty"
+    else:
+        why = "it does not exist (check the path or URL for a typo)"
+    return f"no committed checkpoint under {root.url}: {why}; a job resuming from it starts from scratch"
 
 
 def save_deepspeed(

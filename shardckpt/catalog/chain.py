@@ -166,10 +166,25 @@ def what_is(storage: Storage) -> Place:
         return Place(EMPTY if storage.exists("") else MISSING)
     if ".metadata" in names and any(name.endswith(".distcp") for name in names):
         return Place(DCP)
-    if "latest" in names or any(name.startswith("global_step") for name in names):
-        return Place(DEEPSPEED)
     found = tuple(name for name in names[:MAX_CHILDREN_LOOKED_AT] if classify(storage.child(name).list(), False, False))
-    return Place(ROOT, found) if found else Place(OTHER)
+    if found:  # checkpoints first: a root of ours may hold a `latest` link or step directories named global_step*
+        return Place(ROOT, found)
+    # DeepSpeed writes `latest` as a file naming the tag; a `latest` that lists entries is a directory or a link to one
+    if ("latest" in names and not storage.child("latest").list()) or any(n.startswith("global_step") for n in names):
+        return Place(DEEPSPEED)
+    return Place(OTHER)
+
+
+def does_not_exist(url: str) -> NotFoundError:
+    """The one error for a URL with nothing there (a mistyped checkpoint or root), whichever command met it."""
+    return NotFoundError(f"{url} does not exist (check the path or URL for a typo)")
+
+
+def require_exists(storage: Storage) -> None:
+    """NotFoundError (does_not_exist) unless something is at `storage`'s URL: every command treats a root or checkpoint
+    that does not exist alike, as an error, rather than as one holding no checkpoint or failing a check."""
+    if not storage.list() and not storage.exists(""):
+        raise does_not_exist(storage.url)
 
 
 def not_a_checkpoint(storage: Storage) -> ShardckptError:
@@ -178,7 +193,7 @@ def not_a_checkpoint(storage: Storage) -> ShardckptError:
     url = storage.url
     place = what_is(storage)
     if place.kind == MISSING:
-        return NotFoundError(f"{url} does not exist (check the path or URL for a typo)")
+        return does_not_exist(url)
     if place.kind == ROOT:
         shown = ", ".join(place.checkpoints[-3:])
         return NotCommittedError(

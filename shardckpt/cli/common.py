@@ -18,12 +18,28 @@ from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, ProgressColumn, Task, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TextColumn,
+    TimeRemainingColumn,
+)
 from rich.text import Text
 
 from shardckpt.errors import ShardckptUsageError
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+# The exit codes of every command (the --help epilog lists them): a failed check or a difference is an answer, an
+# error is the absence of one, so a script can tell "diff says they differ" from "diff could not read B".
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
+EXIT_CODES_HELP = (
+    "Exit codes: 0 ok; 1 a check failed, the checkpoint is incomplete or broken, or (diff) they differ; "
+    "2 usage error (bad option or argument); 3 error (nothing there, e.g. a mistyped path or root, not a "
+    "checkpoint, unreadable, refused). With --json an error is also JSON on stdout: "
+    '{"error": {"type": ..., "message": ..., "exit_code": ...}}.'
+)
 
 
 def when(seconds: float) -> str:
@@ -94,15 +110,16 @@ def print_json(document: Any) -> None:
 
 
 def output_console() -> Console:
-    """The console commands print to: the terminal's width on a terminal; for a pipe, plain text (no colour) at
-    $COLUMNS or 80 columns, so piped output stays narrow (--json is the format for full names)."""
+    """The console commands print to: the terminal's width ($COLUMNS first) on a terminal; for a pipe, plain text
+    (no colour, tables one record per line, no line ever broken). Neither reads markup, emoji codes or highlights:
+    what is printed is untrusted text (names, paths), styled only through Text objects (cli.text)."""
     if sys.stdout.isatty():
-        return Console()
+        return Console(markup=False, emoji=False, highlight=False)
     try:
         width = int(os.environ.get("COLUMNS", ""))
     except ValueError:
         width = 80
-    return Console(width=max(40, width), no_color=True, highlight=False)
+    return Console(width=max(40, width), no_color=True, markup=False, emoji=False, highlight=False, soft_wrap=True)
 
 
 def parse_size(text: str) -> int:
@@ -228,10 +245,15 @@ class BinarySpeedColumn(ProgressColumn):
         return Text("?" if speed is None else f"{human_bytes(int(speed))}/s", style="progress.data.speed")
 
 
+def description_column() -> TextColumn:
+    """A bar's description (one of our own words), styled without markup: the console reads none."""
+    return TextColumn("{task.description}", style="progress.description", markup=False)
+
+
 def transfer_columns() -> tuple[Any, ...]:
     """The columns of every bytes progress bar: description, bar, done/total and rate (binary units)."""
     return (
-        "[progress.description]{task.description}",
+        description_column(),
         BarColumn(),
         DownloadColumn(binary_units=True),
         BinarySpeedColumn(),

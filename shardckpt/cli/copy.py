@@ -21,6 +21,7 @@ from shardckpt.cli.common import (
     storage_options,
     transfer_columns,
 )
+from shardckpt.cli.text import line
 from shardckpt.errors import ShardckptUsageError
 
 NAME = "copy"
@@ -90,9 +91,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
             print_json(document)
         else:
             console.print(
-                f"[green]copied[/green] {args.source} -> {destination}: self-contained, "
-                f"{human_bytes(manifest.total_bytes)} of data written",
-                highlight=False,
+                line(
+                    ("copied", "green"),
+                    f" {args.source} -> {destination}: self-contained, "
+                    f"{human_bytes(manifest.total_bytes)} of data written",
+                ),
                 soft_wrap=True,
             )
         return EXIT_OK
@@ -131,9 +134,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
         )
         return EXIT_OK
     for url in report.committed:
-        console.print(f"[green]committed[/green] {url}", highlight=False, soft_wrap=True)
+        console.print(line(("committed", "green"), f" {url}"), soft_wrap=True)
     for url in report.already_there:
-        console.print(f"already there: {url}", highlight=False, soft_wrap=True)
+        console.print(line(f"already there: {url}"), soft_wrap=True)
     console.print(
         f"copied {report.source} -> {report.destination}: {report.files} files, {human_bytes(report.bytes)}"
         + (f" ({report.kept_files} complete files of an earlier copy kept, checked)" if report.kept_files else ""),

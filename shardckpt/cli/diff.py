@@ -9,9 +9,11 @@ import argparse
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
+from rich.text import Text
 
 from shardckpt.cli.common import add_memory_limit, new_command, print_json, progress_bar, storage_options
+from shardckpt.cli.tables import Cell, Column, print_table
+from shardckpt.cli.text import line, styled
 
 NAME = "diff"
 
@@ -24,7 +26,8 @@ def register(subparsers: Any) -> None:
         "Compare two committed checkpoints, streaming both under --memory-limit. For each tensor: equal (bit "
         "for bit), or the number of differing elements and the largest absolute difference; a changed shape or "
         "dtype; present in only one of them. Plain objects are compared by value. Exit 0 when nothing differs "
-        "(tensors within --atol count as close), 1 otherwise. World size and sharding do not matter.",
+        "(tensors within --atol count as close), 1 when something differs, 3 when A or B cannot be read (e.g. a "
+        "typo). World size and sharding do not matter.",
         "examples:\n"
         "  shardckpt diff /ckpts/step-00001000 /ckpts/step-00002000\n"
         "  shardckpt diff run-a/step-00000100 run-b/step-00000100 --atol 1e-6\n"
@@ -77,42 +80,58 @@ def run(args: argparse.Namespace, console: Console) -> int:
         }
         print_json(summary)
         return code
-    console.print(f"A: {report.a} (step {report.step_a})\nB: {report.b} (step {report.step_b})", highlight=False)
+    console.print(line(f"A: {report.a} (step {report.step_a})"))
+    console.print(line(f"B: {report.b} (step {report.step_b})"))
     shown = [t for t in report.tensors if args.all or t.status != "equal"]
     if shown:
-        columns = ("tensor", "status", "dtype", "shape", "differing", "max |A-B|")
-        table = Table(*columns, title="tensors", title_justify="left")
-        for t in shown:
-            table.add_row(
+        columns = [
+            Column("tensor"),
+            Column("status"),
+            Column("dtype", drop=2),
+            Column("shape", drop=3),
+            Column("differing", right=True, drop=1),
+            Column("max |A-B|", right=True, drop=4),
+        ]
+        rows: list[list[Cell]] = [
+            [
                 t.name,
                 _color(t.status),
                 _pair(t.dtype_a, t.dtype_b),
                 _pair(_shape(t.shape_a), _shape(t.shape_b)),
                 str(t.mismatched) if t.mismatched else "-",
                 "-" if t.max_abs_diff is None else f"{t.max_abs_diff:.6g}",
-            )
-        console.print(table)
+            ]
+            for t in shown
+        ]
+        print_table(console, columns, rows, title="tensors")
     if report.objects:
-        table = Table("object", "rank", "status", "A", "B", title="objects", title_justify="left")
-        for o in report.objects:
-            rank = "shared" if o.rank is None else str(o.rank)
-            table.add_row(o.name, rank, o.status, _preview(o.value_a), _preview(o.value_b))
-        console.print(table)
+        object_columns = [
+            Column("object"),
+            Column("rank", drop=1),
+            Column("status"),
+            Column("A", crop=True),
+            Column("B", crop=True),
+        ]
+        object_rows: list[list[Cell]] = [
+            [o.name, "shared" if o.rank is None else str(o.rank), o.status, _preview(o.value_a), _preview(o.value_b)]
+            for o in report.objects
+        ]
+        print_table(console, object_columns, object_rows, title="objects")
     same = sum(1 for t in report.tensors if t.same)
     if report.identical:
-        console.print(f"[green]identical[/green]: {same} tensors, objects equal", highlight=False)
+        console.print(line(("identical", "green"), f": {same} tensors, objects equal"))
     else:
         console.print(
-            f"[red]different[/red]: {len(report.tensors) - same} of {len(report.tensors)} tensors, "
-            f"{len(report.objects)} objects",
-            highlight=False,
+            line(
+                ("different", "red"),
+                f": {len(report.tensors) - same} of {len(report.tensors)} tensors, {len(report.objects)} objects",
+            )
         )
     return code
 
 
-def _color(status: str) -> str:
-    color = {"equal": "green", "close": "cyan", "different": "red"}.get(status, "yellow")
-    return f"[{color}]{status}[/]"
+def _color(status: str) -> Text:
+    return styled(status, {"equal": "green", "close": "cyan", "different": "red"}.get(status, "yellow"))
 
 
 def _pair(a: str | None, b: str | None) -> str:

@@ -10,10 +10,10 @@ from dataclasses import asdict
 from typing import Any
 
 from rich.console import Console
-from rich.text import Text
 
 from shardckpt.cli.common import human_bytes, new_command, plural, print_json, storage_options
-from shardckpt.cli.tables import Cell, fitted_table
+from shardckpt.cli.tables import Cell, Column, print_table
+from shardckpt.cli.text import line, styled
 
 NAME = "du"
 
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     table_rows: list[list[Cell]] = [
         [
             c.name,
-            Text(c.status, style=colors[c.status]),
+            styled(c.status, colors[c.status]),
             "-" if c.step is None else str(c.step),
             human_bytes(c.committed_bytes) if c.committed_bytes else "-",
             _leftovers(c.leftover_bytes, c.leftover_files),
@@ -67,41 +67,49 @@ def run(args: argparse.Namespace, console: Console) -> int:
             human_bytes(totals["total_bytes"]),
         ]
     )
-    headers: tuple[str, ...] = ("checkpoint", "status", "step", "committed", "leftovers", "other", "total")
-    right: tuple[int, ...] = (2, 3, 4, 5, 6)
+    columns = [
+        Column("checkpoint"),
+        Column("status", drop=5),
+        Column("step", right=True, drop=1),
+        Column("committed", right=True, drop=4),
+        Column("leftovers", right=True, drop=6),
+        Column("other", right=True, drop=2),
+        Column("total", right=True),
+    ]
     incremental = any(c.referenced_bytes for c in report.checkpoints)
     if incremental:  # format 1.1: what each checkpoint reads from older ones (their bytes, counted there)
         referenced = [human_bytes(c.referenced_bytes) if c.referenced_bytes else "-" for c in report.checkpoints]
         for row, cell in zip(table_rows, [*referenced, ""]):
             row.insert(4, cell)
-        headers, right = (*headers[:4], "referenced", *headers[4:]), (2, 3, 4, 5, 6, 7)
-    headers, table_rows, right = _without_empty(headers, table_rows, right, optional=("leftovers", "other"))
-    table = fitted_table(console, headers, table_rows, title=report.root, right=right)
-    console.print(table)
+        columns.insert(4, Column("referenced", right=True, drop=3))
+    columns, table_rows = _without_empty(columns, table_rows, optional=("leftovers", "other"))
+    print_table(console, columns, table_rows, title=report.root)
     if incremental:
         console.print(
-            "referenced: bytes a checkpoint stores by reference to older checkpoints' data files (counted once, "
-            "under the checkpoint that holds them; deleting the referencing checkpoint frees none of them)"
+            line(
+                "referenced: bytes a checkpoint stores by reference to older checkpoints' data files (counted once, "
+                "under the checkpoint that holds them; deleting the referencing checkpoint frees none of them)"
+            )
         )
     if totals["leftover_bytes"]:
-        console.print(f"{human_bytes(totals['leftover_bytes'])} of leftovers can be reclaimed by a garbage collector")
+        console.print(
+            line(f"{human_bytes(totals['leftover_bytes'])} of leftovers can be reclaimed by a garbage collector")
+        )
     return 0
 
 
 def _without_empty(
-    headers: tuple[str, ...], rows: list[list[Cell]], right: tuple[int, ...], optional: tuple[str, ...]
-) -> tuple[tuple[str, ...], list[list[Cell]], tuple[int, ...]]:
+    columns: list[Column], rows: list[list[Cell]], optional: tuple[str, ...]
+) -> tuple[list[Column], list[list[Cell]]]:
     """Leave out the `optional` columns that say nothing (no row has a size in them), so that the names keep
     their width on an 80-column console; the JSON output keeps every field."""
     empty = {
-        i for i, header in enumerate(headers) if header in optional and all(str(row[i]) in ("-", "0 B") for row in rows)
+        i
+        for i, column in enumerate(columns)
+        if column.header in optional and all(str(row[i]) in ("-", "0 B") for row in rows)
     }
-    kept = [i for i in range(len(headers)) if i not in empty]
-    return (
-        tuple(headers[i] for i in kept),
-        [[row[i] for i in kept] for row in rows],
-        tuple(kept.index(i) for i in right if i in kept),
-    )
+    kept = [i for i in range(len(columns)) if i not in empty]
+    return [columns[i] for i in kept], [[row[i] for i in kept] for row in rows]
 
 
 def _leftovers(nbytes: int, files: int) -> str:

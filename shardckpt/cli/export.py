@@ -9,7 +9,6 @@ import argparse
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from shardckpt.cli.common import (
     add_memory_limit,
@@ -21,6 +20,8 @@ from shardckpt.cli.common import (
     progress_bar,
     storage_options,
 )
+from shardckpt.cli.tables import Cell, Column, print_table
+from shardckpt.cli.text import line
 from shardckpt.tools.hf_names import DEFAULT_INCLUDE, DTYPES, INDEX_FILE
 
 NAME = "export"
@@ -122,13 +123,14 @@ def run(args: argparse.Namespace, console: Console) -> int:
         }
         print_json(summary)
         return 0
-    table = Table("file", "tensors", "size", title=report.out, title_justify="left")
-    for row in files:
-        table.add_row(row["file"], str(row["tensors"]), human_bytes(row["bytes"]))
-    console.print(table)
+    rows: list[list[Cell]] = [[row["file"], str(row["tensors"]), human_bytes(row["bytes"])] for row in files]
+    columns = [Column("file"), Column("tensors", right=True, drop=1), Column("size", right=True, drop=2)]
+    print_table(console, columns, rows, title=report.out)
     console.print(
-        f"[green]exported[/green] {report.tensors} tensors ({human_bytes(report.total_size)}) from {report.url} "
-        f"in {report.seconds:.1f} s; index: {INDEX_FILE}",
-        highlight=False,
+        line(
+            ("exported", "green"),
+            f" {report.tensors} tensors ({human_bytes(report.total_size)}) from {report.url} "
+            f"in {report.seconds:.1f} s; index: {INDEX_FILE}",
+        )
     )
     return 0

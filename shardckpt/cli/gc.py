@@ -13,7 +13,16 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress
 
 from shardckpt import knobs
-from shardckpt.cli.common import EXIT_FAILED, EXIT_OK, human_bytes, new_command, print_json, storage_options
+from shardckpt.cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    description_column,
+    human_bytes,
+    new_command,
+    print_json,
+    storage_options,
+)
+from shardckpt.cli.text import line
 from shardckpt.storage import open_storage
 
 if TYPE_CHECKING:
@@ -33,9 +42,11 @@ def register(subparsers: Any) -> None:
         "failed attempts inside committed checkpoints. Never deletes the newest committed checkpoint, a file of a "
         "committed attempt, files the format does not name, or anything outside ROOT. The grace period protects "
         "what a running save may still be writing: an uncommitted checkpoint or a leftover modified within "
-        "--grace seconds stays. It does not protect committed checkpoints (a committed save is finished): "
-        "--keep-last N deletes every committed checkpoint older than the newest N, however recent. "
-        "Exit 0 when all went well, 1 if a deletion failed.",
+        "--grace seconds stays. Under a root of full checkpoints, --keep-last N deletes every committed "
+        "checkpoint older than the newest N, however recent. Under a root of incremental checkpoints (format "
+        "1.1) it also keeps what the kept ones reference, and a checkpoint whose next newer one was committed "
+        "within --grace seconds (a save that started then may have chosen it as its parent): gc names each "
+        "checkpoint it kept back and why. Exit 0 when all went well, 1 if a deletion failed.",
         "examples:\n  shardckpt gc /ckpts --keep-last 3 --dry-run   # what would go\n"
         "  shardckpt gc /ckpts --keep-last 3",
     )
@@ -46,7 +57,7 @@ def register(subparsers: Any) -> None:
         type=_seconds,
         default=DEFAULT_GRACE,
         help="keep uncommitted checkpoints and leftovers modified within this many seconds (default "
-        f"{DEFAULT_GRACE:g}); committed checkpoints beyond --keep-last go whatever their age",
+        f"{DEFAULT_GRACE:g}), and, under incremental checkpoints, the parent a save starting now may choose",
     )
     command.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
 
@@ -57,7 +68,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     root = open_storage(args.root, storage_options(args.storage_option))
     plan = plan_gc(root, keep_last=args.keep_last, grace=args.grace)
     if not args.dry_run and not args.json and not args.quiet and console.is_terminal:
-        with Progress("[progress.description]{task.description}", BarColumn(), console=console, transient=True) as bar:
+        with Progress(description_column(), BarColumn(), console=console, transient=True) as bar:
             task = bar.add_task("collecting", total=plan.objects)
             collect(plan, lambda action, doomed: bar.advance(task))
     elif not args.dry_run:
@@ -67,26 +78,32 @@ def run(args: argparse.Namespace, console: Console) -> int:
         return EXIT_OK if plan.ok else EXIT_FAILED
     verb = "would delete" if args.dry_run else "deleted"
     for action in plan.actions:
-        status = f"[red]FAILED[/red] after {action.deleted} object(s): {action.error}" if action.error else verb
-        status = f"{action.note}; did not delete" if action.note else status
+        status = line(verb)
+        if action.error:
+            status = line(("FAILED", "red"), f" after {action.deleted} object(s): {action.error}")
+        if action.note:
+            status = line(f"{action.note}; did not delete")
         console.print(
-            f"{action.checkpoint}: {status} {len(action.objects)} object(s), {human_bytes(action.bytes)} "
-            f"({action.kind}: {action.reason})",
-            highlight=False,
+            line(
+                f"{action.checkpoint}: ",
+                status,
+                f" {len(action.objects)} object(s), {human_bytes(action.bytes)} ({action.kind}: {action.reason})",
+            ),
             soft_wrap=True,
         )
     for skipped in plan.skipped:
-        console.print(f"{skipped.checkpoint}: kept ({skipped.reason})", highlight=False, soft_wrap=True)
+        console.print(line(f"{skipped.checkpoint}: kept ({skipped.reason})"), soft_wrap=True)
     console.print(
-        f"{verb} {plan.objects} object(s), {human_bytes(plan.bytes)}; {len(plan.kept)} committed checkpoint(s) kept",
-        highlight=False,
+        line(
+            f"{verb} {plan.objects} object(s), {human_bytes(plan.bytes)}; {len(plan.kept)} committed checkpoint(s) kept"
+        )
     )
     return EXIT_OK if plan.ok else EXIT_FAILED
 
 
 def _gc_progress(console: Console, action: Action) -> None:
     if action.deleted == len(action.objects):
-        console.print(f"gc: {action.checkpoint}: deleted {action.deleted} object(s) ({action.kind})", highlight=False)
+        console.print(line(f"gc: {action.checkpoint}: deleted {action.deleted} object(s) ({action.kind})"))
 
 
 def _gc_summary(plan: GcPlan, dry_run: bool) -> dict[str, Any]:

@@ -10,7 +10,8 @@ from typing import Any
 
 from rich.console import Console
 
-from shardckpt.cli.common import human_bytes, new_command, print_json, progress_bar, storage_options
+from shardckpt.cli.common import new_command, print_json, progress_bar, storage_options
+from shardckpt.cli.text import print_report
 
 NAME = "import-dcp"
 
@@ -73,12 +74,5 @@ def run(args: argparse.Namespace, console: Console) -> int:
         }
         print_json(summary)
         return 0
-    for name, reason in report.skipped:
-        console.print(f"[yellow]skipped[/yellow] {name}: {reason}", highlight=False, soft_wrap=True)
-    console.print(
-        f"[green]imported[/green] {report.source} -> {report.url}: {report.tensors} tensors "
-        f"({human_bytes(report.tensor_bytes)}), {report.objects} objects, {report.world_size} ranks, "
-        f"in {report.seconds:.1f} s",
-        highlight=False,
-    )
+    print_report(console, report.lines())
     return 0

@@ -11,6 +11,7 @@ from typing import Any
 from rich.console import Console
 
 from shardckpt.cli.common import new_command, print_json, progress_bar, storage_options
+from shardckpt.cli.text import print_report
 
 NAME = "import-deepspeed"
 
@@ -63,6 +64,5 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if args.json:
         print_json(report.summary())
         return 0
-    for line in report.lines():
-        console.print(line, highlight=False, soft_wrap=True)
+    print_report(console, report.lines())
     return 0

@@ -11,7 +11,6 @@ import re
 from typing import Any
 
 from rich.console import Console
-from rich.text import Text
 
 from shardckpt import knobs
 from shardckpt.cli.common import (
@@ -27,7 +26,8 @@ from shardckpt.cli.common import (
     to_json,
     when,
 )
-from shardckpt.cli.tables import Cell, fitted_table, tree_rows
+from shardckpt.cli.tables import Cell, Column, print_table, tree_rows
+from shardckpt.cli.text import line, styled
 from shardckpt.format import layout
 from shardckpt.ops.inspect import inspect_checkpoint
 
@@ -40,8 +40,9 @@ def register(subparsers: Any) -> None:
         NAME,
         "show a checkpoint's tensors, ranks, objects and status",
         "Show what a checkpoint holds: status, step, every tensor (dtype, shape, size, pieces, ranks), "
-        "the data file of each rank and the plain objects. Reads only the manifests. Tables fit the terminal "
-        "(a pipe gets plain text at $COLUMNS or 80 columns): a long name loses its middle, never its end; "
+        "the data file of each rank and the plain objects. Reads only the manifests. Tables fit the terminal, "
+        "names always whole (a long name folds; less useful columns go first); a pipe gets one record per line. "
+        "Control characters in names show escaped (\\x1b), as in --json; "
         "--tree groups names by their dotted prefixes, --filter keeps the names that match, --json gives "
         "everything whole. " + JSON_ENCODING_HELP,
         "examples:\n"
@@ -80,35 +81,45 @@ def run(args: argparse.Namespace, console: Console) -> int:
             t["pieces_per_rank"] = {str(rank): count for rank, count in t["pieces_per_rank"].items()}
         print_json(summary)
         return EXIT_OK
-    console.print(Text(summary["url"], style="bold"), Text("committed", style="green"))
+    console.print(line((summary["url"], "bold"), " ", ("committed", "green")))
     matching = f" matching {args.filter!r}" if args.filter is not None else ""
     console.print(
-        f"step {summary['step']}, {plural(summary['world_size'], 'rank')}, "
-        f"{plural(len(tensors), 'tensor')}{matching}, {human_bytes(summary['total_bytes'])}, "
-        f"format {summary['format_version']}, attempt {summary['attempt']}, {when(summary['created'])}",
-        highlight=False,
+        line(
+            f"step {summary['step']}, {plural(summary['world_size'], 'rank')}, "
+            f"{plural(len(tensors), 'tensor')}{matching}, {human_bytes(summary['total_bytes'])}, "
+            f"format {summary['format_version']}, attempt {summary['attempt']}, {when(summary['created'])}"
+        )
     )
     references = summary.get("references") or []
     if references:  # format 1.1: pieces stored by reference to older checkpoints' data files
         held = sum(r["bytes"] for r in references)
         sources = sorted({r["checkpoint"] for r in references})
         console.print(
-            f"{human_bytes(held)} in {plural(sum(r['pieces'] for r in references), 'piece')} stored by reference "
-            f"to {', '.join(sources)}",
-            highlight=False,
+            line(
+                f"{human_bytes(held)} in {plural(sum(r['pieces'] for r in references), 'piece')} stored by reference "
+                f"to {', '.join(sources)}"
+            )
         )
     missing = [parent["name"] for parent in summary.get("parents", ()) if not parent["present"]]
     if missing:
         console.print(
-            Text(
+            styled(
                 f"parent(s) {', '.join(missing)} missing from the root (or another attempt): this checkpoint cannot be "
                 "loaded here; copy checkpoints with `shardckpt copy --with-parents` or `--materialize`",
-                style="red",
+                "red",
             )
         )
-    headers: tuple[str, ...] = ("tensor", "dtype", "shape", "size", "pieces", "ranks", "layout")
+    columns = [
+        Column("tensor"),
+        Column("dtype", drop=5),
+        Column("shape", drop=7),
+        Column("size", right=True, drop=6),
+        Column("pieces", right=True, drop=2),
+        Column("ranks", right=True, drop=3),
+        Column("layout", drop=1),
+    ]
     if references:
-        headers = (*headers, "referenced")
+        columns.append(Column("referenced", drop=4))
 
     def row(index: int) -> list[Cell]:
         t = tensors[index]
@@ -131,7 +142,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         return [
             "",
             "",
-            Text(plural(len(indices), "tensor"), style="dim"),
+            styled(plural(len(indices), "tensor"), "dim"),
             size,
             "",
             "",
@@ -141,17 +152,16 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
     names = [t["name"] for t in tensors]
     rows = tree_rows(names, row, group) if args.tree else [row(i) for i in range(len(tensors))]
-    console.print(fitted_table(console, headers, rows, title="tensors", right=(3, 4, 5)))
+    print_table(console, columns, rows, title="tensors")
     rank_rows: list[list[Cell]] = [
         [r["data"], str(r["rank"]), human_bytes(r["bytes"]), str(r["pieces"])] for r in ranks
     ]
-    console.print(
-        fitted_table(console, ("data file", "rank", "size", "pieces"), rank_rows, title="ranks", right=(1, 2, 3))
-    )
+    rank_columns = [Column("data file"), Column("rank", True), Column("size", True, 2), Column("pieces", True, 1)]
+    print_table(console, rank_columns, rank_rows, title="ranks")
     if summary["objects"]:
-        objects = summary["objects"]
-        object_rows = _object_rows(objects, 0 if args.all_objects else knobs.INSPECT_GROUP_MIN)
-        console.print(fitted_table(console, ("object", "rank", "value"), object_rows, title="objects", crop=2))
+        object_rows = _object_rows(summary["objects"], 0 if args.all_objects else knobs.INSPECT_GROUP_MIN)
+        object_columns = [Column("object"), Column("rank", drop=1), Column("value", crop=True)]
+        print_table(console, object_columns, object_rows, title="objects")
     return EXIT_OK
 
 
@@ -181,9 +191,9 @@ def _object_rows(objects: list[dict[str, Any]], group_min: int) -> list[list[Cel
         shown.add(key)
         previews = {_preview(m["value"]) for m in members}
         value = (
-            Text(f"{previews.pop()}  ({len(members)} objects)")
+            styled(f"{previews.pop()}  ({len(members)} objects)")
             if len(previews) == 1
-            else Text(f"{len(members)} objects, {len(previews)} distinct values", style="dim")
+            else styled(f"{len(members)} objects, {len(previews)} distinct values", "dim")
         )
         rows.append([".".join(key[:-1]), rank, value])
     return rows
@@ -209,10 +219,13 @@ def _show_incomplete(summary: dict[str, Any], args: argparse.Namespace, console:
         print_json(summary)
     else:
         console.print(
-            Text(summary["url"], style="bold"),
-            Text(f"incomplete (no {layout.COMMITTED} marker: a save failed or is still running)", style="yellow"),
+            line(
+                (summary["url"], "bold"),
+                " ",
+                (f"incomplete (no {layout.COMMITTED} marker: a save failed or is still running)", "yellow"),
+            )
         )
         for attempt, ranks in sorted(attempts.items()):
-            console.print(f"attempt {attempt}: local manifests of ranks {sorted(ranks)}", highlight=False)
-        console.print(plural(data_files, "data file"), highlight=False)
+            console.print(line(f"attempt {attempt}: local manifests of ranks {sorted(ranks)}"))
+        console.print(line(plural(data_files, "data file")))
     return EXIT_FAILED

@@ -12,7 +12,8 @@ from rich.console import Console
 from rich.text import Text
 
 from shardckpt.cli.common import EXIT_OK, human_bytes, new_command, print_json, storage_options, when
-from shardckpt.cli.tables import Cell, fitted_table
+from shardckpt.cli.tables import Cell, Column, print_table
+from shardckpt.cli.text import line, printable, styled
 from shardckpt.ops.ls import list_checkpoints
 
 NAME = "ls"
@@ -26,7 +27,8 @@ def register(subparsers: Any) -> None:
         "List the checkpoints directly under ROOT: committed or incomplete, step, ranks, data (the bytes of the data "
         "files, from COMMITTED: `du` also counts manifests and leftovers), commit time, and the parents an "
         "incremental checkpoint stores pieces in (marked missing when ROOT lacks them: it cannot be loaded). A ROOT "
-        "that does not exist is an error (exit 1); one without checkpoints says what it is instead.",
+        "that does not exist is an error (exit 3, as for every command); one without checkpoints says what it is "
+        "instead.",
         "examples:\n  shardckpt ls /ckpts\n"
         "  shardckpt ls s3://bucket/run --storage-option endpoint_url=http://127.0.0.1:8333",
     )
@@ -42,13 +44,13 @@ def run(args: argparse.Namespace, console: Console) -> int:
     colors = {"committed": "green", "incomplete": "yellow", "broken": "red", "alias": "cyan"}
     table_rows: list[list[Cell]] = []
     for r in rows:
-        status = Text(r["status"], style=colors[r["status"]])
-        if "alias_of" in r:
-            status.append(f" of {r['alias_of']}")
+        name: Cell = r["name"]
+        if "alias_of" in r:  # as ls -l shows a link: the target beside the name, where it folds like one
+            name = Text(printable(r["name"], name=True) + " -> " + printable(r["alias_of"], name=True))
         table_rows.append(
             [
-                r["name"],
-                status,
+                name,
+                styled(r["status"], colors[r["status"]]),
                 "-" if r.get("step") is None else str(r["step"]),
                 str(r.get("world_size", "-")),
                 human_bytes(r["bytes"]) if "bytes" in r else "-",
@@ -57,12 +59,20 @@ def run(args: argparse.Namespace, console: Console) -> int:
             ]
         )
     if rows:
-        headers: tuple[str, ...] = ("checkpoint", "status", "step", "ranks", "data", "committed at", "parents")
+        columns = [
+            Column("checkpoint"),
+            Column("status"),
+            Column("step", right=True, drop=4),
+            Column("ranks", right=True, drop=1),
+            Column("data", right=True, drop=3),
+            Column("committed at", drop=2),
+            Column("parents", drop=5),
+        ]
         if not any("parents" in r for r in rows):  # a root of self-contained checkpoints: no column to show
-            headers, table_rows = headers[:-1], [cells[:-1] for cells in table_rows]
-        console.print(fitted_table(console, headers, table_rows, title=listing["root"], right=(2, 3, 4)))
+            columns, table_rows = columns[:-1], [cells[:-1] for cells in table_rows]
+        print_table(console, columns, table_rows, title=listing["root"])
     if "note" in listing:
-        console.print(listing["note"], highlight=False)
+        console.print(line(listing["note"]))
     return EXIT_OK
 
 
@@ -77,5 +87,6 @@ def _parents(row: dict[str, Any]) -> Text:
         if number:
             cell.append(", ")
         # "missing" first: the one word that must survive a narrow terminal.
-        cell.append(f"missing {name}" if name in missing else name, style="red" if name in missing else "")
+        shown = printable(name, name=True)
+        cell.append(f"missing {shown}" if name in missing else shown, style="red" if name in missing else "")
     return cell

@@ -1,6 +1,6 @@
 """The `shardckpt` command: a registry of subcommands, each a module with NAME, register(subparsers), run(...).
 
-Exit codes: 0 ok, 1 a check failed (or the checkpoint is broken or incomplete), 2 usage error. Command modules
+Exit codes: common.EXIT_CODES_HELP (0 ok, 1 a check failed or they differ, 2 usage, 3 error). Command modules
 import only argparse and torch-free code at the top; what a command needs to run loads when it runs.
 """
 
@@ -11,10 +11,19 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
+from typing import NoReturn
 
 from rich.console import Console
 
-from shardckpt.cli.common import EXIT_FAILED, EXIT_USAGE, HelpFormatter, output_console
+from shardckpt.cli.common import (
+    EXIT_CODES_HELP,
+    EXIT_ERROR,
+    EXIT_USAGE,
+    HelpFormatter,
+    output_console,
+    print_json,
+)
+from shardckpt.cli.text import printable
 from shardckpt.errors import ShardckptError, ShardckptUsageError
 
 # In the order `shardckpt --help` lists them.
@@ -42,8 +51,23 @@ def command_runner(name: str) -> Callable[[argparse.Namespace, Console], int]:
     return next(module.run for module in map(_module, COMMAND_MODULES) if name == module.NAME)  # type: ignore[no-any-return]
 
 
+class _UsageError(Exception):
+    """A command line argparse refuses: reported by main (as text, or as JSON with --json)."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error comes back to main instead of exiting, so that --json can report it as JSON."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(self, message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="shardckpt",
         description="Inspect, verify, compare, export and clean up shardckpt checkpoints (local paths, s3://, "
         "memory:// and other fsspec URLs). `shardckpt COMMAND --help` explains each command with examples.",
@@ -52,8 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  shardckpt inspect /ckpts/step-00001000     # tensors, ranks, objects\n"
         "  shardckpt verify /ckpts/step-00001000      # read everything, check every checksum\n"
         "  shardckpt export /ckpts/step-00001000 ./hf --dtype bf16 --strip-prefix model.\n"
-        "\n"
-        "Exit codes: 0 ok, 1 check failed or checkpoint broken/incomplete (diff: they differ), 2 usage error.",
+        "\n" + EXIT_CODES_HELP,
         formatter_class=HelpFormatter,
     )
     parser.add_argument(
@@ -94,20 +117,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         from shardckpt.train.loop import main as train_main
 
         return train_main(arguments[1:])
-    args = build_parser().parse_args(arguments)
+    json_output = "--json" in arguments
+    try:
+        args = build_parser().parse_args(arguments)
+    except _UsageError as exc:
+        exc.parser.print_usage(sys.stderr)
+        print(f"{exc.parser.prog}: error: {printable(str(exc))}", file=sys.stderr)  # argparse's own words
+        if json_output:
+            print_json(
+                {"error": {"type": "UsageError", "message": f"{exc.parser.prog}: {exc}", "exit_code": EXIT_USAGE}}
+            )
+        sys.exit(EXIT_USAGE)  # as argparse exits
     run = next(module.run for module in map(_module, COMMAND_MODULES) if args.command == module.NAME)
     console = output_console()
     try:
         return int(run(args, console))
     except ShardckptUsageError as exc:  # asked for something impossible (no tensor matches, limit too small)
-        print(f"shardckpt: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return _fail(type(exc).__name__, str(exc), EXIT_USAGE, args.json)
     except ShardckptError as exc:
-        print(f"shardckpt: error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        return _fail(type(exc).__name__, str(exc), EXIT_ERROR, args.json)
     except KeyboardInterrupt:
         print("shardckpt: interrupted", file=sys.stderr)
         return 130
+
+
+def _fail(kind: str, message: str, code: int, json_output: bool) -> int:
+    """Report an error: one line on stderr (controls escaped: messages quote untrusted names) and, with --json, the
+    error as JSON on stdout, where a script reads the result; returns the exit code."""
+    print(f"shardckpt: error: {printable(message)}", file=sys.stderr)
+    if json_output:
+        print_json({"error": {"type": kind, "message": message, "exit_code": code}})
+    return code
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import Progress
 
+from shardckpt.catalog.chain import require_exists
 from shardckpt.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
@@ -20,6 +21,7 @@ from shardckpt.cli.common import (
     storage_options,
     transfer_columns,
 )
+from shardckpt.cli.text import line
 from shardckpt.errors import ShardckptError
 from shardckpt.storage import Storage, open_storage
 
@@ -43,6 +45,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from shardckpt.ops.verify import verify
 
     storage = open_storage(args.url, storage_options(args.storage_option))
+    require_exists(storage)  # nothing there is an error (a typo), not a failed check
     show_progress = not args.json and not args.quiet and console.is_terminal
     if show_progress:
         with Progress(*transfer_columns(), console=console, transient=True) as bar:
@@ -65,15 +68,17 @@ def run(args: argparse.Namespace, console: Console) -> int:
         )
     else:
         for problem in report.problems:
-            console.print(f"[red]BAD[/red] {problem}", soft_wrap=True, highlight=False)
+            console.print(line(("BAD", "red"), f" {problem}"), soft_wrap=True)
         if report.ok:
             console.print(
-                f"[green]OK[/green] {report.url}: {report.tensors} tensors, {report.files} files, "
-                f"{human_bytes(report.bytes_checked)} in {report.blocks_checked} blocks verified",
-                highlight=False,
+                line(
+                    ("OK", "green"),
+                    f" {report.url}: {report.tensors} tensors, {report.files} files, "
+                    f"{human_bytes(report.bytes_checked)} in {report.blocks_checked} blocks verified",
+                )
             )
         else:
-            console.print(f"[red]FAILED[/red] {report.url}: {len(report.problems)} problem(s)", highlight=False)
+            console.print(line(("FAILED", "red"), f" {report.url}: {len(report.problems)} problem(s)"))
     return EXIT_OK if report.ok else EXIT_FAILED
 
 

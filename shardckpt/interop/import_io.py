@@ -46,12 +46,16 @@ class ImportReport:
             "seconds": round(self.seconds, 3),
         }
 
-    def lines(self) -> list[str]:
-        """The report for people (rich markup): one line per skipped entry, then the totals."""
+    def lines(self) -> list[tuple[str, str]]:
+        """The report for people as (verdict, rest) pairs, plain text (names are untrusted: the caller escapes them):
+        one per skipped entry ("skipped"), then the totals ("imported")."""
         size = f"{self.tensor_bytes / (1 << 20):.1f} MiB"
-        return [f"[yellow]skipped[/yellow] {name}: {reason}" for name, reason in self.skipped] + [
-            f"[green]imported[/green] {self.source} -> {self.url}: {self.tensors} tensors ({size}), "
-            f"{self.objects} objects, {self.world_size} ranks, in {self.seconds:.1f} s"
+        return [("skipped", f"{name}: {reason}") for name, reason in self.skipped] + [
+            (
+                "imported",
+                f"{self.source} -> {self.url}: {self.tensors} tensors ({size}), "
+                f"{self.objects} objects, {self.world_size} ranks, in {self.seconds:.1f} s",
+            )
         ]
 
 
@@ -108,10 +112,20 @@ class SourceDir:
                 raise FormatError(f"{self.describe(name)} is {size} bytes, over the {max_bytes} byte limit")
             data: bytes = self.fs.cat_file(self._path(name))
         except FileNotFoundError:
-            raise StorageError(f"{self.describe(name)} does not exist: not {self.kind}") from None
+            raise self._missing(name) from None
         except OSError as exc:
             raise StorageError(f"cannot read {self.describe(name)}: {exc}") from exc
         return data
+
+    def _missing(self, name: str) -> NotFoundError:
+        """The error for a file of the directory that is not there: the directory's own absence (a typo) first."""
+        try:
+            there = bool(self.fs.exists(self.root.rstrip("/") or "/"))
+        except OSError:
+            there = True  # cannot tell: name the file
+        if not there:
+            return NotFoundError(f"{self.url} does not exist (check the path or URL for a typo)")
+        return NotFoundError(f"{self.describe(name)} does not exist: not {self.kind}")
 
     def record(self, record: DcpRecord, stack: ExitStack) -> memoryview:
         """Exactly the record's bytes; a view of a private memory map for local files (no copy is made)."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from shardckpt.catalog.chain import read_commit_marker, read_opening
+from shardckpt.catalog.chain import read_commit_marker, read_opening, require_exists
 from shardckpt.catalog.deletion import is_temp_marker
 from shardckpt.catalog.listing import ALIAS, classify, list_root
 from shardckpt.errors import FormatError, NotFoundError, ShardckptError
@@ -62,6 +62,7 @@ def disk_usage(root: str | Storage, *, storage_options: dict[str, Any] | None = 
     """Usage of every checkpoint directly under `root` (or of `root` itself when it is a checkpoint); a link to a
     checkpoint of the same root is that checkpoint, counted once (catalog.list_root decides, as for ls and gc)."""
     storage = open_storage(root, storage_options)
+    require_exists(storage)
     report = UsageReport(storage.url)
     if classify(storage.list(), committed=False, broken=False) is not None:
         report.checkpoints.append(checkpoint_usage(storage, storage.url.rstrip("/").rsplit("/", 1)[-1]))

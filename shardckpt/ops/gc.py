@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shardckpt import knobs
-from shardckpt.catalog import DIRECTORIES, delete_objects, layout_objects, list_root, read_commit_marker
+from shardckpt.catalog import DIRECTORIES, Entry, Listing, delete_objects, layout_objects, list_root, read_commit_marker
+from shardckpt.catalog.chain import require_exists
 from shardckpt.catalog.claims import BY_COLLECTOR, BY_COMMIT, claim, holder, release
 from shardckpt.catalog.deletion import attempt_of, is_successor
 from shardckpt.crashpoints import crash_point
@@ -106,6 +107,7 @@ def plan_gc(
     if not grace >= 0:
         raise ShardckptUsageError(f"grace must be a number of seconds >= 0, got {grace}")
     root = open_storage(root_url, storage_options)
+    require_exists(root)
     now = time.time() if now is None else now
     plan = GcPlan(root, grace, keep_last)
     listing = list_root(root)
@@ -151,7 +153,38 @@ def plan_gc(
         reason = f"committed, older than the newest {keep_last}"
         plan.actions.append(Action(entry.name, "prune", reason, doomed_objects, list(DIRECTORIES)))
     plan.kept = [entry.name for entry in listing.committed() if entry.owned and entry.name not in pruned]
+    if keep_last is not None and not unknown:
+        owned = [entry for entry in listing.committed() if entry.owned]
+        for entry in owned[: max(0, len(owned) - keep_last)]:
+            if entry.name not in pruned:  # beyond keep_last yet kept: say why, or it looks like gc did nothing
+                why = _why_kept(listing, entry, pinned, pruned, grace, now)
+                plan.skipped.append(Skipped(entry.name, f"committed, older than the newest {keep_last}, but {why}"))
     return plan
+
+
+def _why_kept(listing: Listing, entry: Entry, pinned: set[str], pruned: set[str], grace: float, now: float) -> str:
+    """Why SPEC 14 keeps a committed checkpoint that keep_last alone would prune (the rules of Listing.kept_names)."""
+    if entry.name in pinned:
+        return "a save in progress references it"
+    broken = next((other for other in listing.entries if other.error is not None), None)
+    if broken is not None:
+        return f"no committed checkpoint is pruned while {broken.name}'s {layout.COMMITTED} is unreadable"
+    committed = listing.committed()
+    newer = committed[committed.index(entry) + 1]
+    age = now - newer.marker.created if newer.marker is not None else math.inf
+    if age < grace:
+        return (
+            f"within the grace period: the next newer, {newer.name}, was committed {max(age, 0):.0f} s ago (grace "
+            f"{grace:g} s), so a save started since may use it as its parent (--grace 0 when no save is running)"
+        )
+    referrers = [
+        other.name
+        for other in committed
+        if other.name not in pruned and other.marker is not None and entry.name in dict(other.marker.references)
+    ]
+    if referrers:
+        return f"{', '.join(referrers)} (kept) reference(s) pieces stored in it: it goes with the last of them"
+    return "a kept checkpoint depends on it"
 
 
 def collect(plan: GcPlan, progress: Callable[[Action, Doomed], None] | None = None) -> GcPlan:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardckpt.catalog.chain import DCP, DEEPSPEED, EMPTY, MAX_CHILDREN_LOOKED_AT, MISSING, what_is
+from shardckpt.catalog.chain import DCP, DEEPSPEED, EMPTY, MAX_CHILDREN_LOOKED_AT, MISSING, does_not_exist, what_is
 from shardckpt.catalog.listing import ALIAS, BROKEN, COMMITTED, INCOMPLETE, Listing, list_root
-from shardckpt.errors import NotFoundError, ShardckptError
+from shardckpt.errors import ShardckptError
 from shardckpt.format import layout
 from shardckpt.storage import Storage
 
@@ -96,7 +96,7 @@ def _why_empty(root: Storage) -> str:
     place = what_is(root)
     url = root.url
     if place.kind == MISSING:
-        raise NotFoundError(f"{url} does not exist (check the path or URL for a typo)")
+        raise does_not_exist(url)
     if place.kind == EMPTY:
         return f"no checkpoints: {url} is empty"
     if place.kind == DCP:

@@ -13,6 +13,7 @@ import torch
 
 import shardckpt
 from shardckpt.cli import main as cli_main
+from shardckpt.cli.common import EXIT_ERROR
 from tests.helpers.checkpoints import S3_BUCKET, sample_state, save_sharded
 
 
@@ -71,9 +72,9 @@ def test_inspect_incomplete_and_ls(tmp_path) -> None:
 
 def test_errors_are_one_line(tmp_path) -> None:
     result = run("inspect", str(tmp_path / "missing"))
-    assert result.returncode == 1
+    assert result.returncode == EXIT_ERROR
     result = run("verify", str(tmp_path / "missing"))
-    assert result.returncode == 1 and "Traceback" not in result.stderr + result.stdout
+    assert result.returncode == EXIT_ERROR and "Traceback" not in result.stderr + result.stdout
 
 
 @pytest.mark.slow
@@ -116,7 +117,7 @@ def test_inspect_verify_ls_on_s3_with_storage_options(s3_server, s3_url, monkeyp
     bad = capsys.readouterr()
     assert os.path.basename(data) in bad.out and "FAILED" in bad.out
 
-    assert cli_main(["ls", *flags, f"s3://no-such-bucket-{S3_BUCKET}/x"]) == 1
+    assert cli_main(["ls", *flags, f"s3://no-such-bucket-{S3_BUCKET}/x"]) == EXIT_ERROR
     missing = capsys.readouterr()
     assert "no-such-bucket" in missing.err and "Traceback" not in missing.err
 

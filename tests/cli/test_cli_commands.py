@@ -1,5 +1,5 @@
 """The command line as a newcomer meets it: help with examples everywhere, progress bars only on a terminal,
-one-line errors and the exit codes of the contract (0 ok, 1 failed, 2 usage)."""
+one-line errors and the exit codes of the contract (0 ok, 1 failed, 2 usage, 3 error)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from rich.console import Console
 
 from shardckpt.cli import main as cli_main
+from shardckpt.cli.common import EXIT_ERROR
 from shardckpt.cli.main import build_parser, command_runner
 from tests.helpers.checkpoints import save_sharded
 
@@ -81,7 +82,7 @@ def test_errors_are_one_line_with_the_exit_codes_of_the_contract(tmp_path, capsy
         ["import-dcp", url, str(tmp_path / "imported")],  # a shardckpt checkpoint is not a DCP one
     ]
     for argv in failing:
-        assert cli_main(argv) == 1, argv
+        assert cli_main(argv) == EXIT_ERROR, argv
         err = capsys.readouterr().err
         assert err.startswith("shardckpt: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
     assert cli_main(["export", url, str(tmp_path / "out"), "--memory-limit", "1KiB"]) == 2

@@ -116,7 +116,7 @@ def test_a_malicious_metadata_pickle_is_refused_without_running_it(tmp_path, cap
         (directory / ".metadata").write_bytes(payload)
         with pytest.raises(FormatError, match="refuses the pickled global"):
             import_dcp(str(directory), str(tmp_path / "ck"))
-        assert cli_main(["import-dcp", str(directory), str(tmp_path / "ck")]) == 1
+        assert cli_main(["import-dcp", str(directory), str(tmp_path / "ck")]) == 3  # an error, not a check
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "refuses the pickled global" in err and "Traceback" not in err
         assert not marker.exists(), label

@@ -152,10 +152,10 @@ def test_cli_imports_a_tag_dir_between_any_storages(native, tmp_path, capsys) ->
     checkpoint = shardckpt.open(target)
     assert checkpoint.step == 7
     assert torch.equal(checkpoint.read("model.odd"), load_file(str(native / "expected.safetensors"))["model.odd"])
-    # Usual exit codes: 1 for a failure (a committed target, a missing tag), one line, no traceback.
-    assert cli_main(["import-deepspeed", source, target]) == 1
-    assert cli_main(["import-deepspeed", str(native / "ds"), str(tmp_path / "ck"), "--tag", "global_step9"]) == 1
-    assert cli_main(["import-deepspeed", str(native / "ds"), str(tmp_path / "ck"), "--tag", "../ds"]) == 1
+    # Usual exit codes: 3 for an error (a committed target, a missing tag), one line, no traceback.
+    assert cli_main(["import-deepspeed", source, target]) == 3
+    assert cli_main(["import-deepspeed", str(native / "ds"), str(tmp_path / "ck"), "--tag", "global_step9"]) == 3
+    assert cli_main(["import-deepspeed", str(native / "ds"), str(tmp_path / "ck"), "--tag", "../ds"]) == 3
     err = capsys.readouterr().err
     assert err.count("\n") == 3 and "Traceback" not in err and "global_step9" in err
     assert cli_main(["import-deepspeed", str(native / "ds"), str(tmp_path / "ck"), "--tag", TAG, "-q"]) == 0
@@ -235,7 +235,7 @@ def test_malicious_pickles_are_refused_naming_the_file_and_nothing_runs(native, 
                     break
                 subprocess.run(["sleep", "0.05"], check=True)
             assert marker.exists(), label
-    assert cli_main(["import-deepspeed", str(tmp_path / "case-0"), str(tmp_path / "ck-cli")]) == 1
+    assert cli_main(["import-deepspeed", str(tmp_path / "case-0"), str(tmp_path / "ck-cli")]) == 3  # an error
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "refuses the pickled global os.system" in err and "Traceback" not in err
 

@@ -74,7 +74,7 @@ def test_export_refuses_what_it_cannot_do(tmp_path, capsys) -> None:
     save_sharded({"model.w": torch.ones(4, 2), "w": torch.zeros(3)}, url, 2)
     out = str(tmp_path / "out")
     assert cli_main(["export", url, out]) == 0
-    assert cli_main(["export", url, out]) == 1  # never overwrites an export
+    assert cli_main(["export", url, out]) == 3  # never overwrites an export (an error: exit 3)
     assert "already holds an export" in capsys.readouterr().err
     assert cli_main(["export", url, str(tmp_path / "b"), "--include", "^nothing"]) == 2
     assert cli_main(["export", url, str(tmp_path / "c"), "--include", ".", "--strip-prefix", "model."]) == 2
@@ -82,7 +82,7 @@ def test_export_refuses_what_it_cannot_do(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["export", url, str(tmp_path / "d"), "--max-shard-size", "5 parsecs"])
     assert exit_info.value.code == 2
-    assert cli_main(["export", str(tmp_path / "missing"), str(tmp_path / "e")]) == 1
+    assert cli_main(["export", str(tmp_path / "missing"), str(tmp_path / "e")]) == 3  # an error, not a check
     assert "does not exist" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "b") and not os.path.exists(tmp_path / "e")
 

@@ -73,6 +73,7 @@ S3_READ_TIMEOUT = float(_knob("S3_READ_TIMEOUT", 60.0))
 # Commit and retention
 MANIFEST_SETTLE = float(_knob("MANIFEST_SETTLE", 0.25))  # seconds a half-written global manifest must not change
 MANIFEST_WAIT = float(_knob("MANIFEST_WAIT", 5.0))  # seconds to wait for a concurrent committer's manifest
+DU_MAX_ENTRIES = int(_knob("DU_MAX_ENTRIES", 1_000_000))  # entries `du` looks at in one checkpoint (then says so)
 GC_GRACE = float(_knob("GC_GRACE", 3600.0))  # seconds: gc leaves anything younger (a save may be writing it)
 
 # Streaming tools (tools/export.py, tools/diff.py)

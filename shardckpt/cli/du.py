@@ -83,6 +83,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
             "referenced: bytes a checkpoint stores by reference to older checkpoints' data files (counted once, "
             "under the checkpoint that holds them; deleting the referencing checkpoint frees none of them)"
         )
+    for c in report.checkpoints:
+        if c.error:  # e.g. a walk cut at its bound: the sizes above leave something out (Text: no markup)
+            console.print(Text(f"{c.name}: {c.error}", style="yellow"))
     if totals["leftover_bytes"]:
         console.print(f"{human_bytes(totals['leftover_bytes'])} of leftovers can be reclaimed by a garbage collector")
     return 0

@@ -95,12 +95,12 @@ def checkpoint_usage(storage: Storage, name: str, seen: set[tuple[int, int]] | N
     paths, sizes = list(walk.sizes), list(walk.sizes.values())
     unknown = [i for i, size in enumerate(sizes) if size is None]
     with ThreadPoolExecutor(max_workers=max(1, min(storage.read_threads, len(unknown)))) as pool:
-        for i, size in zip(unknown, pool.map(lambda i: _size(storage, paths[i]), unknown)):
-            sizes[i] = size
+        for i, asked in zip(unknown, pool.map(lambda i: _size(storage, paths[i]), unknown)):
+            sizes[i] = asked
     if walk.cut:
         usage.error = walk.cut
-    for path, size in zip(paths, sizes):
-        size = size or 0
+    for path, known in zip(paths, sizes):
+        size = known or 0
         kind = "other" if usage.status == BROKEN else _classify(path, usage.attempt)
         if kind == "committed":
             usage.committed_bytes += size

@@ -39,6 +39,14 @@ _SHORT_KIND = 1
 _KIND = np.zeros(256, dtype=np.int8)  # 0 fixed size, 1 a one-byte length, 2 a longer length or text lines
 _KIND[list(pb.SHORT_CODES)] = _SHORT_KIND
 _KIND[[code for code, _, _ in pb._PREFIXED] + [code for code, _ in pb._LINES]] = 2
+# Numbers whose hashes pickle_stack's model follows by value (collisions, big ints) and this proof does not: LONG4,
+# INT, LONG, FLOAT, BINFLOAT, FROZENSET (its hash is an XOR of its items': collisions are cheap to make) are left to
+# the model, as are a LONG1 of 8+ bytes (2^61 - 1 and its multiples hash alike) and a memoized number. A LONG1 of
+# 5-7 bytes inside a tuple is too (a tuple's hash collides for chosen ints of that size). Real files have none.
+_MODEL_NUMBERS = pb._byte_set(b"\x8bILFG\x91")
+_NUMBER = pb._byte_set(b"JKM\x8a")
+_LONG1, _WIDE, _TOO_WIDE = 0x8A, 5, 8
+_TUPLE_N = pb._byte_set(b"\x85\x86\x87")
 
 
 def proven_windowed(data: bytes | memoryview, budget: int, window: int = 0) -> bool:
@@ -219,6 +227,12 @@ class _Proof:
         ops[prefix:] = a[positions]
         if not pb._KNOWN[ops[prefix:]].all():  # a byte 0xFF in the pickle is no PSEUDO but an unknown opcode
             return False
+        if _MODEL_NUMBERS[ops[prefix:]].any():
+            return False
+        long1 = np.flatnonzero(ops[prefix:] == _LONG1)
+        width = a[positions[long1] + 1] if len(long1) else np.zeros(0, dtype=np.uint8)
+        if (width >= _TOO_WIDE).any():
+            return False
         n = len(ops)
         where = np.concatenate((np.full(prefix, -1, dtype=np.int64), positions))
         extra_weight, extra_depth = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
@@ -227,7 +241,8 @@ class _Proof:
         stack = pb._Stack.of(ops)
         if stack is None or int(stack.after.max(initial=0)) >= 1 << 15:
             return False
-        return _Window(self, ops, where, stack, pseudo, (extra_weight, extra_depth, frozen)).prove()
+        wide = prefix + long1[width >= _WIDE]
+        return _Window(self, ops, where, stack, pseudo, (extra_weight, extra_depth, frozen), wide).prove()
 
     def grow(self, size: int) -> None:
         if size > len(self.state):
@@ -248,8 +263,10 @@ class _Window:
         stack: pb._Stack,
         pseudo: Ints,
         extras: tuple[Ints, Ints, Flags],
+        wide: Ints,
     ) -> None:
         self.proof, self.ops, self.where, self.stack, self.pseudo = proof, ops, where, stack, pseudo
+        self.wide = wide  # LONG1 opcodes of 5-7 bytes
         self.extra_weight, self.extra_depth, self.frozen = extras
         self.n = len(ops)
 
@@ -289,6 +306,8 @@ class _Window:
         consumed = is_consumer[mutators]
         target[consumed] = stack.after[mark_of[mutators[consumed]]] - 1
         begun = fresh.last(lowest[spanned], spanned - 1)
+        if begun is not None and len(self.wide) and self._wide_in_tuple(spanned, begun):
+            return False
         targets = fresh.last(target, mutators - 1)
         if begun is None or targets is None:
             return False
@@ -368,6 +387,8 @@ class _Window:
             item_moves = (pb._PUSHES[ops] + self.stack.pops) > 0
             producer = np.maximum.accumulate(np.where(item_moves, np.arange(n), -1))[stores]
         made = ops[np.maximum(producer, 0)]
+        if (_NUMBER[made] & (producer >= 0)).any():  # a memoized number: the model follows its value
+            return None
         leafy = (producer >= 0) & pb._LEAF_PUSH[made]
         finished = (producer >= 0) & pb._FINISHED[made]
         carried = self.pseudo[proof.pending_slot]
@@ -378,6 +399,19 @@ class _Window:
             np.concatenate((none, leafy)),
             np.concatenate((none, finished)),
         )
+
+    def _wide_in_tuple(self, spanned: Ints, begun: Ints) -> bool:
+        """Whether a wide LONG1 is inside a tuple built in this window (TUPLE1/2/3 over their slots, TUPLE from its
+        MARK): such tuples can be made to share one hash."""
+        stack, ops = self.stack, self.ops
+        counted = np.zeros(self.n + 1, dtype=np.int64)
+        counted[self.wide + 1] = 1
+        counted = np.cumsum(counted)  # wide LONG1s before each opcode
+        small = _TUPLE_N[ops[spanned]]
+        marked = ops[stack.consumers] == ord("t")
+        first = np.concatenate((begun[small], stack.marks[marked]))
+        last = np.concatenate((spanned[small], stack.consumers[marked]))
+        return bool((counted[last] - counted[first] > 0).any())
 
     def _fetches(
         self, index: Ints, stored: Ints, leafy: Flags, finished: Flags, vacated: Ints

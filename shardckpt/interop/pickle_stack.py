@@ -262,7 +262,7 @@ class StackModel:
                         f"{digest} (numbers, or tuples of them, whose hashes collide: each insert would compare "
                         "with all the others; refused before unpickling)"
                     )
-            steps += len(shared) - 1
+            steps += max(len(shared) - 2, 0)  # -1 and -2 share one hash in any file: one compare, not charged
         return steps
 
     def _charge(self, steps: int) -> int:

@@ -211,6 +211,7 @@ class _Proof:
         # Per memo index: 0 never stored, 1 a leaf, 2 a value with bounds, 3 attached to a live slot.
         self.state = np.zeros(1024, dtype=np.int8)
         self.memo_weight, self.memo_depth = np.zeros(1024, dtype=np.int64), np.zeros(1024, dtype=np.int16)
+        self.memo_tuple = np.zeros(1024, dtype=bool)  # the entry is a tuple (or frozenset) made by its opcode
         self.memoized, self.indexed, self.stored = 0, False, 0  # MEMOIZEs; numbered stores seen; stores
 
     def window(self, positions: Ints) -> bool:
@@ -250,6 +251,7 @@ class _Proof:
             self.state = np.concatenate((self.state, np.zeros(more, dtype=np.int8)))
             self.memo_weight = np.concatenate((self.memo_weight, np.zeros(more, dtype=np.int64)))
             self.memo_depth = np.concatenate((self.memo_depth, np.zeros(more, dtype=np.int16)))
+            self.memo_tuple = np.concatenate((self.memo_tuple, np.zeros(more, dtype=bool)))
 
 
 class _Window:
@@ -281,6 +283,9 @@ class _Window:
         if entries is None:
             return False
         index, stored, leafy, finished = entries
+        proof.memo_tuple[index[finished]] = True
+        if self._tuple_keys():
+            return False
         self.leafy = leafy
         slot = stack.after[stored] - 1
         # Where each entry's value began, and where it has surely left the stack: the next push into its slot, which
@@ -399,6 +404,49 @@ class _Window:
             np.concatenate((none, leafy)),
             np.concatenate((none, finished)),
         )
+
+    def _tuple_keys(self) -> bool:
+        """Whether a dict key or set item stored in this window is a tuple, made here or fetched from the memo: a
+        tuple of chosen ints (even small ones) can share its hash with many others, which only the model follows.
+        A key's value ends with the last opcode moving stack items before its value's first push."""
+        ops, stack = self.ops, self.stack
+        moves = (pb._PUSHES[ops] + stack.pops) > 0
+        last_move = np.maximum.accumulate(np.where(moves, np.arange(self.n), -1))
+        consumers, marks = stack.consumers, stack.marks
+        paired = np.isin(ops[consumers], (ord("u"), ord("d")))  # SETITEMS, DICT: keys at every other slot
+        low, high, at = stack.after[marks[paired]], stack.before[consumers[paired]], consumers[paired]
+        count = np.maximum((high - low) // 2, 0)
+        first = np.repeat(np.cumsum(count) - count, count)
+        key_slot = np.repeat(low, count) + 2 * (np.arange(int(count.sum())) - first)
+        key_at = np.repeat(at, count)
+        single = np.flatnonzero(ops == ord("s"))  # SETITEM: key, value
+        key_slot = np.concatenate((key_slot, stack.before[single] - 2))
+        key_at = np.concatenate((key_at, single))
+        added = ops[consumers] == 0x90  # ADDITEMS: every item; the last one ends at the opcode itself
+        low, high, at = stack.after[marks[added]], stack.before[consumers[added]], consumers[added]
+        count = np.maximum(high - low, 0)
+        first = np.repeat(np.cumsum(count) - count, count)
+        item_slot = np.repeat(low, count) + (np.arange(int(count.sum())) - first)
+        item_at = np.repeat(at, count)
+        last_item = item_slot == np.repeat(high, count) - 1
+        begins = self.fresh.last(
+            np.concatenate((key_slot + 1, item_slot[~last_item] + 1)),
+            np.concatenate((key_at - 1, item_at[~last_item] - 1)),
+        )
+        if begins is None:
+            return True
+        ends = np.concatenate((begins - 1, item_at[last_item] - 1))
+        producer = last_move[np.maximum(ends, 0)]
+        producer = producer[producer >= 0]
+        made = ops[producer]
+        if pb._TUPLE_MADE[made].any():
+            return True
+        fetched = producer[pb._IS_FETCH[made]]
+        if len(fetched) == 0:
+            return False
+        wanted = pb._memo_index(self.proof.a, self.where[fetched], ops[fetched] == ord("h"))
+        known = wanted < len(self.proof.memo_tuple)
+        return bool(self.proof.memo_tuple[wanted[known]].any())
 
     def _wide_in_tuple(self, spanned: Ints, begun: Ints) -> bool:
         """Whether a wide LONG1 is inside a tuple built in this window (TUPLE1/2/3 over their slots, TUPLE from its

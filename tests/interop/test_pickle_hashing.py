@@ -94,3 +94,33 @@ def test_real_values_with_numeric_keys_still_load() -> None:
     pairs = collections.OrderedDict((i, (i, 2**40 + i)) for i in range(5000))
     assert unpickle(pickle.dumps(pairs, protocol=2), "f", METADATA_ADMITTED) == pairs
     assert unpickle(pickle.dumps({1.5, 2.5, -1, -2}, protocol=4), "f", METADATA_ADMITTED) == {1.5, 2.5, -1, -2}
+
+
+def colliding_pairs(count: int) -> list[tuple[int, int]]:
+    """`count` pairs (a, b) of ints below 2^61 with one tuple hash: b solved from a by inverting CPython's tuple hash
+    (xxHash lanes), as an attacker would; small ints alone make this costly, not impossible."""
+    mask, prime1, prime2, prime5 = (1 << 64) - 1, 11400714785074694791, 14029467366897019727, 2870177450012600261
+    target, pairs, a = 12345, [], 0
+
+    def rotl(x: int) -> int:
+        return ((x << 31) | (x >> 33)) & mask
+
+    after = ((target - (2 ^ prime5 ^ 3527539)) * pow(prime1, -1, 1 << 64)) & mask
+    before = ((after >> 31) | (after << 33)) & mask  # undo the last rotation
+    while len(pairs) < count:
+        a += 1
+        first = (rotl((prime5 + a * prime2) & mask) * prime1) & mask
+        lane = ((before - first) * pow(prime2, -1, 1 << 64)) & mask
+        if lane < P - 1:  # an int below P hashes to itself
+            pairs.append((a, lane))
+    assert len({hash(pair) for pair in pairs}) == 1 and hash(pairs[0]) == target
+    return pairs
+
+
+def test_tuple_keys_whose_hashes_collide_are_refused() -> None:
+    pairs = colliding_pairs(200)
+    data = pickle.dumps(dict.fromkeys(pairs, 0), protocol=4)  # 200 keys: building them is still quick
+    with pytest.raises(FormatError, match="share the hash 12345"):
+        read_value_pickle(data, "f")
+    with pytest.raises(FormatError, match="share the hash 12345"):
+        check_pickle(pickle.dumps([pairs, set(pairs)], protocol=4), "f")  # fetched from the memo as set items

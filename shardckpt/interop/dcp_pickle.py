@@ -40,6 +40,7 @@ from shardckpt.errors import FormatError
 from shardckpt.format.limits import MAX_DEPTH
 from shardckpt.interop.pickle_scan import check_pickle
 from shardckpt.interop.unpickled import (
+    IdentityFrozenset,
     IdentityTuple,
     Pickled,
     Sealed,
@@ -199,9 +200,9 @@ def _set(items: object = ()) -> set[Any]:
     return set(spread_keys(items, "set()"))
 
 
-def _frozenset(items: object = ()) -> frozenset[Any]:
-    """Stand-in for frozenset(items), checked as set()."""
-    return frozenset(spread_keys(items, "frozenset()"))
+def _frozenset(items: object = ()) -> IdentityFrozenset:
+    """Stand-in for frozenset(items), checked as set(); hashed by identity (see IdentityFrozenset)."""
+    return IdentityFrozenset(spread_keys(items, "frozenset()"))
 
 
 class CheckedOrderedDict(collections.OrderedDict[Any, Any], metaclass=Sealed):

@@ -35,6 +35,14 @@ class IdentityTuple(tuple):  # type: ignore[type-arg]
     __hash__ = object.__hash__
 
 
+class IdentityFrozenset(frozenset):  # type: ignore[type-arg]
+    """What a pickle's frozenset() call builds: hashed by identity, as IdentityTuple (a frozenset's hash is an XOR
+    of its items' hashes: frozensets of chosen ints sharing one hash are cheap to make)."""
+
+    __slots__ = ()
+    __hash__ = object.__hash__
+
+
 def spread_keys(items: object, what: str) -> list[Any]:
     """`items` (a list or tuple), checked before a set(), frozenset() or dict() call hashes them: numbers and tuples
     have hashes anyone can make collide, so more than MAX_SHARED_HASH items under one hash, a key that is itself a
@@ -43,7 +51,7 @@ def spread_keys(items: object, what: str) -> list[Any]:
         raise FormatError(f"{what} of a {type(items).__name__}: only a list or tuple of items is read")
     counts: dict[int, int] = {}  # keyed by hash values: distinct ints never collide
     for item in items:
-        if isinstance(item, (tuple, frozenset)) and not isinstance(item, IdentityTuple):
+        if isinstance(item, (tuple, frozenset)) and not isinstance(item, (IdentityTuple, IdentityFrozenset)):
             raise FormatError(f"{what} with a {type(item).__name__} item {brief(item, 40)}: not read")
         if isinstance(item, int) and item.bit_length() > _MAX_KEY_BITS:
             raise FormatError(f"{what} with an integer of {item.bit_length()} bits: not read")

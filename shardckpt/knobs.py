@@ -70,10 +70,14 @@ S3_PART_SIZE = int(_knob("S3_PART_SIZE", 16 << 20))  # multipart upload part (S3
 S3_READ_PART_SIZE = int(_knob("S3_READ_PART_SIZE", 16 << 20))  # ranged GET size
 S3_MAX_IN_FLIGHT = int(_knob("S3_MAX_IN_FLIGHT", 128 << 20))  # bytes of uploads and downloads in flight
 S3_MAX_REQUESTS = int(_knob("S3_MAX_REQUESTS", 16))  # concurrent requests
+# Seconds one socket read may wait (botocore's read_timeout; config_kwargs win). Until an endpoint has answered once,
+# the first such timeout fails the request (a wrong port that accepts and never replies); after, it is retried.
+S3_READ_TIMEOUT = float(_knob("S3_READ_TIMEOUT", 60.0))
 
 # Commit and retention
 MANIFEST_SETTLE = float(_knob("MANIFEST_SETTLE", 0.25))  # seconds a half-written global manifest must not change
 MANIFEST_WAIT = float(_knob("MANIFEST_WAIT", 5.0))  # seconds to wait for a concurrent committer's manifest
+DU_MAX_ENTRIES = int(_knob("DU_MAX_ENTRIES", 1_000_000))  # entries `du` looks at in one checkpoint (then says so)
 GC_GRACE = float(_knob("GC_GRACE", 3600.0))  # seconds: gc leaves anything younger (a save may be writing it)
 
 # Streaming tools (tools/export.py, tools/diff.py)

@@ -46,6 +46,42 @@ def torch_dtype(name: str) -> torch.dtype:
     return FORMAT_TO_TORCH[name]
 
 
+def check_dense(name: str, tensor: torch.Tensor, kind: str = "") -> None:
+    """ShardckptUsageError naming tensor `name` unless it has dense elements in memory (not sparse, nested or meta).
+
+    Checked before a byte is written: torch's own errors for these come late, untyped, after a data file began.
+    """
+    if tensor.is_nested:
+        raise ShardckptUsageError(f"tensor {name!r}: a {kind}nested tensor cannot be saved (store its components)")
+    if tensor.layout != torch.strided:
+        raise ShardckptUsageError(
+            f"tensor {name!r}: a {kind}{tensor.layout} tensor cannot be saved (dense tensors only: .to_dense())"
+        )
+    if tensor.device.type == "meta":
+        raise ShardckptUsageError(
+            f"tensor {name!r}: a {kind}tensor on the meta device has no data to save (materialise it first, e.g. "
+            "model.to_empty(device=...) and initialise, or load into it)"
+        )
+
+
+def check_destination(name: str, tensor: torch.Tensor) -> None:
+    """ShardckptUsageError naming tensor `name` unless a load can fill `tensor`: dense, with memory of its own
+    for every element (torch refuses to copy into an expand()ed view, and a meta tensor would stay empty)."""
+    if tensor.is_nested or tensor.layout != torch.strided:
+        layout = "nested" if tensor.is_nested else str(tensor.layout)
+        raise ShardckptUsageError(f"tensor {name!r}: the destination is a {layout} tensor; load into dense tensors")
+    if tensor.device.type == "meta":
+        raise ShardckptUsageError(
+            f"tensor {name!r}: the destination is on the meta device, which holds no data; materialise it first "
+            "(e.g. model.to_empty(device=...)), then load"
+        )
+    if tensor.numel() > 1 and torch._debug_has_internal_overlap(tensor) == 1:  # 1: surely overlaps
+        raise ShardckptUsageError(
+            f"tensor {name!r}: elements of the destination share memory (an expand()ed or as_strided view); "
+            "load into a tensor with memory of its own (e.g. its .clone()) and copy from there"
+        )
+
+
 def host_staging(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host buffer for copies to or from `device`: pinned for CUDA (DMA without a bounce), plain otherwise."""
     pinned = device.type == "cuda" and torch.cuda.is_available()
@@ -55,9 +91,10 @@ def host_staging(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
 def host_bytes(tensor: torch.Tensor) -> npt.NDArray[np.uint8]:
     """The tensor's elements, row-major, as a uint8 array (a view when already contiguous on the CPU).
 
-    A GPU tensor is copied once into pinned host memory.
+    A GPU tensor is copied once into pinned host memory. A conjugate or negative view (z.conj(), z.conj().imag) is
+    stored by value, as torch.save does: its memory holds the values before the lazy conjugation or negation.
     """
-    flat = tensor.detach()
+    flat = by_value(tensor.detach())
     if flat.device.type != "cpu":
         staging = host_staging(tuple(flat.shape), flat.dtype, flat.device)
         staging.copy_(flat)
@@ -68,11 +105,17 @@ def host_bytes(tensor: torch.Tensor) -> npt.NDArray[np.uint8]:
     return flat.view(torch.uint8).numpy()
 
 
+def by_value(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, or a copy with its values when it is a lazy conjugate or negative view (its bytes are not them)."""
+    return tensor.resolve_conj().resolve_neg() if tensor.is_conj() or tensor.is_neg() else tensor
+
+
 def writable_bytes(tensor: torch.Tensor) -> npt.NDArray[np.uint8] | None:
-    """A writable uint8 view of a contiguous CPU tensor's memory, or None if it has none."""
-    if not tensor.is_cpu or not tensor.is_contiguous() or tensor.numel() == 0:
+    """A writable uint8 view of a contiguous CPU tensor's memory, or None if it has none (or its memory does not
+    hold its values: a conjugate or negative view is filled through torch's copy_, which applies the bit)."""
+    if not tensor.is_cpu or not tensor.is_contiguous() or tensor.numel() == 0 or tensor.is_conj() or tensor.is_neg():
         return None
     try:  # numpy's reshape and view cost less than torch's (a load makes one view per tensor); detach only if needed
         return (tensor.detach() if tensor.requires_grad else tensor).numpy().reshape(-1).view(np.uint8)
-    except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16, float8), or a conjugate view
+    except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16, float8)
         return tensor.detach().reshape(-1).view(torch.uint8).numpy()

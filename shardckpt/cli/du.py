@@ -91,6 +91,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
                 "under the checkpoint that holds them; deleting the referencing checkpoint frees none of them)"
             )
         )
+    for c in report.checkpoints:
+        if c.error:  # e.g. a walk cut at its bound: the sizes above leave something out (Text: no markup)
+            console.print(styled(f"{c.name}: {c.error}", "yellow"))
     if totals["leftover_bytes"]:
         console.print(
             line(f"{human_bytes(totals['leftover_bytes'])} of leftovers can be reclaimed by a garbage collector")

@@ -41,7 +41,17 @@ import torch
 from shardckpt.errors import FormatError
 from shardckpt.format.limits import MAX_DEPTH
 from shardckpt.interop.pickle_scan import check_pickle
-from shardckpt.interop.unpickled import Pickled, StandIn, brief, check_tree, refuse_state
+from shardckpt.interop.unpickled import (
+    IdentityFrozenset,
+    IdentityTuple,
+    Pickled,
+    Sealed,
+    StandIn,
+    brief,
+    check_tree,
+    refuse_state,
+    spread_keys,
+)
 
 MAX_RECORD_PICKLE_BYTES = 16 << 20  # data.pkl of one record: a tensor description or one plain value
 DCP_LABEL = "a DCP checkpoint"  # completes "refuses the pickled global X (not a name ... uses)"
@@ -183,8 +193,33 @@ def _path_text(*parts: object) -> str:
 
 
 def _size(dims: object) -> tuple[int, ...]:
-    """Stand-in for torch.Size: the dimensions as a tuple of integers."""
-    return ints(dims, "torch.Size")
+    """Stand-in for torch.Size: the dimensions as a tuple of integers (hashed by identity: see IdentityTuple)."""
+    return IdentityTuple(ints(dims, "torch.Size"))
+
+
+def _set(items: object = ()) -> set[Any]:
+    """Stand-in for set(items): the items checked before they are hashed (unpickled.spread_keys)."""
+    return set(spread_keys(items, "set()"))
+
+
+def _frozenset(items: object = ()) -> IdentityFrozenset:
+    """Stand-in for frozenset(items), checked as set(); hashed by identity (see IdentityFrozenset)."""
+    return IdentityFrozenset(spread_keys(items, "frozenset()"))
+
+
+class CheckedOrderedDict(collections.OrderedDict[Any, Any], metaclass=Sealed):
+    """collections.OrderedDict whose constructor's pairs are checked before their keys are hashed (spread_keys)."""
+
+    def __init__(self, pairs: object = ()) -> None:
+        if not isinstance(pairs, (list, tuple)) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+            raise FormatError(f"OrderedDict() of {brief(pairs, 40)}: only a list of (key, value) pairs is read")
+        spread_keys([pair[0] for pair in pairs], "OrderedDict()")
+        super().__init__(pairs)
+
+
+def _checked_dict(pairs: object = ()) -> dict[Any, Any]:
+    """Stand-in for a value record's OrderedDict: a dict, its pairs checked as CheckedOrderedDict's."""
+    return dict(CheckedOrderedDict(pairs))
 
 
 SIZE = StandIn(_size, "torch.Size")
@@ -262,9 +297,9 @@ METADATA_ADMITTED: dict[tuple[str, str], Any] = {
     ("torch", "Size"): SIZE,
     **torch_values((torch.dtype, torch.layout, torch.memory_format)),  # torch's own, immutable
     ("torch.serialization", "_get_layout"): StandIn(_layout_named, "torch.serialization._get_layout"),
-    ("collections", "OrderedDict"): collections.OrderedDict,  # builtin types are immutable too
-    ("builtins", "set"): set,
-    ("builtins", "frozenset"): frozenset,
+    ("collections", "OrderedDict"): CheckedOrderedDict,
+    ("builtins", "set"): StandIn(_set, "set"),
+    ("builtins", "frozenset"): StandIn(_frozenset, "frozenset"),
     **{(module, n): _PATH for module in ("pathlib", "pathlib._local") for n in _PATH_CLASSES},
 }
 
@@ -484,7 +519,7 @@ TENSOR_RECORD_ADMITTED: dict[tuple[str, str], Any] = {
     ("torch", "UntypedStorage"): StorageClass(torch.uint8),
     ("torch.storage", "UntypedStorage"): StorageClass(torch.uint8),
     **torch_values((torch.dtype,)),
-    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("collections", "OrderedDict"): CheckedOrderedDict,
 }
 
 
@@ -527,7 +562,7 @@ def _not_plain(kind: str) -> StandIn:
 _BUILTINS = ("builtins", "__builtin__")  # torch.save writes pickle protocol 2: Python 2's module names
 _NOT_PLAIN = {"set": "set", "frozenset": "frozenset", "complex": "complex", "slice": "slice", "range": "range"}
 VALUE_ADMITTED: dict[tuple[str, str], Any] = {
-    ("collections", "OrderedDict"): dict,
+    ("collections", "OrderedDict"): StandIn(_checked_dict, "OrderedDict"),
     ("_codecs", "encode"): StandIn(_latin1, "_codecs.encode"),
     **{(module, name): StandIn(_bytes, name) for module in _BUILTINS for name in ("bytes", "bytearray")},
     **{(module, name): _not_plain(kind) for module in _BUILTINS for name, kind in _NOT_PLAIN.items()},

@@ -32,7 +32,7 @@ from shardckpt.interop.dcp_pickle import (
     tree_budget,
     unpickle,
 )
-from shardckpt.interop.unpickled import Sealed, StandIn, brief, check_tree
+from shardckpt.interop.unpickled import Sealed, StandIn, brief, check_tree, spread_keys
 
 LABEL = "a DeepSpeed checkpoint"  # completes "refuses the pickled global X (not a name ... uses)"
 MAX_PICKLE_BYTES = 256 << 20  # data.pkl of one rank file: metadata only, the tensor bytes are separate entries
@@ -84,6 +84,13 @@ class OrderedDictState(dict[Any, Any], metaclass=Sealed):
     """Stand-in for collections.OrderedDict: a dict. A module state dict's `_metadata` attribute is dropped."""
 
     __slots__ = ()
+
+    def __init__(self, pairs: object = ()) -> None:
+        # A call with pairs hashes their keys, which pickle_stack cannot see: checked first (spread_keys).
+        if not isinstance(pairs, (list, tuple)) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+            raise FormatError(f"OrderedDict() of {brief(pairs, 40)}: only a list of (key, value) pairs is read")
+        spread_keys([pair[0] for pair in pairs], "OrderedDict()")
+        super().__init__(pairs)
 
     def __setstate__(self, state: object) -> None:
         if not isinstance(state, dict):

@@ -59,6 +59,7 @@ _EMPTY = _byte_set(b"}]\x8f)")  # a container of depth 1
 _LEAF_PUSH = _byte_set(_LEAF + b"\x93Q")  # what leaves a leaf on top: a memo store of it is a leaf
 _IS_STORE, _IS_FETCH = _byte_set(_STORE), _byte_set(_FETCH)
 _FINISHED = _byte_set(b"\x85\x86\x87t)\x91")  # what leaves a tuple or frozenset on top: only a store can change it
+_TUPLE_MADE = _byte_set(b"\x85\x86\x87t\x91")  # a non-empty tuple or a frozenset, whose hash anyone can compute
 
 
 def _length_table() -> tuple[Ints, list[tuple[int, int, bool]], list[tuple[int, int]], list[int]]:

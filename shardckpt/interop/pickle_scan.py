@@ -82,8 +82,14 @@ def _run(excluded: set[int], most: str = "") -> re.Pattern[bytes]:
 _ONE_PASS = _run({_STOP, _PUT, _LONG_BINPUT})
 _COUNTING = _run({_STOP, _PUT, _LONG_BINPUT, _BINPUT, _MEMOIZE})
 _TOKENS = _run({_STOP}, most="8192")  # the stack model takes the opcodes a few thousand at a time
-# One token per opcode: its byte, or the memo opcodes (BINGET/BINPUT, LONG_*, GET/PUT) with their argument.
-_TOKEN = re.compile(b"(?=([hq].|[jr]....|[gp][^\n]*+\n|.))" + _one_opcode({_STOP}), re.DOTALL)
+# One token per opcode: its byte, or the memo opcodes (BINGET/BINPUT, LONG_*, GET/PUT) and the numbers (BININT*,
+# LONG1, BINFLOAT, INT, LONG, FLOAT: the model hashes their values) with their argument.
+_LONG1 = b"\x8a(?:" + b"|".join(re.escape(bytes([n])) + b"." * n for n in range(256)) + b")"
+_TOKEN = re.compile(
+    b"(?=([hq].|[jr]....|[gp][^\n]*+\n|J....|K.|M..|G.{8}|" + _LONG1 + b"|[IFL][^\n]*+\n|.))" + _one_opcode({_STOP}),
+    re.DOTALL,
+)
+_LONG4 = 0x8B
 
 
 def check_pickle(data: bytes | memoryview, where: str) -> None:
@@ -108,10 +114,12 @@ def _model(data: bytes, where: str) -> None:
             position = end
         elif data[position] == _STOP:
             return
-        else:  # a string or bytes with a 4- or 8-byte length (_scan checked that it fits): one leaf
-            size, signed = _PREFIXED[data[position]]
-            position += 1 + size + int.from_bytes(data[position + 1 : position + 1 + size], "little", signed=signed)
-            model.feed((b"X",))
+        else:  # a string or bytes with a 4- or 8-byte length (_scan checked that it fits), or a LONG4: one leaf
+            code, (size, signed) = data[position], _PREFIXED[data[position]]
+            length = int.from_bytes(data[position + 1 : position + 1 + size], "little", signed=signed)
+            end = position + 1 + size + length
+            model.feed((bytes([_LONG4]) + data[position + 1 + size : end],) if code == _LONG4 else (b"X",))
+            position = end
 
 
 def _scan(data: bytes | memoryview, where: str, *, counting: bool) -> int:

@@ -39,6 +39,14 @@ _SHORT_KIND = 1
 _KIND = np.zeros(256, dtype=np.int8)  # 0 fixed size, 1 a one-byte length, 2 a longer length or text lines
 _KIND[list(pb.SHORT_CODES)] = _SHORT_KIND
 _KIND[[code for code, _, _ in pb._PREFIXED] + [code for code, _ in pb._LINES]] = 2
+# Numbers whose hashes pickle_stack's model follows by value (collisions, big ints) and this proof does not: LONG4,
+# INT, LONG, FLOAT, BINFLOAT, FROZENSET (its hash is an XOR of its items': collisions are cheap to make) are left to
+# the model, as are a LONG1 of 8+ bytes (2^61 - 1 and its multiples hash alike) and a memoized number. A LONG1 of
+# 5-7 bytes inside a tuple is too (a tuple's hash collides for chosen ints of that size). Real files have none.
+_MODEL_NUMBERS = pb._byte_set(b"\x8bILFG\x91")
+_NUMBER = pb._byte_set(b"JKM\x8a")
+_LONG1, _WIDE, _TOO_WIDE = 0x8A, 5, 8
+_TUPLE_N = pb._byte_set(b"\x85\x86\x87")
 
 
 def proven_windowed(data: bytes | memoryview, budget: int, window: int = 0) -> bool:
@@ -203,6 +211,7 @@ class _Proof:
         # Per memo index: 0 never stored, 1 a leaf, 2 a value with bounds, 3 attached to a live slot.
         self.state = np.zeros(1024, dtype=np.int8)
         self.memo_weight, self.memo_depth = np.zeros(1024, dtype=np.int64), np.zeros(1024, dtype=np.int16)
+        self.memo_tuple = np.zeros(1024, dtype=bool)  # the entry is a tuple (or frozenset) made by its opcode
         self.memoized, self.indexed, self.stored = 0, False, 0  # MEMOIZEs; numbered stores seen; stores
 
     def window(self, positions: Ints) -> bool:
@@ -219,6 +228,12 @@ class _Proof:
         ops[prefix:] = a[positions]
         if not pb._KNOWN[ops[prefix:]].all():  # a byte 0xFF in the pickle is no PSEUDO but an unknown opcode
             return False
+        if _MODEL_NUMBERS[ops[prefix:]].any():
+            return False
+        long1 = np.flatnonzero(ops[prefix:] == _LONG1)
+        width = a[positions[long1] + 1] if len(long1) else np.zeros(0, dtype=np.uint8)
+        if (width >= _TOO_WIDE).any():
+            return False
         n = len(ops)
         where = np.concatenate((np.full(prefix, -1, dtype=np.int64), positions))
         extra_weight, extra_depth = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
@@ -227,7 +242,8 @@ class _Proof:
         stack = pb._Stack.of(ops)
         if stack is None or int(stack.after.max(initial=0)) >= 1 << 15:
             return False
-        return _Window(self, ops, where, stack, pseudo, (extra_weight, extra_depth, frozen)).prove()
+        wide = prefix + long1[width >= _WIDE]
+        return _Window(self, ops, where, stack, pseudo, (extra_weight, extra_depth, frozen), wide).prove()
 
     def grow(self, size: int) -> None:
         if size > len(self.state):
@@ -235,6 +251,7 @@ class _Proof:
             self.state = np.concatenate((self.state, np.zeros(more, dtype=np.int8)))
             self.memo_weight = np.concatenate((self.memo_weight, np.zeros(more, dtype=np.int64)))
             self.memo_depth = np.concatenate((self.memo_depth, np.zeros(more, dtype=np.int16)))
+            self.memo_tuple = np.concatenate((self.memo_tuple, np.zeros(more, dtype=bool)))
 
 
 class _Window:
@@ -248,8 +265,10 @@ class _Window:
         stack: pb._Stack,
         pseudo: Ints,
         extras: tuple[Ints, Ints, Flags],
+        wide: Ints,
     ) -> None:
         self.proof, self.ops, self.where, self.stack, self.pseudo = proof, ops, where, stack, pseudo
+        self.wide = wide  # LONG1 opcodes of 5-7 bytes
         self.extra_weight, self.extra_depth, self.frozen = extras
         self.n = len(ops)
 
@@ -264,6 +283,9 @@ class _Window:
         if entries is None:
             return False
         index, stored, leafy, finished = entries
+        proof.memo_tuple[index[finished]] = True
+        if self._tuple_keys():
+            return False
         self.leafy = leafy
         slot = stack.after[stored] - 1
         # Where each entry's value began, and where it has surely left the stack: the next push into its slot, which
@@ -289,6 +311,8 @@ class _Window:
         consumed = is_consumer[mutators]
         target[consumed] = stack.after[mark_of[mutators[consumed]]] - 1
         begun = fresh.last(lowest[spanned], spanned - 1)
+        if begun is not None and len(self.wide) and self._wide_in_tuple(spanned, begun):
+            return False
         targets = fresh.last(target, mutators - 1)
         if begun is None or targets is None:
             return False
@@ -368,6 +392,8 @@ class _Window:
             item_moves = (pb._PUSHES[ops] + self.stack.pops) > 0
             producer = np.maximum.accumulate(np.where(item_moves, np.arange(n), -1))[stores]
         made = ops[np.maximum(producer, 0)]
+        if (_NUMBER[made] & (producer >= 0)).any():  # a memoized number: the model follows its value
+            return None
         leafy = (producer >= 0) & pb._LEAF_PUSH[made]
         finished = (producer >= 0) & pb._FINISHED[made]
         carried = self.pseudo[proof.pending_slot]
@@ -378,6 +404,62 @@ class _Window:
             np.concatenate((none, leafy)),
             np.concatenate((none, finished)),
         )
+
+    def _tuple_keys(self) -> bool:
+        """Whether a dict key or set item stored in this window is a tuple, made here or fetched from the memo: a
+        tuple of chosen ints (even small ones) can share its hash with many others, which only the model follows.
+        A key's value ends with the last opcode moving stack items before its value's first push."""
+        ops, stack = self.ops, self.stack
+        moves = (pb._PUSHES[ops] + stack.pops) > 0
+        last_move = np.maximum.accumulate(np.where(moves, np.arange(self.n), -1))
+        consumers, marks = stack.consumers, stack.marks
+        paired = np.isin(ops[consumers], (ord("u"), ord("d")))  # SETITEMS, DICT: keys at every other slot
+        low, high, at = stack.after[marks[paired]], stack.before[consumers[paired]], consumers[paired]
+        count = np.maximum((high - low) // 2, 0)
+        first = np.repeat(np.cumsum(count) - count, count)
+        key_slot = np.repeat(low, count) + 2 * (np.arange(int(count.sum())) - first)
+        key_at = np.repeat(at, count)
+        single = np.flatnonzero(ops == ord("s"))  # SETITEM: key, value
+        key_slot = np.concatenate((key_slot, stack.before[single] - 2))
+        key_at = np.concatenate((key_at, single))
+        added = ops[consumers] == 0x90  # ADDITEMS: every item; the last one ends at the opcode itself
+        low, high, at = stack.after[marks[added]], stack.before[consumers[added]], consumers[added]
+        count = np.maximum(high - low, 0)
+        first = np.repeat(np.cumsum(count) - count, count)
+        item_slot = np.repeat(low, count) + (np.arange(int(count.sum())) - first)
+        item_at = np.repeat(at, count)
+        last_item = item_slot == np.repeat(high, count) - 1
+        begins = self.fresh.last(
+            np.concatenate((key_slot + 1, item_slot[~last_item] + 1)),
+            np.concatenate((key_at - 1, item_at[~last_item] - 1)),
+        )
+        if begins is None:
+            return True
+        ends = np.concatenate((begins - 1, item_at[last_item] - 1))
+        producer = last_move[np.maximum(ends, 0)]
+        producer = producer[producer >= 0]
+        made = ops[producer]
+        if pb._TUPLE_MADE[made].any():
+            return True
+        fetched = producer[pb._IS_FETCH[made]]
+        if len(fetched) == 0:
+            return False
+        wanted = pb._memo_index(self.proof.a, self.where[fetched], ops[fetched] == ord("h"))
+        known = wanted < len(self.proof.memo_tuple)
+        return bool(self.proof.memo_tuple[wanted[known]].any())
+
+    def _wide_in_tuple(self, spanned: Ints, begun: Ints) -> bool:
+        """Whether a wide LONG1 is inside a tuple built in this window (TUPLE1/2/3 over their slots, TUPLE from its
+        MARK): such tuples can be made to share one hash."""
+        stack, ops = self.stack, self.ops
+        counted = np.zeros(self.n + 1, dtype=np.int64)
+        counted[self.wide + 1] = 1
+        counted = np.cumsum(counted)  # wide LONG1s before each opcode
+        small = _TUPLE_N[ops[spanned]]
+        marked = ops[stack.consumers] == ord("t")
+        first = np.concatenate((begun[small], stack.marks[marked]))
+        last = np.concatenate((spanned[small], stack.consumers[marked]))
+        return bool((counted[last] - counted[first] > 0).any())
 
     def _fetches(
         self, index: Ints, stored: Ints, leafy: Flags, finished: Flags, vacated: Ints

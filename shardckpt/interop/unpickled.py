@@ -23,6 +23,45 @@ from typing import Any, NoReturn
 from shardckpt.errors import FormatError
 
 MAX_TREE_DEPTH = 256  # deeper than any real checkpoint value; keeps later recursive code far from the recursion limit
+MAX_SHARED_HASH = 64  # distinct keys (numbers, tuples or frozensets of them) one hash may stand for: no real file has 3
+_MAX_KEY_BITS = 4096  # an int a set(), frozenset() or dict() argument may hold as a key: hashed digit by digit
+
+
+class IdentityTuple(tuple):  # type: ignore[type-arg]
+    """A tuple a stand-in builds (torch.Size): hashed by identity, so chosen ints cannot make such keys collide (a
+    plain tuple of ints has a hash anyone can compute)."""
+
+    __slots__ = ()
+    __hash__ = object.__hash__
+
+
+class IdentityFrozenset(frozenset):  # type: ignore[type-arg]
+    """What a pickle's frozenset() call builds: hashed by identity, as IdentityTuple (a frozenset's hash is an XOR
+    of its items' hashes: frozensets of chosen ints sharing one hash are cheap to make)."""
+
+    __slots__ = ()
+    __hash__ = object.__hash__
+
+
+def spread_keys(items: object, what: str) -> list[Any]:
+    """`items` (a list or tuple), checked before a set(), frozenset() or dict() call hashes them: numbers and tuples
+    have hashes anyone can make collide, so more than MAX_SHARED_HASH items under one hash, a key that is itself a
+    tuple or frozenset, or an int over _MAX_KEY_BITS bits are refused (pickle_stack cannot see into the call)."""
+    if not isinstance(items, (list, tuple)):
+        raise FormatError(f"{what} of a {type(items).__name__}: only a list or tuple of items is read")
+    counts: dict[int, int] = {}  # keyed by hash values: distinct ints never collide
+    for item in items:
+        if isinstance(item, (tuple, frozenset)) and not isinstance(item, (IdentityTuple, IdentityFrozenset)):
+            raise FormatError(f"{what} with a {type(item).__name__} item {brief(item, 40)}: not read")
+        if isinstance(item, int) and item.bit_length() > _MAX_KEY_BITS:
+            raise FormatError(f"{what} with an integer of {item.bit_length()} bits: not read")
+        digest = hash(item)
+        counts[digest] = counts.get(digest, 0) + 1
+        if counts[digest] > MAX_SHARED_HASH:
+            raise FormatError(
+                f"{what}: more than {MAX_SHARED_HASH} items share the hash {digest} (a hash collision: refused)"
+            )
+    return list(items)
 
 
 def _refuse_build(owner: str, name: str) -> NoReturn:

@@ -5,15 +5,17 @@ Leftovers are the files of attempts other than the committed one, or every file 
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from shardckpt import knobs
 from shardckpt.catalog.chain import read_commit_marker, read_opening, require_exists
 from shardckpt.catalog.deletion import is_temp_marker
-from shardckpt.catalog.listing import ALIAS, classify, list_root
+from shardckpt.catalog.listing import ALIAS, classify, list_root, local_path
 from shardckpt.errors import FormatError, NotFoundError, ShardckptError
 from shardckpt.format import layout
 from shardckpt.format.dtypes import itemsize
@@ -64,18 +66,24 @@ def disk_usage(root: str | Storage, *, storage_options: dict[str, Any] | None = 
     storage = open_storage(root, storage_options)
     require_exists(storage)
     report = UsageReport(storage.url)
+    seen: set[tuple[int, int]] = set()  # local files counted so far, by device and inode: hard links count once
     if classify(storage.list(), committed=False, broken=False) is not None:
-        report.checkpoints.append(checkpoint_usage(storage, storage.url.rstrip("/").rsplit("/", 1)[-1]))
+        report.checkpoints.append(checkpoint_usage(storage, storage.url.rstrip("/").rsplit("/", 1)[-1], seen))
         return report
     listing = list_root(storage)
     for entry in listing.entries:
         if entry.status(listing.root) not in (None, ALIAS):
-            report.checkpoints.append(checkpoint_usage(storage.child(entry.name), entry.name))
+            report.checkpoints.append(checkpoint_usage(storage.child(entry.name), entry.name, seen))
     return report
 
 
-def checkpoint_usage(storage: Storage, name: str) -> CheckpointUsage:
-    """Sizes of one checkpoint's files, split by the attempt COMMITTED names."""
+def checkpoint_usage(storage: Storage, name: str, seen: set[tuple[int, int]] | None = None) -> CheckpointUsage:
+    """Sizes of one checkpoint's files, split by the attempt COMMITTED names.
+
+    A link inside the checkpoint is never followed (it counts 0 bytes: what it names is counted where it lives, if
+    in the walk), a file with several hard links counts once (in `seen`, shared by a report's checkpoints), and
+    the walk stops at MAX_DEPTH levels and knobs.DU_MAX_ENTRIES entries (then `error` says what was left out).
+    """
     usage = CheckpointUsage(name, storage.url, INCOMPLETE)
     try:
         marker = read_commit_marker(storage)
@@ -83,10 +91,18 @@ def checkpoint_usage(storage: Storage, name: str) -> CheckpointUsage:
         usage.status, usage.error, marker = BROKEN, str(exc), None
     if marker is not None:
         usage.status, usage.step, usage.attempt = COMMITTED, marker.step, marker.attempt
-    paths = _files(storage, "", 0)
-    with ThreadPoolExecutor(max_workers=max(1, min(storage.read_threads, len(paths)))) as pool:
-        sizes = list(pool.map(lambda path: _size(storage, path), paths))
-    for path, size in zip(paths, sizes):
+    walk = _Walk(storage, seen if seen is not None else set())
+    walk.files("", 0)
+    walk.count_once()
+    paths, sizes = list(walk.sizes), list(walk.sizes.values())
+    unknown = [i for i, size in enumerate(sizes) if size is None]
+    with ThreadPoolExecutor(max_workers=max(1, min(storage.read_threads, len(unknown)))) as pool:
+        for i, asked in zip(unknown, pool.map(lambda i: _size(storage, paths[i]), unknown)):
+            sizes[i] = asked
+    if walk.cut:
+        usage.error = walk.cut
+    for path, known in zip(paths, sizes):
+        size = known or 0
         kind = "other" if usage.status == BROKEN else _classify(path, usage.attempt)
         if kind == "committed":
             usage.committed_bytes += size
@@ -143,20 +159,77 @@ def _attempt_of(path: str) -> str | None:
         return None
 
 
-def _files(storage: Storage, prefix: str, depth: int) -> list[str]:
-    """Paths of the files under `prefix`: a name that lists entries is a directory, any other a file."""
-    paths = []
-    for name in storage.list(prefix):
-        path = f"{prefix}/{name}" if prefix else name
-        known = (
-            layout.marker_generation(path) is not None or _attempt_of(path) is not None
-        )  # layout files: no listing needed
-        inside = storage.list(path) if depth < MAX_DEPTH and not known else []
-        if inside:
-            paths.extend(_files(storage, path, depth + 1))
-        else:
-            paths.append(path)
-    return paths
+class _Walk:
+    """The files of one checkpoint, each with its size when the walk learnt it (a local lstat) or None (ask)."""
+
+    def __init__(self, storage: Storage, seen: set[tuple[int, int]]) -> None:
+        self.storage, self.base, self.seen = storage, local_path(storage), seen
+        self.sizes: dict[str, int | None] = {}
+        self.real: dict[str, tuple[int, int]] = {}  # local files: device and inode
+        self.entries, self.cut = 0, ""
+
+    def files(self, prefix: str, depth: int) -> None:
+        if self.base is not None:
+            self._local(prefix, depth)
+            return
+        # Object stores and memory have no links: a name that lists entries is a directory, any other a file.
+        for name in self._take(self.storage.list(prefix), prefix):
+            path = f"{prefix}/{name}" if prefix else name
+            # Layout files (markers, an attempt's files) need no listing.
+            known = layout.marker_generation(path) is not None or _attempt_of(path) is not None
+            inside = self.storage.list(path) if depth < MAX_DEPTH and not known else []
+            if inside:
+                self.files(path, depth + 1)
+            else:
+                self.sizes[path] = None
+
+    def _local(self, prefix: str, depth: int) -> None:
+        """A local directory, by lstat: links are entries of their own, never walked through (a link to `.` made
+        12^8 directories of a dozen links, a link to / the whole disk)."""
+        assert self.base is not None
+        directory = os.path.join(self.base, *prefix.split("/")) if prefix else self.base
+        try:
+            with os.scandir(directory) as listing:
+                found = sorted(listing, key=lambda entry: entry.name)
+        except OSError:
+            return  # gone or unreadable while we looked: nothing to count
+        for entry in self._take(found, prefix):
+            path = f"{prefix}/{entry.name}" if prefix else entry.name
+            try:
+                stat = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                if depth < MAX_DEPTH:
+                    self._local(path, depth + 1)
+                else:
+                    self.cut = self.cut or f"directories below {prefix!r} are deeper than {MAX_DEPTH}: not counted"
+                continue
+            self.sizes[path] = 0 if entry.is_symlink() else stat.st_size
+            if not entry.is_symlink():
+                self.real[path] = (stat.st_dev, stat.st_ino)
+
+    def count_once(self) -> None:
+        """A file reached by several hard links counts once: under a layout name when it has one."""
+        layout_first = sorted(
+            self.real, key=lambda path: (_attempt_of(path) is None and layout.marker_generation(path) is None, path)
+        )
+        for path in layout_first:
+            if self.real[path] in self.seen:
+                self.sizes[path] = 0
+            self.seen.add(self.real[path])
+
+    def _take(self, names: list[Any], prefix: str) -> list[Any]:
+        """`names`, or as many as the entry bound leaves (the rest are named in `cut`)."""
+        room = knobs.DU_MAX_ENTRIES - self.entries
+        if len(names) > room:
+            self.cut = self.cut or (
+                f"over {knobs.DU_MAX_ENTRIES:,} entries (SHARDCKPT_DU_MAX_ENTRIES): stopped in {prefix or '.'!r}, "
+                "the rest not counted"
+            )
+            names = names[: max(room, 0)]
+        self.entries += len(names)
+        return names
 
 
 def _size(storage: Storage, path: str) -> int:

@@ -41,7 +41,7 @@ from shardckpt.planner.execute import apply_copies
 from shardckpt.planner.plan import ReadPlanner
 from shardckpt.read import fetching
 from shardckpt.storage import RangeReader, Storage, open_storage
-from shardckpt.torch_bytes import host_staging, torch_dtype, writable_bytes
+from shardckpt.torch_bytes import check_destination, host_staging, torch_dtype, writable_bytes
 
 DEFAULT_MAX_IN_FLIGHT = knobs.MAX_IN_FLIGHT
 ByteArray = npt.NDArray[np.uint8]
@@ -191,6 +191,7 @@ class Checkpoint(StoredCheckpoint):
         targets, buffers, fixups = [], [], []
         entries = self.entries([name for name, _, _ in items])
         for name, box, tensor in items:
+            check_destination(name, tensor)
             stored = torch_dtype(entries[name].dtype)
             if tensor.shape != box.shape:
                 raise ShardckptUsageError(

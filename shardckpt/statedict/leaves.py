@@ -18,7 +18,14 @@ from shardckpt.planner.box import Box
 from shardckpt.statedict.dtensor import is_dtensor, local_box
 from shardckpt.statedict.flat import FlatPartition
 from shardckpt.statedict.flatten import Leaf
-from shardckpt.torch_bytes import FORMAT_TO_TORCH, TORCH_TO_FORMAT, format_dtype, host_bytes
+from shardckpt.torch_bytes import (
+    FORMAT_TO_TORCH,
+    TORCH_TO_FORMAT,
+    check_dense,
+    check_destination,
+    format_dtype,
+    host_bytes,
+)
 
 # What a load gives a rank that did not exist when the checkpoint was saved (a resume on more ranks).
 MISSING_CHOICES = ("keep", "error", "wrap")
@@ -169,17 +176,7 @@ def check_savable(leaves: list[Leaf], step: object = None) -> None:
 
 def check_tensor(name: str, tensor: torch.Tensor, kind: str = "") -> None:
     """ShardckptUsageError naming `name` unless `tensor` has dense, readable elements of a storable dtype."""
-    if tensor.is_nested:
-        raise ShardckptUsageError(f"tensor {name!r}: a {kind}nested tensor cannot be saved (store its components)")
-    if tensor.layout != torch.strided:
-        raise ShardckptUsageError(
-            f"tensor {name!r}: a {kind}{tensor.layout} tensor cannot be saved (dense tensors only: .to_dense())"
-        )
-    if tensor.device.type == "meta":
-        raise ShardckptUsageError(
-            f"tensor {name!r}: a {kind}tensor on the meta device has no data to save (materialise it first, e.g. "
-            "model.to_empty(device=...) and initialise, or load into it)"
-        )
+    check_dense(name, tensor, kind)
     if tensor.dtype not in TORCH_TO_FORMAT:
         raise ShardckptUsageError(
             f"tensor {name!r}: dtype {tensor.dtype} cannot be stored (supported: "
@@ -216,6 +213,7 @@ def destination_shapes(leaves: list[Leaf]) -> list[tuple[str, tuple[int, ...], s
         if is_dtensor(value):
             shapes.append((leaf.name, tuple(int(d) for d in value.shape), "DTensor"))
         elif isinstance(value, torch.Tensor):
+            check_destination(leaf.name, value)  # a nested tensor has no shape to compare
             shapes.append((leaf.name, tuple(value.shape), "tensor"))
         elif isinstance(value, FlatPartition):
             shapes.extend((name, tuple(shape), "flat partition") for name, shape in value.params)
@@ -231,6 +229,7 @@ def load_items(leaves: list[Leaf]) -> list[tuple[str, Box, torch.Tensor]]:
             box = local_box(leaf.name, value)
             items.append((leaf.name, Box(box.offsets, tuple(box.local.shape)), box.local))
         elif isinstance(value, torch.Tensor):
+            check_destination(leaf.name, value)  # a nested tensor has no shape to compare
             items.append((leaf.name, Box.full(tuple(value.shape)), value))
         elif isinstance(value, FlatPartition):
             items.extend(value.boxes())

@@ -52,15 +52,24 @@ async def retrying(
     """`await call(try_number)` until it succeeds, fails for good, or the policy's bound is reached.
 
     A non-transient error propagates unchanged (the caller maps it); exhausting the bound raises
-    RetriesExhaustedError naming `what`, chained to the last error.
+    RetriesExhaustedError naming `what`, chained to the last error. Each try runs for at most the time left
+    before the deadline: a reply that trickles in a byte at a time never trips a socket's read timeout.
     """
     began = time.monotonic()
     tries = 0
     while True:
         tries += 1
+        left = policy.deadline - (time.monotonic() - began)
         try:
-            return await call(tries)
+            async with asyncio.timeout(max(left, 0.0)) as bound:
+                return await call(tries)
         except Exception as exc:
+            if bound.expired():  # this try ran into the deadline: no time is left for another
+                elapsed = time.monotonic() - began
+                raise RetriesExhaustedError(
+                    f"{what} did not finish within the retry deadline ({policy.deadline:g} s; {tries} tries in "
+                    f"{elapsed:.1f} s): the endpoint answers too slowly"
+                ) from exc
             if not transient(exc):
                 raise
             wait = policy.delay(tries)

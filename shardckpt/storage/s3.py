@@ -100,6 +100,19 @@ def is_unreachable(exc: BaseException) -> bool:
     return False
 
 
+def is_timeout(exc: BaseException) -> bool:
+    """True for a connect or read timeout of one request (botocore's, aiohttp's or asyncio's)."""
+    return isinstance(
+        exc,
+        (
+            botocore.exceptions.ReadTimeoutError,
+            botocore.exceptions.ConnectTimeoutError,
+            aiohttp.ServerTimeoutError,
+            asyncio.TimeoutError,
+        ),
+    )
+
+
 def is_transient(exc: BaseException) -> bool:
     """True for errors a retry may cure: 5xx, 429, throttling codes, dropped connections, timeouts."""
     status, code = error_status(exc)
@@ -226,7 +239,9 @@ class S3Storage(Storage):
         shared = self._shared
 
         def transient(exc: BaseException) -> bool:
-            if is_unreachable(exc) and not shared.reached:
+            # Until the endpoint has answered once, nothing listening and something that accepts connections but
+            # never replies (a wrong port behind a load balancer) are both a wrong address: retrying cannot help.
+            if (is_unreachable(exc) or is_timeout(exc)) and not shared.reached:
                 return False
             if error_status(exc)[0] is not None:
                 shared.reached = True  # an HTTP answer, even an error, comes from the endpoint
@@ -242,6 +257,13 @@ class S3Storage(Storage):
         except StorageError:
             raise
         except Exception as exc:
+            if is_timeout(exc) and not shared.reached:
+                endpoint = getattr(self.fs, "endpoint_url", None) or "the default AWS endpoint"
+                raise StorageError(
+                    f"{what} failed: {endpoint} accepted no request or sent no answer in time ({type(exc).__name__}: "
+                    f"{exc}); check endpoint_url (storage option or AWS_ENDPOINT_URL) for a wrong host or port "
+                    "(not retried: nothing answered yet; config_kwargs read_timeout/connect_timeout set the wait)"
+                ) from exc
             raise self.mapped(exc, what, path) from exc
 
     def mapped(self, exc: BaseException, what: str, path: str) -> StorageError:
@@ -490,12 +512,14 @@ def open_s3(url: str, storage_options: dict[str, Any] | None = None, **tuning: A
     """S3Storage for s3://bucket/prefix, with s3fs built from `storage_options` exactly as s3fs users pass them.
 
     Unless the caller configures them, botocore's own retries are off (the RetryPolicy is the one bound, not
-    a product of nested ones) and its connection pool is sized for concurrent parts and ranges.
+    a product of nested ones), its read timeout is knobs.S3_READ_TIMEOUT and its connection pool is sized for
+    concurrent parts and ranges.
     """
     options = dict(storage_options or {})
     check_options(options)
     config = dict(options.get("config_kwargs") or {})
     config.setdefault("retries", {"total_max_attempts": 1})
+    config.setdefault("read_timeout", knobs.S3_READ_TIMEOUT)
     config.setdefault("max_pool_connections", 2 * max(tuning.get("max_requests") or DEFAULT_MAX_REQUESTS, 16))
     options["config_kwargs"] = config
     fs, path = fsspec.core.url_to_fs(url, **options)

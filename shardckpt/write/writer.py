@@ -33,7 +33,7 @@ from shardckpt.format.references import AUTO_THREADS, FIRST_VERSION, LocalRefere
 from shardckpt.format.strict import FORMAT_VERSION, ObjectEntry, check_name, check_shape
 from shardckpt.format.values import check_plain
 from shardckpt.storage import Storage, open_storage
-from shardckpt.torch_bytes import format_dtype, host_bytes
+from shardckpt.torch_bytes import by_value, check_dense, format_dtype, host_bytes
 from shardckpt.write.holders import DamagedHolderWarning, damaged_holders
 from shardckpt.write.parent import Holder, ParentPieces
 
@@ -256,6 +256,7 @@ class ShardWriter:
             raise ShardckptUsageError("'__metadata__' is reserved by safetensors and cannot name a tensor")
         if not isinstance(tensor, torch.Tensor):
             raise ShardckptUsageError(f"tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+        check_dense(name, tensor)
         dtype = format_dtype(tensor.dtype)
         shape = tuple(tensor.shape) if global_shape is None else tuple(int(d) for d in global_shape)
         check_shape(shape, f"tensor {name!r}")
@@ -299,7 +300,8 @@ class ShardWriter:
         self._keys.add(key)
         self._piece_counts[name] = count + 1
         nbytes = tensor.numel() * tensor.element_size()
-        self._pieces.append(_Piece(name, key, tensor, start, length, nbytes))
+        # A lazy conjugate or negative view is stored by value (a copy of this piece), as torch.save stores it.
+        self._pieces.append(_Piece(name, key, by_value(tensor), start, length, nbytes))
 
     def add_object(self, name: str, value: Any, *, per_rank: bool = False) -> None:
         """Add a plain value (step, RNG state, scheduler, ...); per_rank values are kept for this rank only."""

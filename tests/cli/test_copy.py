@@ -134,7 +134,7 @@ def test_a_failed_or_interrupted_copy_is_never_committed_and_a_rerun_finishes_it
     data.chmod(0o644)
     data.write_bytes(bytes(raw))
     bad = cli("copy", str(tmp_path / "src"), str(tmp_path / "bad"))
-    assert bad.returncode == 1 and "fails its checks" in bad.stderr, bad.stderr
+    assert bad.returncode == 3 and "fails its checks" in bad.stderr, bad.stderr
     assert not (tmp_path / "bad" / "COMMITTED").exists()
     with pytest.raises(IntegrityError):
         copy_checkpoint(str(tmp_path / "src"), str(tmp_path / "bad"))

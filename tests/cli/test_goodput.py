@@ -125,7 +125,7 @@ def test_goodput_plot_and_the_wrong_roots(tmp_path) -> None:
     assert drawn.returncode == 0, drawn.stderr
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     missing = cli("goodput", str(tmp_path / "typo"))
-    assert missing.returncode == 1 and "does not exist" in missing.stderr
+    assert missing.returncode == 3 and "does not exist" in missing.stderr
     checkpoint = cli("goodput", shardckpt.latest(root))
     assert checkpoint.returncode == 2 and f"shardckpt goodput {root}" in checkpoint.stderr, checkpoint.stderr
     (tmp_path / "quiet").mkdir()

@@ -98,3 +98,16 @@ def test_delays_grow_and_stay_capped() -> None:
     assert max(policy.delay(4) for _ in range(200)) > 0.4  # 0.8 cap at try 4: growth really happens
     with pytest.raises(ValueError):
         RetryPolicy(attempts=0)
+
+
+def test_a_try_that_runs_into_the_deadline_is_cut_there() -> None:
+    tries: list[int] = []
+
+    async def call(number: int) -> str:
+        tries.append(number)
+        await asyncio.sleep(3600)  # a reply trickling in: no socket timeout ever fires
+        return "never"
+
+    with pytest.raises(RetriesExhaustedError, match=r"GET s3://b/k did not finish within the retry deadline"):
+        asyncio.run(retrying(RetryPolicy(deadline=0.2), "GET s3://b/k", call, is_transient))
+    assert tries == [1]

@@ -41,6 +41,9 @@ PIECE_HASHES = int(_knob("PIECE_HASHES", 0))
 # block CRC32Cs; a damaged piece is written anew (its bytes are in memory) instead of referenced, with a warning, so
 # one flipped bit never spreads to every later child. Costs one read of the referenced bytes per save; 0: trust them.
 VERIFY_REFERENCED = int(_knob("VERIFY_REFERENCED", 1))
+# Seconds a holder range this process found intact is trusted without reading it again (0: check at every save):
+# a run whose saves all reference one frozen base reads it once an hour, not once per save.
+VERIFY_REFERENCED_EVERY = float(_knob("VERIFY_REFERENCED_EVERY", 3600.0))
 # One BLAKE3 stream runs at ~3.5 GB/s per core (BLAKE2b, the previous release's, at ~0.6); these threads hash pieces
 # while the writer writes them (0: hash in the writer's own thread, one after the other).
 HASH_THREADS = int(_knob("HASH_THREADS", 4))

@@ -14,8 +14,16 @@ from typing import Any
 
 from shardckpt import knobs
 from shardckpt.catalog.chain import read_commit_marker, read_opening, verify_global_manifest
+from shardckpt.catalog.claims import BY_COMMIT, CREATED, claim, release
+from shardckpt.catalog.identity import home
 from shardckpt.catalog.stored import StoredCheckpoint
-from shardckpt.errors import AlreadyExistsError, IntegrityError, NotCommittedError, ShardckptUsageError
+from shardckpt.errors import (
+    AlreadyExistsError,
+    CommitConflictError,
+    IntegrityError,
+    NotCommittedError,
+    ShardckptUsageError,
+)
 from shardckpt.format import layout, limits
 from shardckpt.format.manifest import CommitMarker, GlobalManifest
 from shardckpt.ops.verify import VerifyReport, check_stored
@@ -97,8 +105,20 @@ def _copy(
     names = [marker.manifest] + [path for entry in manifest.files for path in (entry.index, entry.data)]
     for path in names:
         _copy_file(src, dst, path, report, progress)
-    _check_copy(src, dst, marker, manifest)
-    dst.commit_marker(layout.COMMITTED, opening.marker_raw)  # the last write: from here on the copy is a checkpoint
+    # Claimed as a save's commit is (SPEC 14): a collector that took this copy, held up past its grace period, for
+    # an abandoned save cannot delete its files between the check below and COMMITTED.
+    claimed = claim(dst, marker.attempt, BY_COMMIT)
+    if not claimed:
+        raise CommitConflictError(
+            f"{dst.url}: a collector claimed attempt {marker.attempt} as an abandoned save and deletes its files: "
+            "nothing was committed; copy again"
+        )
+    try:
+        _check_copy(src, dst, marker, manifest)  # reads back every file: none was collected before the claim
+        dst.commit_marker(layout.COMMITTED, opening.marker_raw)  # the last write: from here on it is a checkpoint
+    finally:
+        if claimed == CREATED:
+            release(dst, marker.attempt, BY_COMMIT)
     report.committed.append(dst.url)
 
 
@@ -132,7 +152,7 @@ def _parents(
             f"cannot copy {src.url} to {dst.url}: it stores pieces by reference in {dst.name!r}, a checkpoint of the "
             "same root under that name; choose another destination name"
         )
-    src_root, dst_root = src.parent(), dst.parent()
+    src_root, dst_root = home(src)[0], dst.parent()  # a source given through a link: its parents lie beside it
     absent = []
     for name, attempt in marker.references:
         there = read_commit_marker(dst_root.child(name))

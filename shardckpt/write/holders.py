@@ -2,11 +2,15 @@
 are read and checked against the block CRC32Cs the reference will carry, so a damaged holder is never referenced.
 
 Without it a flipped bit in a holder reaches every later child through their references while each save reports
-success. The check costs one range read of the referenced bytes per save (what loading those pieces reads).
+success. The check costs one range read of the referenced bytes (what loading those pieces reads): a process checks
+a holder range at most once per VERIFY_REFERENCED_EVERY seconds, so a run's saves that reference one frozen base do
+not each read it again (on an object store, each read is egress).
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Sequence
 
 import crc32c
@@ -17,6 +21,33 @@ from shardckpt.storage import Storage
 from shardckpt.write.parent import Holder
 
 BATCH_BYTES = knobs.VERIFY_CHUNK  # bytes read per batch of range requests (each request at most MAX_REQUEST)
+
+# Holder ranges this process found intact, and when: (holder root, file path, offset, size) -> monotonic seconds.
+# A file's path names its attempt, and committed files never change, so a key never names other bytes.
+_verified: dict[tuple[str, str, int, int], float] = {}
+_verified_lock = threading.Lock()
+
+
+def unchecked(root: Storage, holders: Sequence[Holder], every: float) -> list[int]:
+    """Indexes of `holders` this process has not found intact within the last `every` seconds."""
+    now = time.monotonic()
+    with _verified_lock:
+        return [
+            index
+            for index, holder in enumerate(holders)
+            if now - _verified.get(_key(root, holder), -float("inf")) >= every
+        ]
+
+
+def mark_intact(root: Storage, holders: Sequence[Holder]) -> None:
+    now = time.monotonic()
+    with _verified_lock:
+        for holder in holders:
+            _verified[_key(root, holder)] = now
+
+
+def _key(root: Storage, holder: Holder) -> tuple[str, str, int, int]:
+    return (root.url, holder.file.path, holder.offset, holder.nbytes)
 
 
 def damaged_holders(root: Storage, holders: Sequence[Holder]) -> dict[int, str]:

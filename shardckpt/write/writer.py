@@ -34,7 +34,7 @@ from shardckpt.format.strict import FORMAT_VERSION, ObjectEntry, check_name, che
 from shardckpt.format.values import check_plain
 from shardckpt.storage import Storage, open_storage
 from shardckpt.torch_bytes import by_value, check_dense, format_dtype, host_bytes
-from shardckpt.write.holders import DamagedHolderWarning, damaged_holders
+from shardckpt.write.holders import DamagedHolderWarning, damaged_holders, mark_intact, unchecked
 from shardckpt.write.parent import Holder, ParentPieces
 
 WRITE_CHUNK = knobs.WRITE_CHUNK  # bytes handed to the backend per call
@@ -425,7 +425,11 @@ class ShardWriter:
         if referenced and knobs.VERIFY_REFERENCED and parent.root is not None:
             # A flipped bit in a holder would reach every later child: such pieces are written anew (their bytes
             # hash equal to the recorded hash, so they are the bytes the holder should hold).
-            damaged = damaged_holders(parent.root, [holder for _, holder, _ in referenced])
+            holders = [holder for _, holder, _ in referenced]
+            checking = unchecked(parent.root, holders, knobs.VERIFY_REFERENCED_EVERY)
+            found = damaged_holders(parent.root, [holders[index] for index in checking])
+            damaged = {checking[index]: why for index, why in found.items()}
+            mark_intact(parent.root, [holders[index] for index in checking if index not in damaged])
             for why in sorted(set(damaged.values()))[:1]:
                 warnings.warn(
                     f"rank {self.rank}: {len(damaged)} piece(s) of the parent are damaged in their holder files "

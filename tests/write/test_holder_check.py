@@ -19,6 +19,12 @@ from shardckpt.ops.verify import verify
 BLOCK = 4096
 
 
+@pytest.fixture(autouse=True)
+def _check_at_every_save(monkeypatch) -> None:
+    """These tests damage a holder after a save in this process found it intact: check again at once."""
+    monkeypatch.setattr(knobs, "VERIFY_REFERENCED_EVERY", 0.0)
+
+
 def _state(step: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     return {"frozen": torch.randn(64, 130, generator=generator), "trained": torch.full((16,), float(step))}
@@ -107,3 +113,25 @@ def test_the_holder_check_reads_through_the_object_store_too(s3_url: str) -> Non
     out = {"frozen": torch.empty(64, 130), "trained": torch.empty(16)}
     shardckpt.load(out, f"{s3_url}/step-3")
     assert torch.equal(out["frozen"], _state(3)["frozen"])
+
+
+def test_a_holder_found_intact_is_not_read_again_within_the_window(tmp_path: Path, monkeypatch) -> None:
+    """A run's saves that reference one frozen base read it once per VERIFY_REFERENCED_EVERY, not once per save."""
+    from shardckpt.write import holders
+
+    monkeypatch.setattr(knobs, "VERIFY_REFERENCED_EVERY", 3600.0)
+    checked: list[int] = []
+    original = holders.damaged_holders
+
+    def counting(root, wanted):  # type: ignore[no-untyped-def]
+        checked.append(len(wanted))
+        return original(root, wanted)
+
+    monkeypatch.setattr("shardckpt.write.writer.damaged_holders", counting)
+    _save(tmp_path, 1, None)
+    _save(tmp_path, 2, 1)  # reads step-1's frozen bytes and finds them intact
+    _save(tmp_path, 3, 2)  # references the same holder range: trusted for the hour
+    assert checked == [1, 0]
+    monkeypatch.setattr(knobs, "VERIFY_REFERENCED_EVERY", 0.0)
+    _save(tmp_path, 4, 3)
+    assert checked == [1, 0, 1]

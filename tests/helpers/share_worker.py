@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import shardckpt
 from shardckpt.errors import StorageError
-from shardckpt.format import layout
 from shardckpt.storage.local import LocalStorage
+from tests.helpers.dcp_backend_worker import counting_data_reads
 from tests.helpers.launch import serve_rank
 
 
@@ -47,23 +47,6 @@ def digests(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, str
     flat.update({f"optim.{fqn}.{k}": v for fqn, state in osd["state"].items() for k, v in state.items()})
     full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().contiguous() for k, v in flat.items()}
     return {k: hashlib.sha256(v.numpy().tobytes()).hexdigest() for k, v in full.items()}
-
-
-@contextlib.contextmanager
-def data_bytes_read() -> Iterator[list[int]]:
-    """Bytes this process reads from checkpoint data files (local storage) while inside, in the list's element."""
-    original, count = LocalStorage.pread_into, [0]
-
-    def pread_into(self: LocalStorage, fd: int, path: str, start: int, out: memoryview) -> None:
-        if f"{layout.DATA_DIR}/" in path:
-            count[0] += memoryview(out).nbytes
-        original(self, fd, path, start, out)
-
-    LocalStorage.pread_into = pread_into  # type: ignore[method-assign]
-    try:
-        yield count
-    finally:
-        LocalStorage.pread_into = original  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -104,7 +87,7 @@ def scenario_hsdp_load(args: dict[str, Any], rank: int, world: int) -> dict[str,
     optimizer.step()
     optimizer.zero_grad()
     msd, osd = get_state_dict(model, optimizer)
-    with data_bytes_read() as read:
+    with counting_data_reads() as read:
         shardckpt.load({"model": msd, "optim": osd}, args["url"], share_reads=args.get("share"))
     set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
     dist.barrier()
@@ -125,7 +108,7 @@ def scenario_ddp_load(args: dict[str, Any], rank: int, world: int) -> dict[str, 
     nodes(args, rank)
     state = {"model": {k: torch.zeros_like(v) for k, v in replicated(3).items()}}
     failing = contextlib.nullcontext() if args.get("fail_rank") != rank else unreadable_data()
-    with data_bytes_read() as read, failing:
+    with counting_data_reads() as read, failing:
         shardckpt.load(state, args["url"], share_reads=args.get("share"))
     same = all(torch.equal(state["model"][k], v) for k, v in replicated(3).items())
     return {"equal": same, "read": read[0]}

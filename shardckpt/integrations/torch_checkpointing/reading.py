@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,37 +39,34 @@ from .storage import ShardckptStorage
 MARK: NestedPath = ("__shardckpt__",)
 
 
-@dataclass(frozen=True)
-class ShardckptSource(ShardingMetadata, type_name="shardckpt.Source"):
+class _Mark(ShardingMetadata, type_name="shardckpt.Mark"):
+    """A mark with no data: what it says is its type."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> _Mark:
+        return cls()
+
+    @property
+    def equivalent_ranks(self) -> tuple[int, ...] | None:
+        return None
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self)
+
+    def __hash__(self) -> int:
+        return hash(type(self).__name__)
+
+
+class ShardckptSource(_Mark, type_name="shardckpt.Source"):
     """Marks an item's source metadata as a shardckpt checkpoint's (its boxes live in shardckpt's own manifests)."""
 
-    def to_dict(self) -> dict[str, Any]:
-        return {}
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ShardckptSource:
-        return cls()
-
-    @property
-    def equivalent_ranks(self) -> tuple[int, ...] | None:
-        return None
-
-
-@dataclass(frozen=True)
-class ShardckptTarget(ShardingMetadata, type_name="shardckpt.Target"):
+class ShardckptTarget(_Mark, type_name="shardckpt.Target"):
     """Marks a target as loadable through shardckpt. torch_checkpointing skips (with a warning only) any item whose
     target metadata is empty, as it is for a dict of plain values: this entry keeps every item in the load."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ShardckptTarget:
-        return cls()
-
-    @property
-    def equivalent_ranks(self) -> tuple[int, ...] | None:
-        return None
 
 
 def location(checkpoint_dir: Path, storage: Storage) -> str | Backend:

@@ -96,6 +96,23 @@ def test_a_plain_valued_item_is_refilled_in_the_callers_dict(tmp_path) -> None:
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("shape", [(3, 3), (8, 8), (30,)])
+def test_its_own_format_into_a_target_of_another_shape_is_refused_not_filled_in_part(tmp_path, shape) -> None:
+    # Found by an outside test: through the fallback (DefaultResharder) a 3x3 target got the 6x5 tensor's corner,
+    # an 8x8 one a corner with its old values around it, a (30,) one nothing at all, with a log line only.
+    state = payload(3)
+    with_us = manager(str(tmp_path / "run"))
+    with_us.save("step_3", state)
+    target = zeros_like(state)
+    target["model"]["w"] = torch.full(shape, 7.0)
+    with pytest.raises(ShardckptError, match=r"'model'.*'w'.*\[6, 5\]"):
+        with_us.load("step_3", into=target)
+    assert torch.equal(target["model"]["w"], torch.full(shape, 7.0))  # refused before anything was written
+    assert_same(with_us.load("step_3", into=zeros_like(state)), state)
+    with_us.close()
+
+
+@pytest.mark.unit
 def test_paths_never_leave_the_root(tmp_path) -> None:
     storage = ShardckptStorageConfig(root=str(tmp_path / "run")).create_storage()
     with pytest.raises(ShardckptError, match="leaves the storage root"):

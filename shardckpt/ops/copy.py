@@ -171,14 +171,19 @@ def _copy_file(
     size = src.size(path)
     if dst.exists(path):
         # An earlier copy's file (it stopped before COMMITTED): kept when complete, since every byte of it is
-        # checked below before the commit; anything else is never overwritten.
-        if dst.size(path) == size:
+        # checked below before the commit. A shorter one is what an interruption between two chunks leaves: the
+        # destination is uncommitted and holds this copy's global manifest, and the file's name carries the
+        # source's attempt, so it is this copy's own and is written again. Anything else is never overwritten.
+        there = dst.size(path)
+        if there == size:
             report.kept_files += 1
             return
-        raise AlreadyExistsError(
-            f"{dst.describe(path)} exists with {dst.size(path)} bytes, not the {size} of {src.describe(path)}: "
-            "an earlier copy's? nothing is ever overwritten: delete the destination and copy again"
-        )
+        if there > size:
+            raise AlreadyExistsError(
+                f"{dst.describe(path)} exists with {there} bytes, more than the {size} of {src.describe(path)}: "
+                "not an earlier copy's; nothing is ever overwritten: delete the destination and copy again"
+            )
+        dst.delete(path)
     with dst.open_new(path) as handle:
         for start in range(0, size, COPY_CHUNK):
             chunk = src.read_range(path, start, min(start + COPY_CHUNK, size))

@@ -141,3 +141,28 @@ def test_a_failed_or_interrupted_copy_is_never_committed_and_a_rerun_finishes_it
     shardckpt.save({"w": torch.ones(2)}, str(tmp_path / "other"), step=9)
     refused = cli("copy", str(tmp_path / "other"), target)  # onto another committed checkpoint
     assert refused.returncode != 0 and "never overwritten" in refused.stderr, refused.stderr
+
+
+def test_a_copy_interrupted_inside_a_data_file_is_finished_by_a_rerun(tmp_path, monkeypatch) -> None:
+    # Found by an outside test: an interruption between two chunks of one file (any file over COPY_CHUNK, so any
+    # real data file) left it short, and every rerun refused it ("delete the destination and copy again") instead
+    # of finishing the copy as promised.
+    expected = torch.arange(50_000, dtype=torch.float32)
+    shardckpt.save({"w": expected}, str(tmp_path / "src"), step=1)
+    monkeypatch.setattr("shardckpt.ops.copy.COPY_CHUNK", 4096)
+    written: list[int] = []
+
+    def stop(nbytes: int) -> None:
+        written.append(nbytes)
+        if len(written) == 5:  # the manifest, then a few chunks into the data file
+            raise KeyboardInterrupt
+
+    target = tmp_path / "dst"
+    with pytest.raises(KeyboardInterrupt):
+        copy_checkpoint(str(tmp_path / "src"), str(target), progress=stop)
+    data = next((tmp_path / "src" / "data").iterdir())
+    assert 0 < (target / "data" / data.name).stat().st_size < data.stat().st_size  # the premise: a short file
+    assert not (target / "COMMITTED").exists()
+    report = copy_checkpoint(str(tmp_path / "src"), str(target))
+    assert report.committed == [str(target)]
+    assert torch.equal(shardckpt.open(str(target)).read("w"), expected)

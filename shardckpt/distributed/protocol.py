@@ -372,7 +372,14 @@ def load(
     it saves the storage link; ranks on one node share a page cache and a disk, and handing bytes through the
     group costs them more than reading (measured: benchmarks.shared_reads). True: always; False: never.
     """
-    state_dict, load_statefuls = loadable_states(state_dict)
+    # A Stateful's state_dict() failing on one rank goes through the load's collectives like any other failure
+    # of that rank, so that the other ranks raise with it instead of waiting for the group's timeout.
+    failed: BaseException | None = None
+    load_statefuls: Callable[[], None] | None = None
+    try:
+        state_dict, load_statefuls = loadable_states(state_dict)
+    except Exception as exc:
+        failed = exc
     stats = _load(
         state_dict,
         url,
@@ -386,7 +393,9 @@ def load(
         max_gap,
         cast,
         share_reads,
+        failed,
     )
+    assert load_statefuls is not None  # _load raised otherwise
     load_statefuls()
     return stats
 
@@ -404,9 +413,12 @@ def _load(
     max_gap: int,
     cast: bool,
     share_reads: bool | None,
+    failed: BaseException | None = None,
 ) -> ReadStats:
     group = resolve_group(process_group)
     if isinstance(group, _Solo):
+        if failed is not None:
+            raise failed
         checkpoint = open_checkpoint(open_storage(url, storage_options), max_in_flight=max_in_flight, max_gap=max_gap)
         pending, assign = _prepare_fill(checkpoint, state_dict, group.rank, strict, optional, cast)
         if verify_first:
@@ -416,10 +428,11 @@ def _load(
         return stats
     if not 0 <= coordinator < group.size:
         raise ShardckptUsageError(f"coordinator {coordinator} is not a rank of the group of {group.size}")
-    local_error: BaseException | None = None
+    local_error: BaseException | None = failed
     storage: Storage | None = None
     try:
-        storage = open_storage(url, storage_options)
+        if local_error is None:
+            storage = open_storage(url, storage_options)
     except Exception as exc:
         local_error = exc
     opening = None

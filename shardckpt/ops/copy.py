@@ -8,6 +8,7 @@ that holds every piece itself.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ from shardckpt.format import layout, limits
 from shardckpt.format.manifest import CommitMarker, GlobalManifest
 from shardckpt.ops.verify import VerifyReport, check_stored
 from shardckpt.storage import Storage, open_storage
+from shardckpt.storage.local import LocalStorage
 
 COPY_CHUNK = knobs.WRITE_CHUNK  # bytes read from the source and written to the destination at a time
 
@@ -65,11 +67,21 @@ def copy_checkpoint(
     """
     src = open_storage(source, storage_options)
     dst = open_storage(destination, storage_options if destination_options is None else destination_options)
-    if dst.url.rstrip("/").startswith(src.url.rstrip("/") + "/"):
+    if inside(dst, src):
         raise ShardckptUsageError(f"cannot copy {src.url} into itself ({dst.url}): choose a destination outside it")
     report = CopyReport(src.url, dst.url)
     _copy(src, dst, with_parents, report, progress, set())
     return report
+
+
+def inside(dst: Storage, src: Storage) -> bool:
+    """Whether `dst` lies below `src`, as spelled or (local disk) once links are resolved: a copy there would be
+    deleted with its source."""
+    if dst.url.rstrip("/").startswith(src.url.rstrip("/") + "/"):
+        return True
+    if isinstance(src, LocalStorage) and isinstance(dst, LocalStorage):
+        return os.path.realpath(dst.root).startswith(os.path.realpath(src.root).rstrip(os.sep) + os.sep)
+    return False
 
 
 def _copy(

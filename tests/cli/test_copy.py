@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import shardckpt
-from shardckpt.errors import IntegrityError, NotCommittedError
+from shardckpt.errors import IntegrityError, NotCommittedError, ShardckptUsageError
 from shardckpt.ops.copy import copy_checkpoint
+from shardckpt.tools.materialize import materialize
 
 ENTRY_POINT = str(Path(sys.executable).with_name("shardckpt"))
 
@@ -166,3 +167,19 @@ def test_a_copy_interrupted_inside_a_data_file_is_finished_by_a_rerun(tmp_path, 
     report = copy_checkpoint(str(tmp_path / "src"), str(target))
     assert report.committed == [str(target)]
     assert torch.equal(shardckpt.open(str(target)).read("w"), expected)
+
+
+def test_a_copy_into_the_source_through_a_link_is_refused(tmp_path) -> None:
+    # Found by an outside test: "into itself" compared the spelled paths, so a link to the source's root let a copy
+    # land inside the source, where deleting the source (gc, retention) would take the committed copy with it.
+    shardckpt.save({"w": torch.ones(3)}, str(tmp_path / "run" / "step-00000001"), step=1)
+    (tmp_path / "alias").symlink_to(tmp_path / "run")
+    inside = str(tmp_path / "alias" / "step-00000001" / "copy")
+    with pytest.raises(ShardckptUsageError, match="into itself"):
+        copy_checkpoint(str(tmp_path / "run" / "step-00000001"), inside)
+    assert not (tmp_path / "run" / "step-00000001" / "copy").exists()
+    with pytest.raises(ShardckptUsageError, match="into itself"):
+        materialize(str(tmp_path / "run" / "step-00000001"), inside)
+    with pytest.raises(ShardckptUsageError, match="into itself"):  # --materialize had no such check at all
+        materialize(str(tmp_path / "run" / "step-00000001"), str(tmp_path / "run" / "step-00000001" / "copy"))
+    assert not (tmp_path / "run" / "step-00000001" / "copy").exists()

@@ -35,8 +35,6 @@ def inferred_step(state: Mapping[str, Any], url: str) -> int | None:
 def _counter(state: Mapping[str, Any]) -> int | None:
     for key in STEP_KEYS:
         value = state.get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value if -(1 << 63) <= value < 1 << 63 else None
         if (
             type(value) is torch.Tensor  # a DTensor or a subclass has no one local value to read
             and value.ndim == 0
@@ -45,7 +43,9 @@ def _counter(state: Mapping[str, Any]) -> int | None:
             and value.dtype is not torch.bool
             and value.device.type != "meta"
         ):
-            return int(value.item())
+            value = int(value.item())  # then as an int: a uint64 beyond int64 is no step either
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value if -(1 << 63) <= value < 1 << 63 else None
     return None
 
 

@@ -97,6 +97,9 @@ def test_saving_twice_into_one_url_points_at_the_checkpointer(tmp_path) -> None:
         ({"w": torch.ones(2)}, "checkpoint-14", 14),
         ({"w": torch.ones(2), "step": 3.5}, "step-15", 15),  # a float is not a step: the name is
         ({"w": torch.ones(2), "step": True}, "x", None),
+        # Beyond int64, as an int beyond it is: not a step, the name is (before: the save failed, "step must be an
+        # integer (64-bit)", though no step was given)
+        ({"w": torch.ones(2), "step": torch.tensor((1 << 64) - 1, dtype=torch.uint64)}, "step-17", 17),
         ({"w": torch.ones(2), "trainer": {"step": 21, "data_position": 4}}, "d", 21),  # the bundled loop's shape
         ({"w": torch.ones(2), "a": {"step": 1}, "b": {"step": 2}}, "step-22", 22),  # two counters: the name
     ],

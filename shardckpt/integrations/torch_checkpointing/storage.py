@@ -7,9 +7,9 @@ followed by a delete: a crash half way leaves a `<name>` that looks complete. He
 - local disk: each file is fsynced when closed (with its directory), the rename is one `rename(2)` followed by an
   fsync of the directory above, so a committed checkpoint survives a power loss;
 - object stores: the rename first claims `<name>` with a conditional create of `<name>/.shardckpt-pending`, copies
-  the objects, checks that claim (a token of its own) is still its own, and commits with a conditional create
-  of `<name>/.shardckpt-committed`. `<name>` does not exist for
-  `exists`, `isdir` and `ls` until that last write: a half-done copy is invisible and the next rename redoes it.
+  the objects, checks that the claim (a token of its own) is still its own, and commits with a conditional create
+  of `<name>/.shardckpt-committed`. `<name>` does not exist for `exists`, `isdir` and `ls` until that last write: a
+  half-done copy is invisible and the next rename redoes it.
 Nothing outside a staging directory (a path component starting with the writer's temp prefix) is ever replaced.
 """
 

@@ -106,9 +106,13 @@ def _copy(
         )
     check_destination(dst, marker.manifest)
     _parents(src, dst, marker, with_parents, report, progress, visiting | {src.url})
-    names = [marker.manifest] + [path for entry in manifest.files for path in (entry.index, entry.data)]
-    for path in names:
-        _copy_file(src, dst, path, report, progress)
+    # Each file as large as the manifests say, or nothing of it is copied: a source file replaced (by a link to
+    # any other file, say) would otherwise reach the destination whole before the checks refuse the copy.
+    sizes = {marker.manifest: marker.manifest_size}
+    for entry in manifest.files:
+        sizes.update({entry.index: entry.index_size, entry.data: entry.data_size})
+    for path, size in sizes.items():
+        _copy_file(src, dst, path, size, report, progress)
     _check_copy(src, dst, marker, manifest)
     dst.commit_marker(layout.COMMITTED, opening.marker_raw)  # the last write: from here on the copy is a checkpoint
     report.committed.append(dst.url)
@@ -178,9 +182,14 @@ def _parents(
 
 
 def _copy_file(
-    src: Storage, dst: Storage, path: str, report: CopyReport, progress: Callable[[int], None] | None
+    src: Storage, dst: Storage, path: str, size: int, report: CopyReport, progress: Callable[[int], None] | None
 ) -> None:
-    size = src.size(path)
+    found = src.size(path)
+    if found != size:
+        raise IntegrityError(
+            f"{src.describe(path)} is {found} bytes, its manifest says {size}: nothing of it copied; check the source "
+            f"with `shardckpt verify {src.url}`"
+        )
     if dst.exists(path):
         # An earlier copy's file (it stopped before COMMITTED): kept when complete, since every byte of it is
         # checked below before the commit. A shorter one is what an interruption between two chunks leaves: the

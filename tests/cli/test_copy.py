@@ -183,3 +183,18 @@ def test_a_copy_into_the_source_through_a_link_is_refused(tmp_path) -> None:
     with pytest.raises(ShardckptUsageError, match="into itself"):  # --materialize had no such check at all
         materialize(str(tmp_path / "run" / "step-00000001"), str(tmp_path / "run" / "step-00000001" / "copy"))
     assert not (tmp_path / "run" / "step-00000001" / "copy").exists()
+
+
+def test_a_source_file_of_another_size_than_its_manifest_says_is_refused_before_any_byte_is_copied(tmp_path) -> None:
+    # Found by an outside test: a data file replaced by a link to another file (a key, a password file) was copied
+    # whole into the destination (an S3 bucket, say) before the checks refused the copy, and stayed there.
+    shardckpt.save({"w": torch.ones(1000)}, str(tmp_path / "src"), step=1)
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"not checkpoint data\n" * 100)
+    data = next((tmp_path / "src" / "data").iterdir())
+    data.unlink()
+    data.symlink_to(secret)
+    with pytest.raises(IntegrityError, match=data.name):
+        copy_checkpoint(str(tmp_path / "src"), str(tmp_path / "dst"))
+    copied = tmp_path / "dst" / "data" / data.name
+    assert not copied.exists() or b"not checkpoint data" not in copied.read_bytes()

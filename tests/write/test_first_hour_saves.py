@@ -79,6 +79,20 @@ def test_stateful_nested_and_through_the_checkpointer(tmp_path) -> None:
     assert torch.equal(target.model.bias, saved.model.bias) and data.position == 5
 
 
+def test_a_stateful_in_a_dict_of_plain_values_is_loaded(tmp_path) -> None:
+    # Found by an outside test: such a dict is stored whole, as one value, and the load replaced it whole; the
+    # Stateful then got its own fresh state_dict() back and the plain values beside it stayed: nothing was restored,
+    # silently ({"d": {"a": Counter, "n": 4}}, {"lst": [Counter, 6]}).
+    url = str(tmp_path / "step-00000001")
+    shardckpt.save({"d": {"a": Counter(9), "n": 4}, "lst": [Counter(8), 6], "deep": {"x": {"c": Counter(7)}}}, url)
+    state = {"d": {"a": Counter(0), "n": 0}, "lst": [Counter(0), 0], "deep": {"x": {"c": Counter(0)}}}
+    inner, listed = state["d"], state["lst"]
+    shardckpt.load(state, url)
+    assert state["d"]["a"].position == 9 and state["d"]["n"] == 4 and state["d"] is inner
+    assert state["lst"][0].position == 8 and state["lst"][1] == 6 and state["lst"] is listed
+    assert state["deep"]["x"]["c"].position == 7
+
+
 def test_saving_twice_into_one_url_points_at_the_checkpointer(tmp_path) -> None:
     url = str(tmp_path / "ckpt")
     shardckpt.save({"w": torch.ones(2)}, url, step=1)

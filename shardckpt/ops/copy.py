@@ -9,6 +9,7 @@ that holds every piece itself.
 from __future__ import annotations
 
 import os
+import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,10 +42,21 @@ class CopyReport:
 
 
 def destination_url(source: str, destination: str) -> str:
-    """`destination`, or destination/<source's name> when it ends with '/' (as cp copies into a directory)."""
-    if destination.endswith("/"):
-        return destination + source.rstrip("/").rsplit("/", 1)[-1]
-    return destination
+    """`destination`, or destination/<source's name> when it ends with '/' (as cp copies into a directory); the
+    name is that of the directory `source` names once '.' and '..' are resolved (`copy . /archive/` from inside a
+    checkpoint copies to /archive/<its name>)."""
+    if not destination.endswith("/"):
+        return destination
+    _, separator, path = source.rpartition("://")
+    if separator:
+        name = posixpath.basename(posixpath.normpath("/" + path))
+    else:
+        name = os.path.basename(os.path.abspath(os.path.expanduser(path)))
+    if not name or name in (".", ".."):
+        raise ShardckptUsageError(
+            f"{source} names no checkpoint directory to copy into {destination}: give DST in full"
+        )
+    return destination + name
 
 
 def copy_checkpoint(

@@ -198,3 +198,19 @@ def test_a_source_file_of_another_size_than_its_manifest_says_is_refused_before_
         copy_checkpoint(str(tmp_path / "src"), str(tmp_path / "dst"))
     copied = tmp_path / "dst" / "data" / data.name
     assert not copied.exists() or b"not checkpoint data" not in copied.read_bytes()
+
+
+@pytest.mark.parametrize("spelled", [".", "./", "../step-00000001/.", "sub/.."])
+def test_a_source_spelled_with_dots_copies_under_its_own_name(tmp_path, spelled) -> None:
+    # Found by an outside test: `shardckpt copy . /archive/` from inside a checkpoint took '.' for its name and
+    # wrote the checkpoint into /archive itself, not /archive/step-00000001.
+    source = tmp_path / "run" / "step-00000001"
+    shardckpt.save({"w": torch.ones(3)}, str(source), step=1)
+    (source / "sub").mkdir()
+    (tmp_path / "archive").mkdir()
+    done = subprocess.run(
+        [ENTRY_POINT, "copy", spelled, f"{tmp_path / 'archive'}/"], capture_output=True, text=True, cwd=source
+    )
+    assert done.returncode == 0, done.stderr
+    assert os.listdir(tmp_path / "archive") == ["step-00000001"]
+    assert shardckpt.open(str(tmp_path / "archive" / "step-00000001")).step == 1

@@ -19,6 +19,19 @@ STEP_KEYS = ("step", "global_step", "iteration")
 _NAMED = re.compile(r"(?:step|global_step|iter|iteration|checkpoint)[-_]?([0-9]{1,18})", re.IGNORECASE)
 
 
+class NoStepWarning(UserWarning):
+    """A save recorded no step (none given, none in the state or the name): latest(), retention and gc rank the
+    checkpoint below every checkpoint of a known step in its root, however recent it is."""
+
+
+def no_step_message(url: str) -> str:
+    return (
+        f"{url}: saved without a step (no step=, no top-level 'step', 'global_step' or 'iteration' in the state, no "
+        "step-N in its name): latest(), retention and gc rank it below every checkpoint of its root that has a "
+        "step, however recent it is; pass step="
+    )
+
+
 def inferred_step(state: Mapping[str, Any], url: str) -> int | None:
     """The step a save without step= records: a top-level 'step', 'global_step' or 'iteration' that is an int or
     a 0-d integer tensor (else such an entry of the one top-level dict that has one), else the number in the

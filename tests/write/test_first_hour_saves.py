@@ -3,6 +3,7 @@ entries (26.7), a save into a committed URL pointing at the Checkpointer (26.11)
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 import shardckpt
 from shardckpt.errors import AlreadyExistsError
+from shardckpt.statedict.step import NoStepWarning
 
 pytestmark = pytest.mark.unit
 
@@ -130,3 +132,16 @@ def test_readme_s3_style_saves_without_step_keep_newest_by_step(tmp_path) -> Non
     shardckpt.save({"w": torch.full((2,), 2.0), "step": 200}, str(root / "b"))
     shardckpt.save({"w": torch.full((2,), 1.0), "step": 100}, str(root / "a"))
     assert shardckpt.latest(str(root)) == str(root / "b")
+
+
+def test_a_save_with_no_step_to_find_warns_that_it_will_not_be_the_newest(tmp_path) -> None:
+    # Found by an outside test: steps found in the names (step-100, step-200) outrank a later save named "final"
+    # that has none, so latest() silently stayed on step-200 (before step inference all three sorted by time).
+    root = tmp_path / "run"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a save whose step is found does not warn
+        for name in ("step-100", "step-200"):
+            shardckpt.save({"w": torch.ones(2)}, str(root / name))
+    with pytest.warns(NoStepWarning, match=r"final: saved without a step.*pass step="):
+        shardckpt.save({"w": torch.ones(2)}, str(root / "final"))
+    assert shardckpt.latest(str(root)) == str(root / "step-200")  # as the warning said

@@ -254,6 +254,7 @@ class Checkpointer:
 
     def maybe_save(self, step: int, state: State, *, force: bool = False) -> bool:
         """Save at this step if the cadence, `force` or a preemption signal asks for it; True when it saved."""
+        _check_step(step)
         self._start_run(None, resumed=False)
         if self.auto:
             self._measured.step_seen(step, self.clock())
@@ -277,6 +278,7 @@ class Checkpointer:
 
     def save(self, step: int, state: State, *, wait: bool = False) -> None:
         """Save now; with async_save the write runs in the background unless `wait`."""
+        _check_step(step)
         # The stall counts everything the training thread waits for: a previous save still running, building the
         # state dict, and the staging copy (or the whole save, when synchronous).
         self._start_run(None, resumed=False)
@@ -564,6 +566,12 @@ class Checkpointer:
     def _step_of(self, url: str) -> int | None:
         marker = read_commit_marker(open_storage(url, self.storage_options))
         return None if marker is None else marker.step
+
+
+def _check_step(step: object) -> None:
+    """A step names the checkpoint (step-XXXXXXXX) and orders it: an int, refused otherwise before anything runs."""
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ShardckptUsageError(f"step must be an integer, got {type(step).__name__} {step!r}")
 
 
 def _record_of(

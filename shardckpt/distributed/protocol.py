@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import os
 import threading
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -46,7 +47,7 @@ from shardckpt.statedict.leaves import (
 from shardckpt.statedict.optimizer import optimizer_hint
 from shardckpt.statedict.replicas import Digest, replica_digest, replica_disagreements
 from shardckpt.statedict.stateful import loadable_states, saved_states
-from shardckpt.statedict.step import inferred_step
+from shardckpt.statedict.step import NoStepWarning, inferred_step, no_step_message
 from shardckpt.storage import Storage, open_storage
 from shardckpt.write.commit import already_committed, commit
 from shardckpt.write.parent import open_parent, parent_of
@@ -177,7 +178,8 @@ def save(
     step: recorded in COMMITTED, it orders latest(), ls, retention and gc; without it, the state's top-level 'step',
     'global_step' or 'iteration' (an int or a 0-d integer tensor; or one such entry in exactly one top-level dict,
     as {"trainer": {"step": N}}), else the number in the URL's last segment
-    (step-N, step_N, global_stepN, iter_N, checkpoint-N); with neither, the checkpoint sorts by commit time only.
+    (step-N, step_N, global_stepN, iter_N, checkpoint-N); with neither, the checkpoint ranks below every checkpoint
+    of its root that has a step, whatever its commit time (a NoStepWarning says so).
     parent: the URL of a committed checkpoint in the same root as `url` (an incremental save, format 1.1): every
     piece whose bytes hash equal to the parent's piece of the same tensor and box is stored by reference to the
     file that holds it, the others are written; any world size. Before committing, the coordinator checks that
@@ -211,6 +213,8 @@ def save(
         built = saved_states(state_dict() if callable(state_dict) else state_dict)
         if step is None and isinstance(built, Mapping):
             step = inferred_step(built, storage.url)
+            if step is None and group.rank == coordinator:
+                warnings.warn(no_step_message(storage.url), NoStepWarning, stacklevel=3)
         leaves = flatten(built)
         check_savable(leaves, step)  # every entry checked before any rank writes a byte
         digest = [] if solo else replica_digest(leaves)
@@ -372,7 +376,14 @@ def load(
     it saves the storage link; ranks on one node share a page cache and a disk, and handing bytes through the
     group costs them more than reading (measured: benchmarks.shared_reads). True: always; False: never.
     """
-    state_dict, load_statefuls = loadable_states(state_dict)
+    # A Stateful's state_dict() failing on one rank goes through the load's collectives like any other failure
+    # of that rank, so that the other ranks raise with it instead of waiting for the group's timeout.
+    failed: BaseException | None = None
+    load_statefuls: Callable[[], None] | None = None
+    try:
+        state_dict, load_statefuls = loadable_states(state_dict)
+    except Exception as exc:
+        failed = exc
     stats = _load(
         state_dict,
         url,
@@ -386,7 +397,9 @@ def load(
         max_gap,
         cast,
         share_reads,
+        failed,
     )
+    assert load_statefuls is not None  # _load raised otherwise
     load_statefuls()
     return stats
 
@@ -404,9 +417,12 @@ def _load(
     max_gap: int,
     cast: bool,
     share_reads: bool | None,
+    failed: BaseException | None = None,
 ) -> ReadStats:
     group = resolve_group(process_group)
     if isinstance(group, _Solo):
+        if failed is not None:
+            raise failed
         checkpoint = open_checkpoint(open_storage(url, storage_options), max_in_flight=max_in_flight, max_gap=max_gap)
         pending, assign = _prepare_fill(checkpoint, state_dict, group.rank, strict, optional, cast)
         if verify_first:
@@ -416,10 +432,11 @@ def _load(
         return stats
     if not 0 <= coordinator < group.size:
         raise ShardckptUsageError(f"coordinator {coordinator} is not a rank of the group of {group.size}")
-    local_error: BaseException | None = None
+    local_error: BaseException | None = failed
     storage: Storage | None = None
     try:
-        storage = open_storage(url, storage_options)
+        if local_error is None:
+            storage = open_storage(url, storage_options)
     except Exception as exc:
         local_error = exc
     opening = None

@@ -8,6 +8,8 @@ that holds every piece itself.
 
 from __future__ import annotations
 
+import os
+import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +30,7 @@ from shardckpt.format import layout, limits
 from shardckpt.format.manifest import CommitMarker, GlobalManifest
 from shardckpt.ops.verify import VerifyReport, check_stored
 from shardckpt.storage import Storage, open_storage
+from shardckpt.storage.local import LocalStorage
 
 COPY_CHUNK = knobs.WRITE_CHUNK  # bytes read from the source and written to the destination at a time
 
@@ -47,10 +50,21 @@ class CopyReport:
 
 
 def destination_url(source: str, destination: str) -> str:
-    """`destination`, or destination/<source's name> when it ends with '/' (as cp copies into a directory)."""
-    if destination.endswith("/"):
-        return destination + source.rstrip("/").rsplit("/", 1)[-1]
-    return destination
+    """`destination`, or destination/<source's name> when it ends with '/' (as cp copies into a directory); the
+    name is that of the directory `source` names once '.' and '..' are resolved (`copy . /archive/` from inside a
+    checkpoint copies to /archive/<its name>)."""
+    if not destination.endswith("/"):
+        return destination
+    _, separator, path = source.rpartition("://")
+    if separator:
+        name = posixpath.basename(posixpath.normpath("/" + path))
+    else:
+        name = os.path.basename(os.path.abspath(os.path.expanduser(path)))
+    if not name or name in (".", ".."):
+        raise ShardckptUsageError(
+            f"{source} names no checkpoint directory to copy into {destination}: give DST in full"
+        )
+    return destination + name
 
 
 def copy_checkpoint(
@@ -73,11 +87,21 @@ def copy_checkpoint(
     """
     src = open_storage(source, storage_options)
     dst = open_storage(destination, storage_options if destination_options is None else destination_options)
-    if dst.url.rstrip("/").startswith(src.url.rstrip("/") + "/"):
+    if inside(dst, src):
         raise ShardckptUsageError(f"cannot copy {src.url} into itself ({dst.url}): choose a destination outside it")
     report = CopyReport(src.url, dst.url)
     _copy(src, dst, with_parents, report, progress, set())
     return report
+
+
+def inside(dst: Storage, src: Storage) -> bool:
+    """Whether `dst` lies below `src`, as spelled or (local disk) once links are resolved: a copy there would be
+    deleted with its source."""
+    if dst.url.rstrip("/").startswith(src.url.rstrip("/") + "/"):
+        return True
+    if isinstance(src, LocalStorage) and isinstance(dst, LocalStorage):
+        return os.path.realpath(dst.root).startswith(os.path.realpath(src.root).rstrip(os.sep) + os.sep)
+    return False
 
 
 def _copy(
@@ -102,9 +126,13 @@ def _copy(
         )
     check_destination(dst, marker.manifest)
     _parents(src, dst, marker, with_parents, report, progress, visiting | {src.url})
-    names = [marker.manifest] + [path for entry in manifest.files for path in (entry.index, entry.data)]
-    for path in names:
-        _copy_file(src, dst, path, report, progress)
+    # Each file as large as the manifests say, or nothing of it is copied: a source file replaced (by a link to
+    # any other file, say) would otherwise reach the destination whole before the checks refuse the copy.
+    sizes = {marker.manifest: marker.manifest_size}
+    for entry in manifest.files:
+        sizes.update({entry.index: entry.index_size, entry.data: entry.data_size})
+    for path, size in sizes.items():
+        _copy_file(src, dst, path, size, report, progress)
     # Claimed as a save's commit is (SPEC 14): a collector that took this copy, held up past its grace period, for
     # an abandoned save cannot delete its files between the check below and COMMITTED.
     claimed = claim(dst, marker.attempt, BY_COMMIT)
@@ -186,19 +214,29 @@ def _parents(
 
 
 def _copy_file(
-    src: Storage, dst: Storage, path: str, report: CopyReport, progress: Callable[[int], None] | None
+    src: Storage, dst: Storage, path: str, size: int, report: CopyReport, progress: Callable[[int], None] | None
 ) -> None:
-    size = src.size(path)
+    found = src.size(path)
+    if found != size:
+        raise IntegrityError(
+            f"{src.describe(path)} is {found} bytes, its manifest says {size}: nothing of it copied; check the source "
+            f"with `shardckpt verify {src.url}`"
+        )
     if dst.exists(path):
         # An earlier copy's file (it stopped before COMMITTED): kept when complete, since every byte of it is
-        # checked below before the commit; anything else is never overwritten.
-        if dst.size(path) == size:
+        # checked below before the commit. A shorter one is what an interruption between two chunks leaves: the
+        # destination is uncommitted and holds this copy's global manifest, and the file's name carries the
+        # source's attempt, so it is this copy's own and is written again. Anything else is never overwritten.
+        there = dst.size(path)
+        if there == size:
             report.kept_files += 1
             return
-        raise AlreadyExistsError(
-            f"{dst.describe(path)} exists with {dst.size(path)} bytes, not the {size} of {src.describe(path)}: "
-            "an earlier copy's? nothing is ever overwritten: delete the destination and copy again"
-        )
+        if there > size:
+            raise AlreadyExistsError(
+                f"{dst.describe(path)} exists with {there} bytes, more than the {size} of {src.describe(path)}: "
+                "not an earlier copy's; nothing is ever overwritten: delete the destination and copy again"
+            )
+        dst.delete(path)
     with dst.open_new(path) as handle:
         for start in range(0, size, COPY_CHUNK):
             chunk = src.read_range(path, start, min(start + COPY_CHUNK, size))

@@ -19,6 +19,19 @@ STEP_KEYS = ("step", "global_step", "iteration")
 _NAMED = re.compile(r"(?:step|global_step|iter|iteration|checkpoint)[-_]?([0-9]{1,18})", re.IGNORECASE)
 
 
+class NoStepWarning(UserWarning):
+    """A save recorded no step (none given, none in the state or the name): latest(), retention and gc rank the
+    checkpoint below every checkpoint of a known step in its root, however recent it is."""
+
+
+def no_step_message(url: str) -> str:
+    return (
+        f"{url}: saved without a step (no step=, no top-level 'step', 'global_step' or 'iteration' in the state, no "
+        "step-N in its name): latest(), retention and gc rank it below every checkpoint of its root that has a "
+        "step, however recent it is; pass step="
+    )
+
+
 def inferred_step(state: Mapping[str, Any], url: str) -> int | None:
     """The step a save without step= records: a top-level 'step', 'global_step' or 'iteration' that is an int or
     a 0-d integer tensor (else such an entry of the one top-level dict that has one), else the number in the
@@ -35,8 +48,6 @@ def inferred_step(state: Mapping[str, Any], url: str) -> int | None:
 def _counter(state: Mapping[str, Any]) -> int | None:
     for key in STEP_KEYS:
         value = state.get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value if -(1 << 63) <= value < 1 << 63 else None
         if (
             type(value) is torch.Tensor  # a DTensor or a subclass has no one local value to read
             and value.ndim == 0
@@ -45,7 +56,9 @@ def _counter(state: Mapping[str, Any]) -> int | None:
             and value.dtype is not torch.bool
             and value.device.type != "meta"
         ):
-            return int(value.item())
+            value = int(value.item())  # then as an int: a uint64 beyond int64 is no step either
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value if -(1 << 63) <= value < 1 << 63 else None
     return None
 
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from shardckpt.errors import AlreadyExistsError
+from shardckpt.errors import AlreadyExistsError, ShardckptUsageError
 from shardckpt.format import layout
 from shardckpt.format.manifest import GlobalManifest, TensorEntry
-from shardckpt.ops.copy import check_destination
+from shardckpt.ops.copy import check_destination, inside
 from shardckpt.read.checkpoint import Checkpoint, open_checkpoint
 from shardckpt.storage import open_storage
 from shardckpt.torch_bytes import torch_dtype
@@ -35,6 +35,10 @@ def materialize(
     """
     checkpoint = open_checkpoint(source, storage_options=storage_options)
     dst = open_storage(destination, storage_options if destination_options is None else destination_options)
+    if inside(dst, checkpoint.storage):
+        raise ShardckptUsageError(
+            f"cannot copy {checkpoint.url} into itself ({dst.url}): choose a destination outside it"
+        )
     if dst.exists(layout.COMMITTED):
         raise AlreadyExistsError(already_committed(dst.url))
     check_destination(dst)  # not a root of other checkpoints, nor a half-written one

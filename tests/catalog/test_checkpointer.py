@@ -221,6 +221,7 @@ def test_an_event_stamped_in_the_year_9999_does_not_stop_the_recording_of_later_
             ckpt.maybe_save(10 * run + 2, _state(1.0), force=True)
             ckpt.close()
         clock.now += 100.0
+    # The save events (format 1.1) between them are not what this test is about.
     events = [e for e in read_events(LocalStorage(root), 20).events if e.kind != "save"]
     # Newest name first: the 9999 one, then this test's two runs (the first a start: nothing ran before it).
     assert [(e.kind, e.run == "future", e.after) for e in events] == [

@@ -49,3 +49,15 @@ def test_close_with_half_the_final_state_is_refused(tmp_path) -> None:
     checkpointer = shardckpt.Checkpointer(str(tmp_path / "run"), preemption_signals=())
     with pytest.raises(ShardckptUsageError, match="pass both"):
         checkpointer.close(20)
+
+
+@pytest.mark.parametrize("step", ["5", 5.0, None, True])
+@pytest.mark.parametrize("call", ["maybe_save", "save", "close"])
+def test_a_step_that_is_not_an_int_is_a_usage_error(tmp_path, step, call) -> None:
+    # Found by an outside test: close("5", state) and save(5.0, ...) died of "Unknown format code 'd'", maybe_save
+    # of "not all arguments converted", save(None) of a NoneType format error: untyped, naming no step.
+    checkpointer = shardckpt.Checkpointer(str(tmp_path / "run"), every_steps=10, preemption_signals=())
+    state = {"w": torch.zeros(2)}
+    with pytest.raises(ShardckptUsageError, match="step"):
+        getattr(checkpointer, call)(step, state)
+    assert shardckpt.latest(str(tmp_path / "run")) is None

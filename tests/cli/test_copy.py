@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import shardckpt
-from shardckpt.errors import IntegrityError, NotCommittedError
+from shardckpt.errors import IntegrityError, NotCommittedError, ShardckptUsageError
 from shardckpt.ops.copy import copy_checkpoint
+from shardckpt.tools.materialize import materialize
 
 ENTRY_POINT = str(Path(sys.executable).with_name("shardckpt"))
 
@@ -141,3 +142,75 @@ def test_a_failed_or_interrupted_copy_is_never_committed_and_a_rerun_finishes_it
     shardckpt.save({"w": torch.ones(2)}, str(tmp_path / "other"), step=9)
     refused = cli("copy", str(tmp_path / "other"), target)  # onto another committed checkpoint
     assert refused.returncode != 0 and "never overwritten" in refused.stderr, refused.stderr
+
+
+def test_a_copy_interrupted_inside_a_data_file_is_finished_by_a_rerun(tmp_path, monkeypatch) -> None:
+    # Found by an outside test: an interruption between two chunks of one file (any file over COPY_CHUNK, so any
+    # real data file) left it short, and every rerun refused it ("delete the destination and copy again") instead
+    # of finishing the copy as promised.
+    expected = torch.arange(50_000, dtype=torch.float32)
+    shardckpt.save({"w": expected}, str(tmp_path / "src"), step=1)
+    monkeypatch.setattr("shardckpt.ops.copy.COPY_CHUNK", 4096)
+    written: list[int] = []
+
+    def stop(nbytes: int) -> None:
+        written.append(nbytes)
+        if len(written) == 5:  # the manifest, then a few chunks into the data file
+            raise KeyboardInterrupt
+
+    target = tmp_path / "dst"
+    with pytest.raises(KeyboardInterrupt):
+        copy_checkpoint(str(tmp_path / "src"), str(target), progress=stop)
+    data = next((tmp_path / "src" / "data").iterdir())
+    assert 0 < (target / "data" / data.name).stat().st_size < data.stat().st_size  # the premise: a short file
+    assert not (target / "COMMITTED").exists()
+    report = copy_checkpoint(str(tmp_path / "src"), str(target))
+    assert report.committed == [str(target)]
+    assert torch.equal(shardckpt.open(str(target)).read("w"), expected)
+
+
+def test_a_copy_into_the_source_through_a_link_is_refused(tmp_path) -> None:
+    # Found by an outside test: "into itself" compared the spelled paths, so a link to the source's root let a copy
+    # land inside the source, where deleting the source (gc, retention) would take the committed copy with it.
+    shardckpt.save({"w": torch.ones(3)}, str(tmp_path / "run" / "step-00000001"), step=1)
+    (tmp_path / "alias").symlink_to(tmp_path / "run")
+    inside = str(tmp_path / "alias" / "step-00000001" / "copy")
+    with pytest.raises(ShardckptUsageError, match="into itself"):
+        copy_checkpoint(str(tmp_path / "run" / "step-00000001"), inside)
+    assert not (tmp_path / "run" / "step-00000001" / "copy").exists()
+    with pytest.raises(ShardckptUsageError, match="into itself"):
+        materialize(str(tmp_path / "run" / "step-00000001"), inside)
+    with pytest.raises(ShardckptUsageError, match="into itself"):  # --materialize had no such check at all
+        materialize(str(tmp_path / "run" / "step-00000001"), str(tmp_path / "run" / "step-00000001" / "copy"))
+    assert not (tmp_path / "run" / "step-00000001" / "copy").exists()
+
+
+def test_a_source_file_of_another_size_than_its_manifest_says_is_refused_before_any_byte_is_copied(tmp_path) -> None:
+    # Found by an outside test: a data file replaced by a link to another file (a key, a password file) was copied
+    # whole into the destination (an S3 bucket, say) before the checks refused the copy, and stayed there.
+    shardckpt.save({"w": torch.ones(1000)}, str(tmp_path / "src"), step=1)
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"not checkpoint data\n" * 100)
+    data = next((tmp_path / "src" / "data").iterdir())
+    data.unlink()
+    data.symlink_to(secret)
+    with pytest.raises(IntegrityError, match=data.name):
+        copy_checkpoint(str(tmp_path / "src"), str(tmp_path / "dst"))
+    copied = tmp_path / "dst" / "data" / data.name
+    assert not copied.exists() or b"not checkpoint data" not in copied.read_bytes()
+
+
+@pytest.mark.parametrize("spelled", [".", "./", "../step-00000001/.", "sub/.."])
+def test_a_source_spelled_with_dots_copies_under_its_own_name(tmp_path, spelled) -> None:
+    # Found by an outside test: `shardckpt copy . /archive/` from inside a checkpoint took '.' for its name and
+    # wrote the checkpoint into /archive itself, not /archive/step-00000001.
+    source = tmp_path / "run" / "step-00000001"
+    shardckpt.save({"w": torch.ones(3)}, str(source), step=1)
+    (source / "sub").mkdir()
+    (tmp_path / "archive").mkdir()
+    done = subprocess.run(
+        [ENTRY_POINT, "copy", spelled, f"{tmp_path / 'archive'}/"], capture_output=True, text=True, cwd=source
+    )
+    assert done.returncode == 0, done.stderr
+    assert os.listdir(tmp_path / "archive") == ["step-00000001"]
+    assert shardckpt.open(str(tmp_path / "archive" / "step-00000001")).step == 1

@@ -27,6 +27,7 @@ CASES = {  # case -> (failed ranks, words every cause must contain)
     "partial_value": ({"1"}, ["'note'", "rank 0", "PerRank"]),
     "load_opening_fault": ({"0"}, ["PermissionError", "injected: denied"]),
     "load_open_fault": ({"1"}, ["StorageError", "injected: open"]),
+    "load_stateful_fault": ({"1"}, ["RuntimeError", "injected: stateful"]),  # before: rank 0 waited for the timeout
     "dtensor_shape": ({"0", "1"}, ["'w'", "[2, 2]", "[4, 3]"]),
     "ckpt_state_fault": ({"1"}, ["RuntimeError", "injected: state"]),
     "ckpt_stage_fault": ({"1"}, ["RuntimeError", "injected: state"]),

@@ -269,6 +269,8 @@ def _protocol_case(case: str, url: str, rank: int, world: int) -> dict:
         state["seed"] = shardckpt.PerRank(1000 + rank)
         state["shared"] = torch.tensor([5, 7])
     elif case.startswith("load_") or case == "dtensor_shape":
+        if case == "load_stateful_fault":
+            state["app"] = {"epoch": 3}  # what the Stateful below holds
         shardckpt.save(state, url)
         operation = "load"
         if case == "dtensor_shape":
@@ -279,6 +281,8 @@ def _protocol_case(case: str, url: str, rank: int, world: int) -> dict:
             patches.append(mock.patch.object(protocol, "read_opening", fail(PermissionError(13, "injected: denied"))))
         if case == "load_open_fault" and rank == 1:
             patches.append(mock.patch.object(protocol, "open_storage", fail(shardckpt.StorageError("injected: open"))))
+        if case == "load_stateful_fault":
+            state["app"] = _StatefulFailing(rank == 1)
     if case.startswith("ckpt_"):
         return _checkpointer_case(case, url, rank, state, fail)
     for patch in patches:
@@ -311,6 +315,21 @@ def _protocol_case(case: str, url: str, rank: int, world: int) -> dict:
             "shared": fresh["shared"].tolist(),
         }
     return {"raised": None}
+
+
+class _StatefulFailing:
+    """A DCP Stateful whose state_dict() fails on one rank (a dataloader whose worker died there)."""
+
+    def __init__(self, failing: bool) -> None:
+        self.failing = failing
+
+    def state_dict(self) -> dict:
+        if self.failing:
+            raise RuntimeError("injected: stateful")
+        return {"epoch": 0}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
 
 def _checkpointer_case(case: str, url: str, rank: int, state: dict, fail) -> dict:

@@ -96,11 +96,70 @@ def test_a_plain_valued_item_is_refilled_in_the_callers_dict(tmp_path) -> None:
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("shape", [(3, 3), (8, 8), (30,)])
+def test_its_own_format_into_a_target_of_another_shape_is_refused_not_filled_in_part(tmp_path, shape) -> None:
+    # Found by an outside test: through the fallback (DefaultResharder) a 3x3 target got the 6x5 tensor's corner,
+    # an 8x8 one a corner with its old values around it, a (30,) one nothing at all, with a log line only.
+    state = payload(3)
+    with_us = manager(str(tmp_path / "run"))
+    with_us.save("step_3", state)
+    target = zeros_like(state)
+    target["model"]["w"] = torch.full(shape, 7.0)
+    with pytest.raises(ShardckptError, match=r"'model'.*'w'.*\[6, 5\]"):
+        with_us.load("step_3", into=target)
+    assert torch.equal(target["model"]["w"], torch.full(shape, 7.0))  # refused before anything was written
+    assert_same(with_us.load("step_3", into=zeros_like(state)), state)
+    with_us.close()
+
+
+@pytest.mark.unit
 def test_paths_never_leave_the_root(tmp_path) -> None:
     storage = ShardckptStorageConfig(root=str(tmp_path / "run")).create_storage()
     with pytest.raises(ShardckptError, match="leaves the storage root"):
         storage.key(Path("../other/step_1"))
     assert storage.key(Path("/step_1/./model_0.pt")) == "step_1/model_0.pt"
+
+
+@pytest.mark.unit
+@pytest.mark.filterwarnings("ignore::shardckpt.storage.base.SingleCoordinatorCommitWarning")
+def test_a_memory_root_commits_the_directory_not_an_empty_object() -> None:
+    # Found by an outside test: memory:// gives a directory a size (0), so the commit took the staging directory
+    # for one object and "renamed" it by writing an empty object step_1: the save returned, nothing loadable there.
+    state = payload(4)
+    with_us = manager("memory://tc-memory-root")
+    with_us.save("step_4", state)
+    backend = ShardckptStorageConfig(root="memory://tc-memory-root").create_storage().backend_at("")
+    assert "model_0.pt" in backend.list("step_4") and not backend.list("tmp_step_4")
+    assert_same(with_us.load("step_4", into=zeros_like(state)), state)
+    with_us.close()
+
+
+@pytest.mark.unit
+@pytest.mark.filterwarnings("ignore::shardckpt.storage.base.SingleCoordinatorCommitWarning")
+def test_an_object_store_commit_whose_claim_was_taken_over_never_commits(monkeypatch) -> None:
+    # Found by an outside test: a second save of the same id (a zombie job beside its restart) takes a claim with
+    # no commit for a dead one and deletes what the first copied so far; the first then went on and wrote the
+    # commit marker over a mix of both saves' objects, some missing. It checks its claim before committing now.
+    storage = ShardckptStorageConfig(root="memory://tc-takeover").create_storage()
+    backend = storage.backend_at("")
+    for name in ("a.pt", "b.pt", "c.pt"):
+        backend.write_new(f"tmp_step_1/{name}", name.encode() * 10)
+    copy = storage._copy
+    copied: list[str] = []
+
+    def copy_then_taken_over(src: str, dst: str) -> None:
+        copy(src, dst)
+        copied.append(dst)
+        if len(copied) == 2:  # the other save arrives: it clears the unfinished claim and takes its own
+            for name in list(storage._walk("step_1")):
+                backend.delete(name)
+            backend.commit_marker(f"step_1/{PENDING_MARKER}", b"the other save")
+
+    monkeypatch.setattr(storage, "_copy", copy_then_taken_over)
+    with pytest.raises(ShardckptError, match="step_1"):
+        storage.rename(Path("tmp_step_1"), Path("step_1"), is_directory=True)
+    assert not backend.exists(f"step_1/{COMMITTED_MARKER}")
+    assert sorted(backend.list("tmp_step_1")) == ["a.pt", "b.pt", "c.pt"]  # the staging copy is kept
 
 
 @pytest.mark.s3

@@ -3,6 +3,7 @@ entries (26.7), a save into a committed URL pointing at the Checkpointer (26.11)
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 import shardckpt
 from shardckpt.errors import AlreadyExistsError
+from shardckpt.statedict.step import NoStepWarning
 
 pytestmark = pytest.mark.unit
 
@@ -79,6 +81,20 @@ def test_stateful_nested_and_through_the_checkpointer(tmp_path) -> None:
     assert torch.equal(target.model.bias, saved.model.bias) and data.position == 5
 
 
+def test_a_stateful_in_a_dict_of_plain_values_is_loaded(tmp_path) -> None:
+    # Found by an outside test: such a dict is stored whole, as one value, and the load replaced it whole; the
+    # Stateful then got its own fresh state_dict() back and the plain values beside it stayed: nothing was restored,
+    # silently ({"d": {"a": Counter, "n": 4}}, {"lst": [Counter, 6]}).
+    url = str(tmp_path / "step-00000001")
+    shardckpt.save({"d": {"a": Counter(9), "n": 4}, "lst": [Counter(8), 6], "deep": {"x": {"c": Counter(7)}}}, url)
+    state = {"d": {"a": Counter(0), "n": 0}, "lst": [Counter(0), 0], "deep": {"x": {"c": Counter(0)}}}
+    inner, listed = state["d"], state["lst"]
+    shardckpt.load(state, url)
+    assert state["d"]["a"].position == 9 and state["d"]["n"] == 4 and state["d"] is inner
+    assert state["lst"][0].position == 8 and state["lst"][1] == 6 and state["lst"] is listed
+    assert state["deep"]["x"]["c"].position == 7
+
+
 def test_saving_twice_into_one_url_points_at_the_checkpointer(tmp_path) -> None:
     url = str(tmp_path / "ckpt")
     shardckpt.save({"w": torch.ones(2)}, url, step=1)
@@ -97,6 +113,9 @@ def test_saving_twice_into_one_url_points_at_the_checkpointer(tmp_path) -> None:
         ({"w": torch.ones(2)}, "checkpoint-14", 14),
         ({"w": torch.ones(2), "step": 3.5}, "step-15", 15),  # a float is not a step: the name is
         ({"w": torch.ones(2), "step": True}, "x", None),
+        # Beyond int64, as an int beyond it is: not a step, the name is (before: the save failed, "step must be an
+        # integer (64-bit)", though no step was given)
+        ({"w": torch.ones(2), "step": torch.tensor((1 << 64) - 1, dtype=torch.uint64)}, "step-17", 17),
         ({"w": torch.ones(2), "trainer": {"step": 21, "data_position": 4}}, "d", 21),  # the bundled loop's shape
         ({"w": torch.ones(2), "a": {"step": 1}, "b": {"step": 2}}, "step-22", 22),  # two counters: the name
     ],
@@ -113,3 +132,16 @@ def test_readme_s3_style_saves_without_step_keep_newest_by_step(tmp_path) -> Non
     shardckpt.save({"w": torch.full((2,), 2.0), "step": 200}, str(root / "b"))
     shardckpt.save({"w": torch.full((2,), 1.0), "step": 100}, str(root / "a"))
     assert shardckpt.latest(str(root)) == str(root / "b")
+
+
+def test_a_save_with_no_step_to_find_warns_that_it_will_not_be_the_newest(tmp_path) -> None:
+    # Found by an outside test: steps found in the names (step-100, step-200) outrank a later save named "final"
+    # that has none, so latest() silently stayed on step-200 (before step inference all three sorted by time).
+    root = tmp_path / "run"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a save whose step is found does not warn
+        for name in ("step-100", "step-200"):
+            shardckpt.save({"w": torch.ones(2)}, str(root / name))
+    with pytest.warns(NoStepWarning, match=r"final: saved without a step.*pass step="):
+        shardckpt.save({"w": torch.ones(2)}, str(root / "final"))
+    assert shardckpt.latest(str(root)) == str(root / "step-200")  # as the warning said

@@ -22,6 +22,7 @@ from torch_checkpointing.distributed_metadata import (
     GlobalObjectMetadata,
     ShardingMetadata,
 )
+from torch_checkpointing.dtensor_metadata import DTensorShardingMetadata
 from torch_checkpointing.metadata_serialization import DistributedMetadataFormat
 from torch_checkpointing.resharding import Resharder
 from torch_checkpointing.storage.base_storage import Storage
@@ -155,6 +156,7 @@ class ShardckptResharder(Resharder):
         storage: Storage,
     ) -> list[NestedPath]:
         if not _from_shardckpt(source_metadata):
+            _check_shapes(item_key, target_metadata, source_metadata, source_path)
             unhandled = self.fallback.load(
                 source_path, item_key, _without_mark(target_metadata) or {}, source_metadata, target, storage
             )
@@ -184,6 +186,30 @@ class ShardckptResharder(Resharder):
             target.clear()
             target.update(loaded)
         return []
+
+
+def _check_shapes(
+    item_key: str,
+    target_metadata: dict[NestedPath, ShardingMetadata] | None,
+    source_metadata: DistributedItemMetadata | None,
+    source_path: Path,
+) -> None:
+    """Refuse a target tensor whose global shape is not the stored one, before anything is read: the fallback
+    (DefaultResharder) fills the intersection of the two boxes, so a smaller target would get a corner, a larger one
+    a corner with its old values around it, another rank count of dimensions nothing, all without an error."""
+    if target_metadata is None or source_metadata is None:
+        return
+    for path, target in target_metadata.items():
+        if path == MARK or not isinstance(target, DTensorShardingMetadata):
+            continue
+        for stored in source_metadata.nested_path_to_metadata.get(path, ()):
+            found = stored.sharding_metadata
+            if isinstance(found, DTensorShardingMetadata) and tuple(found.global_shape) != tuple(target.global_shape):
+                raise ShardckptUsageError(
+                    f"item {item_key!r}, tensor {'.'.join(map(str, path))!r} of {source_path}: the target has global "
+                    f"shape {list(target.global_shape)}, the checkpoint holds shape {list(found.global_shape)}; a "
+                    "load fills whole tensors"
+                )
 
 
 def _without_mark(

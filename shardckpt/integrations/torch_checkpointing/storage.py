@@ -7,8 +7,9 @@ followed by a delete: a crash half way leaves a `<name>` that looks complete. He
 - local disk: each file is fsynced when closed (with its directory), the rename is one `rename(2)` followed by an
   fsync of the directory above, so a committed checkpoint survives a power loss;
 - object stores: the rename first claims `<name>` with a conditional create of `<name>/.shardckpt-pending`, copies
-  the objects, and commits with a conditional create of `<name>/.shardckpt-committed`. `<name>` does not exist for
-  `exists`, `isdir` and `ls` until that last write: a half-done copy is invisible and the next rename redoes it.
+  the objects, checks that the claim (a token of its own) is still its own, and commits with a conditional create
+  of `<name>/.shardckpt-committed`. `<name>` does not exist for `exists`, `isdir` and `ls` until that last write: a
+  half-done copy is invisible and the next rename redoes it.
 Nothing outside a staging directory (a path component starting with the writer's temp prefix) is ever replaced.
 """
 
@@ -19,6 +20,7 @@ import errno
 import io
 import os
 import posixpath
+import secrets
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -28,7 +30,13 @@ from typing import Any
 from torch_checkpointing.storage.base_storage import ReadArgs, Storage, StorageConfig
 from typing_extensions import Buffer
 
-from shardckpt.errors import AlreadyExistsError, NotFoundError, ShardckptUsageError
+from shardckpt.errors import (
+    AlreadyExistsError,
+    CommitConflictError,
+    FormatError,
+    NotFoundError,
+    ShardckptUsageError,
+)
 from shardckpt.storage import open_storage
 from shardckpt.storage.base import NewFile
 from shardckpt.storage.base import Storage as Backend
@@ -275,12 +283,13 @@ class ShardckptStorage(Storage):
                 os.close(fd)
 
     def _is_object(self, key: str) -> bool:
-        """An object itself, not a prefix (an object store's `exists` says yes to both)."""
+        """An object itself, not a prefix (an object store's `exists` says yes to both; memory:// gives a directory
+        a size, 0): something with a size and nothing under it."""
         try:
             self._backend.size(key)
         except NotFoundError:
             return False
-        return True
+        return not self._backend.list(key)
 
     def _rename_object(self, src: str, dst: str) -> None:
         if self._is_object(dst):
@@ -298,9 +307,22 @@ class ShardckptStorage(Storage):
                 self._backend.delete(name)
         elif names:
             raise AlreadyExistsError(f"cannot commit onto {self._backend.describe(dst)}: it holds a checkpoint")
-        self._backend.commit_marker(f"{dst}/{PENDING}", b"")  # two racing commits: one of them fails here
+        # Two racing commits: one of them fails here. The claim carries a token of this rename: another save of
+        # the same id that takes the claim over (it cannot tell a live copy from a dead one) clears what was
+        # copied, and this rename must then not commit the mix that is left.
+        claim = secrets.token_hex(16).encode()
+        self._backend.commit_marker(f"{dst}/{PENDING}", claim)
         for name in self._walk(src):
             self._copy(name, dst + name[len(src) :])
+        try:
+            held = self._backend.read_small(f"{dst}/{PENDING}", len(claim)) == claim
+        except (NotFoundError, FormatError):  # gone, or another claim's larger token
+            held = False
+        if not held:
+            raise CommitConflictError(
+                f"cannot commit {self._backend.describe(src)} onto {self._backend.describe(dst)}: another save of "
+                "that checkpoint id took over the destination while this one copied; not committed"
+            )
         self._backend.commit_marker(f"{dst}/{COMMITTED}", b"")  # the commit: the last write
         for name in self._walk(src):
             with contextlib.suppress(NotFoundError):

@@ -84,6 +84,13 @@ def broadcast_bytes(group: Group, data: bytes | None, src: int) -> bytes:
     return head[8:] + rest.cpu().numpy().tobytes()
 
 
+def any_ranks(group: Group, flags: list[bool]) -> list[bool]:
+    """For each flag, True on every rank when it is true on any: one small collective for several questions."""
+    value = torch.tensor([int(flag) for flag in flags], dtype=torch.int64, device=group.device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group.handle)
+    return [bool(v) for v in value.tolist()]
+
+
 def any_rank(group: Group, flag: bool) -> bool:
     """True on every rank when `flag` is true on any: one small collective."""
     value = torch.tensor([int(flag)], dtype=torch.int64, device=group.device)

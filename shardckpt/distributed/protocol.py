@@ -21,7 +21,14 @@ import torch.distributed as dist
 
 from shardckpt import knobs
 from shardckpt.catalog.chain import Opening, read_opening, verify_global_manifest
-from shardckpt.distributed.collectives import Group, all_gather_bytes, any_rank, broadcast_bytes, gather_bytes
+from shardckpt.distributed.collectives import (
+    Group,
+    all_gather_bytes,
+    any_rank,
+    any_ranks,
+    broadcast_bytes,
+    gather_bytes,
+)
 from shardckpt.distributed.shared_reads import PeerFailed, fetch_shared, plan_exchange
 from shardckpt.errors import AlreadyExistsError, DistributedError, ShardckptUsageError
 from shardckpt.format import layout
@@ -471,7 +478,16 @@ def _load(
     share: SharePlan | None = None
     # Every rank takes part in a shared read or none does: a rank that failed its checks stops them all here, and
     # a plan in which no two ranks need the same byte (FSDP on the mesh that saved) reads on its own, streaming.
-    if share_reads is not False and not _any_rank(group, local_error is not None):
+    # The ranks must agree on share_reads: one that skipped the exchange would leave the others waiting in it.
+    modes = [share_reads is True, share_reads is False, share_reads is None]
+    someone_failed, *given = _collective(lambda: any_ranks(group, [local_error is not None, *modes]), group)
+    if sum(given) > 1 and local_error is None:
+        local_error = ShardckptUsageError(
+            "share_reads differs between the ranks of this load (True, False and None are three choices): pass "
+            "the same value on every rank"
+        )
+        someone_failed = True
+    if share_reads is not False and not someone_failed:
         assert prepared is not None
         try:
             only_across_nodes = share_reads is None

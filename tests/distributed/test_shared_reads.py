@@ -69,3 +69,12 @@ def test_a_flipped_bit_in_a_shared_range_is_caught_by_every_rank_that_uses_it(tm
     for result in failed:  # every rank verified the bytes it was handed, and every rank names all four failures
         # (one error of several ranks is named once: "ranks 0-3: IntegrityError ...")
         assert "DistributedError" in result["error"] and "ranks 0-3: IntegrityError" in result["error"], result
+
+
+def test_ranks_that_disagree_on_share_reads_all_fail_at_once_instead_of_hanging(tmp_path) -> None:
+    url = str(tmp_path / "ddp")
+    ok(run_ranks("ddp_save", 1, {"url": url}, worker=WORKER))
+    failed = run_ranks("ddp_load", 3, {"url": url, "share_by_rank": [True, False, None]}, worker=WORKER, timeout=90)
+    assert all(r is not None and not r["ok"] for r in failed), failed
+    for result in failed:
+        assert "DistributedError" in result["error"] and "share_reads differs" in result["error"], result["error"]

@@ -109,7 +109,8 @@ def scenario_ddp_load(args: dict[str, Any], rank: int, world: int) -> dict[str, 
     state = {"model": {k: torch.zeros_like(v) for k, v in replicated(3).items()}}
     failing = contextlib.nullcontext() if args.get("fail_rank") != rank else unreadable_data()
     with counting_data_reads() as read, failing:
-        shardckpt.load(state, args["url"], share_reads=args.get("share"))
+        share = args["share_by_rank"][rank] if "share_by_rank" in args else args.get("share")
+        shardckpt.load(state, args["url"], share_reads=share)
     same = all(torch.equal(state["model"][k], v) for k, v in replicated(3).items())
     return {"equal": same, "read": read[0]}
 

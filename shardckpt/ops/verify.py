@@ -82,6 +82,9 @@ def check_stored(
     if checkpoint.marker.total_bytes != manifest.total_bytes:  # informative for readers (SPEC C); ls shows it
         message = f"COMMITTED's total_bytes is {checkpoint.marker.total_bytes}, its files hold {manifest.total_bytes}"
         report.problems.append(Problem(checkpoint.url, None, message))
+    if checkpoint.marker.created != manifest.created:  # informative too (SPEC C); COMMITTED's orders checkpoints
+        message = f"COMMITTED's created is {checkpoint.marker.created}, the global manifest's {manifest.created}"
+        report.problems.append(Problem(checkpoint.url, None, message))
     report.tensors = len(manifest.tensors)
     for entry in manifest.tensors:
         try:

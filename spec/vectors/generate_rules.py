@@ -362,6 +362,24 @@ def _committed_total_bytes_wrong() -> None:
 
 
 @case
+def _committed_created_differs() -> None:
+    root = copy_of(
+        "single_rank_basic",
+        "committed_created_differs",
+        expect(
+            "FormatError",
+            "verify",
+            "SPEC.md appendix C: created equals the global manifest's (informative: readers never refuse over it, a "
+            "verifier reports it; COMMITTED's is the one that orders checkpoints, section 14)",
+            "COMMITTED's created one day later than the global manifest's",
+            [],
+            ["created"],
+        ),
+    )
+    edit_committed(root, lambda document: document.update(created=document["created"] + 86400.0))
+
+
+@case
 def _committed_manifest_path_trailing_newline() -> None:
     root = copy_of(
         "single_rank_basic",

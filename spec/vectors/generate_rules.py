@@ -520,6 +520,20 @@ def _reference_committed_names_other_attempt() -> None:
 
 
 @case
+def _reference_committed_repeated() -> None:
+    root = child(
+        "reference_committed_repeated",
+        "FormatError",
+        "open",
+        "SPEC.md §6.2 'Commit marker': COMMITTED's references are sorted by name, one per name (a list, not a set)",
+        "step-2's COMMITTED lists step-1 (attempt golden1) twice: the same set of pairs as its reference paths",
+        ["COMMITTED", "references"],
+        ["references"],
+    )
+    reseal_child(root, marker_edit=lambda document: document["references"].append(dict(document["references"][0])))
+
+
+@case
 def _reference_two_attempts_of_one_checkpoint() -> None:
     root = child(
         "reference_two_attempts_of_one_checkpoint",

@@ -380,6 +380,36 @@ def _committed_created_differs() -> None:
 
 
 @case
+def _data_bool_byte_not_0_or_1() -> None:
+    root = copy_of(
+        "every_dtype",
+        "data_bool_byte_not_0_or_1",
+        expect(
+            "FormatError",
+            "verify",
+            "SPEC.md §4: a BOOL element is the byte 0x00 or 0x01 (a verifier reports another; a reader MAY refuse it, "
+            "else reads it as true)",
+            "elements 0 and 1 of dtype.BOOL (the first piece of the file, bytes 1, 0) stored as 0x02 and 0xFF, their "
+            "block's CRC32C updated",
+            [],
+            ["dtype.BOOL", "BOOL"],
+        ),
+    )
+    path = root / data_file(0)
+
+    def edit(document: dict[str, Any]) -> None:
+        raw = bytearray(path.read_bytes())
+        begin = document["header_size"]  # dtype.BOOL [2, 3] is the first piece: 6 bytes, one block
+        raw[begin : begin + 2] = b"\x02\xff"
+        path.write_bytes(bytes(raw))
+        checksums = bytearray(document["crc32c"]["data"])
+        checksums[0:4] = crc32c.crc32c(bytes(raw[begin : begin + 6])).to_bytes(4, "little")
+        document["crc32c"]["data"] = bytes(checksums)
+
+    edit_local(root, 0, edit)
+
+
+@case
 def _committed_manifest_path_trailing_newline() -> None:
     root = copy_of(
         "single_rank_basic",

@@ -129,7 +129,7 @@ class Listing:
         read, a global manifest in its directory does (or cannot be decoded to tell): the unreadable marker may be
         the only one of the root that would have said so (SPEC 14)."""
         return any(entry.marker is not None and entry.marker.references for entry in self.entries) or any(
-            entry.error is not None and entry.alias_of is None and _may_reference(self.root.child(entry.name))
+            entry.error is not None and entry.owned and _may_reference(self.root.child(entry.name))
             for entry in self.entries
         )
 

@@ -14,8 +14,8 @@ from typing import Any
 
 from shardckpt.catalog.chain import BROKEN, COMMITTED, INCOMPLETE, classify, read_commit_marker
 from shardckpt.errors import ShardckptError, ShardckptUsageError
-from shardckpt.format import layout
-from shardckpt.format.manifest import CommitMarker
+from shardckpt.format import layout, limits
+from shardckpt.format.manifest import CommitMarker, decode_global_manifest
 from shardckpt.storage import LocalStorage, Storage, open_storage
 
 OrderKey = tuple[bool, int, float, str]
@@ -149,7 +149,13 @@ class Listing:
         return _referencing_first([entry for entry in candidates if entry.name not in kept], self.canonical)
 
     def uses_references(self) -> bool:
-        return any(entry.marker is not None and entry.marker.references for entry in self.entries)
+        """Whether a checkpoint of the root references others: its COMMITTED says so, or, where COMMITTED cannot be
+        read, a global manifest in its directory does (or cannot be decoded to tell): the unreadable marker may be
+        the only one of the root that would have said so (SPEC 14)."""
+        return any(entry.marker is not None and entry.marker.references for entry in self.entries) or any(
+            entry.error is not None and entry.owned and _may_reference(self.root.child(entry.name))
+            for entry in self.entries
+        )
 
     def kept_names(self, policy: Collection[str], grace: float = 0.0, now: float | None = None) -> set[str]:
         """SPEC 14's set K: the least set holding `policy`'s names, every committed checkpoint whose next newer one
@@ -178,6 +184,20 @@ class Listing:
                     kept.add(name)
                     todo.append(name)
         return kept
+
+
+def _may_reference(checkpoint: Storage) -> bool:
+    """Whether a checkpoint whose COMMITTED cannot be read may reference others: one of its global manifests lists
+    references, or cannot be read or decoded to tell."""
+    try:
+        names = [name for name in checkpoint.list() if name.startswith("manifest-") and name.endswith(".msgpack")]
+        for name in names:
+            raw = checkpoint.read_small(name, limits.MAX_GLOBAL_MANIFEST_BYTES)
+            if decode_global_manifest(raw, checkpoint.describe(name)).references:
+                return True
+    except ShardckptError:
+        return True
+    return False
 
 
 def _referencing_first(doomed: list[Entry], canonical: Callable[[str], str]) -> list[Entry]:

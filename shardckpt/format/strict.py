@@ -71,7 +71,8 @@ def check_header(fields: Fields, kind: str) -> tuple[int, int]:
     if fields.get("kind", str) != kind:
         raise FormatError(f"{fields.where}: expected a {kind} manifest, got kind {fields.raw.get('kind')!r}")
     version = check_version(fields.get("version", list), fields.where)
-    must = fields.get("must_understand", list, optional=True) or []
+    # Absent means none; nil is not an array of strings (SPEC 2), unlike the fields that say "nil reads as empty".
+    must = fields.get("must_understand", list) if "must_understand" in fields.raw else []
     if not all(isinstance(feature, str) for feature in must):
         raise FormatError(f"{fields.where}: must_understand must be a list of strings")
     unknown = [feature for feature in must if feature not in UNDERSTOOD_FEATURES]

@@ -116,13 +116,15 @@ def _copy(
     marker, manifest = opening.marker, opening.manifest
     existing = read_commit_marker(dst)
     if existing is not None:
-        if existing.attempt == marker.attempt:  # this very checkpoint, copied before
+        # This very checkpoint, copied before: the same attempt and the same manifest bytes (SPEC 9 'Existing
+        # marker'); attempt ids are unique only within one checkpoint, so the attempt alone proves nothing.
+        if _same_commit(existing, marker):
             report.already_there.append(dst.url)
             return
         raise AlreadyExistsError(
-            f"{dst.url} already holds a committed checkpoint (attempt {existing.attempt}, step {existing.step}), not "
-            f"a copy of {src.url} (attempt {marker.attempt}): a committed checkpoint is never overwritten; copy to "
-            "a new URL"
+            f"{dst.url} already holds a committed checkpoint (attempt {existing.attempt}, step {existing.step}, "
+            f"manifest of {existing.manifest_size} bytes), not a copy of {src.url} (attempt {marker.attempt}, "
+            f"manifest of {marker.manifest_size} bytes): a committed checkpoint is never overwritten; copy to a new URL"
         )
     check_destination(dst, marker.manifest)
     _parents(src, dst, marker, with_parents, report, progress, visiting | {src.url})
@@ -148,6 +150,10 @@ def _copy(
         if claimed == CREATED:
             release(dst, marker.attempt, BY_COMMIT)
     report.committed.append(dst.url)
+
+
+def _same_commit(a: CommitMarker, b: CommitMarker) -> bool:
+    return (a.attempt, a.manifest_size, a.manifest_crc32c) == (b.attempt, b.manifest_size, b.manifest_crc32c)
 
 
 def check_destination(dst: Storage, own_manifest: str | None = None) -> None:
@@ -185,11 +191,14 @@ def _parents(
     for name, attempt in marker.references:
         there = read_commit_marker(dst_root.child(name))
         if there is not None and there.attempt == attempt:
-            continue
+            source_parent = read_commit_marker(src_root.child(name))  # absent: a parent only the destination holds
+            if source_parent is None or _same_commit(there, source_parent):
+                continue
         if there is not None:
             raise AlreadyExistsError(
-                f"{dst_root.child(name).url} holds a committed checkpoint of attempt {there.attempt}, not attempt "
-                f"{attempt} that {src.url} references: copy to another root"
+                f"{dst_root.child(name).url} holds a committed checkpoint of attempt {there.attempt} (manifest of "
+                f"{there.manifest_size} bytes), not the attempt {attempt} of {src_root.child(name).url} that {src.url} "
+                "references: copy to another root"
             )
         absent.append((name, attempt))
     if absent and not with_parents:

@@ -82,6 +82,9 @@ def check_stored(
     if checkpoint.marker.total_bytes != manifest.total_bytes:  # informative for readers (SPEC C); ls shows it
         message = f"COMMITTED's total_bytes is {checkpoint.marker.total_bytes}, its files hold {manifest.total_bytes}"
         report.problems.append(Problem(checkpoint.url, None, message))
+    if checkpoint.marker.created != manifest.created:  # informative too (SPEC C); COMMITTED's orders checkpoints
+        message = f"COMMITTED's created is {checkpoint.marker.created}, the global manifest's {manifest.created}"
+        report.problems.append(Problem(checkpoint.url, None, message))
     report.tensors = len(manifest.tensors)
     for entry in manifest.tensors:
         try:
@@ -175,6 +178,7 @@ def _check_blocks(
     expected = crcs[pieces.first_block[owner] + number].tolist()
     last_block = (counts - 1).tolist()
     offsets, tensors = pieces.offset.tolist(), pieces.tensor.tolist()
+    bools = [spec.dtype == "BOOL" for spec in local.tensors]  # SPEC 4: a BOOL element is the byte 0 or 1
     failed: set[int] = set()
     hasher = None
     begin = 0
@@ -205,6 +209,13 @@ def _check_blocks(
                     message = (
                         f"block {numbers[b]} of the piece at byte {offsets[piece]} (file bytes {lo_list[b]}:"
                         f"{hi_list[b]}) fails its checksum"
+                    )
+                    report.problems.append(Problem(path, local.tensors[tensors[piece]].name, message))
+                elif bools[tensors[piece]] and bytes(part).translate(None, b"\x00\x01"):
+                    failed.add(piece)
+                    message = (
+                        f"block {numbers[b]} of the BOOL piece at byte {offsets[piece]} (file bytes {lo_list[b]}:"
+                        f"{hi_list[b]}) holds a byte other than 0 and 1"
                     )
                     report.problems.append(Problem(path, local.tensors[tensors[piece]].name, message))
                 elif (

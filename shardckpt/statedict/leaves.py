@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from shardckpt.errors import FormatError, ShardckptUsageError
+from shardckpt.format.strict import check_shape
 from shardckpt.format.values import check_plain
 from shardckpt.planner.box import Box
 from shardckpt.statedict.dtensor import is_dtensor, local_box
@@ -91,8 +92,9 @@ def _tensor_of(fields: Any, where: str) -> torch.Tensor:
     name, shape, data = fields
     if name not in FORMAT_TO_TORCH:
         raise FormatError(f"{where}: unknown tensor dtype {name!r}")
-    if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+    if not isinstance(shape, list):
         raise FormatError(f"{where}: tensor shape {shape!r} is not a list of non-negative integers")
+    check_shape(shape, f"{where}: tensor")  # the bounds of a tensor's shape (SPEC 6), before torch allocates it
     dtype = FORMAT_TO_TORCH[name]
     if not isinstance(data, bytes) or len(data) != math.prod(shape) * torch.empty((), dtype=dtype).element_size():
         raise FormatError(f"{where}: {type(data).__name__} of the wrong size for a {name} tensor of shape {shape}")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import crc32c
+import msgpack
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -260,6 +261,64 @@ def _local_manifest_must_understand_unused() -> None:
     edit_local(root, 0, _list_references)
 
 
+def _must_understand_nil(where: str) -> dict[str, Any]:
+    return expect(
+        "FormatError",
+        "open",
+        "SPEC.md §2: a reader MUST also refuse a must_understand that is not an array of strings (nil is not one)",
+        f"must_understand: nil added to the {where} of a 1.0 checkpoint",
+        [GLOBAL_FILE if where == "global manifest" else "COMMITTED", "must_understand"],
+        ["must_understand"],
+    )
+
+
+@case
+def _manifest_must_understand_nil() -> None:
+    root = copy_of("single_rank_basic", "manifest_must_understand_nil", _must_understand_nil("global manifest"))
+    edit_global(root, lambda document: document.update(must_understand=None))
+
+
+@case
+def _committed_must_understand_nil() -> None:
+    root = copy_of("single_rank_basic", "committed_must_understand_nil", _must_understand_nil("COMMITTED"))
+    edit_committed(root, lambda document: document.update(must_understand=None))
+
+
+@case
+def _local_manifest_step_wrong_type() -> None:
+    root = copy_of(
+        "single_rank_basic",
+        "local_manifest_step_wrong_type",
+        expect(
+            "FormatError",
+            "read",
+            "SPEC.md §8 step 3: a local manifest's step and objects are decoded and checked like its other fields",
+            f"step of {local_file(0)} set to the str '7' (the global manifest's step is an int)",
+            [local_file(0), "step"],
+            [local_file(0), "step"],
+        ),
+    )
+    edit_local(root, 0, lambda document: document.update(step="7"))
+
+
+@case
+def _local_manifest_object_other_rank() -> None:
+    root = copy_of(
+        "objects",
+        "local_manifest_object_other_rank",
+        expect(
+            "FormatError",
+            "read",
+            "SPEC.md §7: in a local manifest rank MUST be nil or the manifest's own rank (checked when it is decoded)",
+            f"an object of rank 1 appended to the objects of {local_file(0)}",
+            [local_file(0), "rank"],
+            [local_file(0), "rank"],
+        ),
+    )
+    other_rank = {"name": "x", "rank": 1, "value": 1}
+    edit_local(root, 0, lambda document: document.setdefault("objects", []).append(other_rank))
+
+
 @case
 def _committed_references_without_manifest_references() -> None:
     root = copy_of(
@@ -300,6 +359,54 @@ def _committed_total_bytes_wrong() -> None:
         ),
     )
     edit_committed(root, lambda document: document.update(total_bytes=document["total_bytes"] + 1))
+
+
+@case
+def _committed_created_differs() -> None:
+    root = copy_of(
+        "single_rank_basic",
+        "committed_created_differs",
+        expect(
+            "FormatError",
+            "verify",
+            "SPEC.md appendix C: created equals the global manifest's (informative: readers never refuse over it, a "
+            "verifier reports it; COMMITTED's is the one that orders checkpoints, section 14)",
+            "COMMITTED's created one day later than the global manifest's",
+            [],
+            ["created"],
+        ),
+    )
+    edit_committed(root, lambda document: document.update(created=document["created"] + 86400.0))
+
+
+@case
+def _data_bool_byte_not_0_or_1() -> None:
+    root = copy_of(
+        "every_dtype",
+        "data_bool_byte_not_0_or_1",
+        expect(
+            "FormatError",
+            "verify",
+            "SPEC.md §4: a BOOL element is the byte 0x00 or 0x01 (a verifier reports another; a reader MAY refuse it, "
+            "else reads it as true)",
+            "elements 0 and 1 of dtype.BOOL (the first piece of the file, bytes 1, 0) stored as 0x02 and 0xFF, their "
+            "block's CRC32C updated",
+            [],
+            ["dtype.BOOL", "BOOL"],
+        ),
+    )
+    path = root / data_file(0)
+
+    def edit(document: dict[str, Any]) -> None:
+        raw = bytearray(path.read_bytes())
+        begin = document["header_size"]  # dtype.BOOL [2, 3] is the first piece: 6 bytes, one block
+        raw[begin : begin + 2] = b"\x02\xff"
+        path.write_bytes(bytes(raw))
+        checksums = bytearray(document["crc32c"]["data"])
+        checksums[0:4] = crc32c.crc32c(bytes(raw[begin : begin + 6])).to_bytes(4, "little")
+        document["crc32c"]["data"] = bytes(checksums)
+
+    edit_local(root, 0, edit)
 
 
 @case
@@ -440,6 +547,20 @@ def _reference_committed_names_other_attempt() -> None:
         ["golden9"],
     )
     reseal_child(root, marker_edit=lambda document: document["references"][0].update(attempt="golden9"))
+
+
+@case
+def _reference_committed_repeated() -> None:
+    root = child(
+        "reference_committed_repeated",
+        "FormatError",
+        "open",
+        "SPEC.md §6.2 'Commit marker': COMMITTED's references are sorted by name, one per name (a list, not a set)",
+        "step-2's COMMITTED lists step-1 (attempt golden1) twice: the same set of pairs as its reference paths",
+        ["COMMITTED", "references"],
+        ["references"],
+    )
+    reseal_child(root, marker_edit=lambda document: document["references"].append(dict(document["references"][0])))
 
 
 @case
@@ -845,6 +966,51 @@ def _reference_not_a_holder_piece() -> None:
 
 
 # ----------------------------------------------------------------------------------------------- valid
+
+
+def wide_pack(value: Any) -> bytes:
+    """msgpack in the widest format of every kind (int 64, str 32, bin 32, array 32, map 32, ext 32): the same
+    values as pack() writes in the smallest one, which a reader MUST accept alike (SPEC 1)."""
+    if value is None or isinstance(value, (bool, float)):
+        return pack(value)
+    if isinstance(value, int):
+        return (b"\xd3" + value.to_bytes(8, "big", signed=True)) if value < 0 else b"\xcf" + value.to_bytes(8, "big")
+    if isinstance(value, str):
+        raw = value.encode()
+        return b"\xdb" + len(raw).to_bytes(4, "big") + raw
+    if isinstance(value, bytes):
+        return b"\xc6" + len(value).to_bytes(4, "big") + value
+    if isinstance(value, list):
+        return b"\xdd" + len(value).to_bytes(4, "big") + b"".join(wide_pack(item) for item in value)
+    if isinstance(value, dict):
+        items = b"".join(wide_pack(key) + wide_pack(item) for key, item in value.items())
+        return b"\xdf" + len(value).to_bytes(4, "big") + items
+    if isinstance(value, msgpack.ExtType):
+        return b"\xc9" + len(value.data).to_bytes(4, "big") + value.code.to_bytes(1, "big", signed=True) + value.data
+    raise TypeError(f"no msgpack form for {type(value).__name__}")
+
+
+@case
+def _msgpack_wide_encodings() -> None:
+    source = VALID / "single_rank_basic"
+    root = _valid_root("msgpack_wide_encodings")
+    shutil.copytree(source, root, dirs_exist_ok=True)
+    description = json.loads((source / "description.json").read_text())
+    description["description"] = (
+        "single_rank_basic with its global and local manifests re-encoded in msgpack's widest formats (every int "
+        "as int 64 or uint 64, str 32, bin 32, array 32, map 32): the same decoded documents, which a reader MUST "
+        "read as single_rank_basic (SPEC 1: documents are compared by decoded value)."
+    )
+    write_json(root / "description.json", description)
+    document = unpack((root / GLOBAL_FILE).read_bytes())
+    for entry in document["files"]:
+        path = root / entry["index"]
+        raw_local = wide_pack(unpack(path.read_bytes()))
+        path.write_bytes(raw_local)
+        entry["index_size"], entry["index_crc32c"] = len(raw_local), crc32c.crc32c(raw_local)
+    raw = wide_pack(document)
+    (root / GLOBAL_FILE).write_bytes(raw)
+    edit_committed(root, lambda marker: marker.update(manifest_size=len(raw), manifest_crc32c=crc32c.crc32c(raw)))
 
 
 def _valid_root(name: str) -> Path:

@@ -9,6 +9,8 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import crc32c
+import msgpack
 import pytest
 import torch
 
@@ -43,10 +45,19 @@ def root(tmp_path: Path) -> Path:
 
 
 def _age_markers(root: Path, seconds: float) -> None:
-    """Move every COMMITTED's creation time back (nothing checks it against anything but the order)."""
+    """Move every checkpoint's creation time back: its global manifest's and COMMITTED's, which must agree (SPEC C),
+    with COMMITTED's size and CRC32C of the rewritten manifest."""
     for marker_file in root.glob("*/COMMITTED"):
         marker = json.loads(marker_file.read_text())
+        manifest_file = marker_file.parent / marker["manifest"]
+        document = manifest_file.read_bytes()
+        manifest = msgpack.unpackb(document, raw=False, strict_map_key=False, ext_hook=msgpack.ExtType)
+        manifest["created"] -= seconds
+        raw = msgpack.packb(manifest, use_bin_type=True)
+        manifest_file.chmod(0o644)
+        manifest_file.write_bytes(raw)
         marker["created"] -= seconds
+        marker["manifest_size"], marker["manifest_crc32c"] = len(raw), crc32c.crc32c(raw)
         marker_file.write_text(json.dumps(marker))
 
 
@@ -106,6 +117,29 @@ def test_nothing_committed_goes_on_a_root_with_references_while_a_marker_is_unre
     assert prune(open_storage(str(root)), 1) == ["step-2", "step-3", "step-1"]  # step-1, which both reference, last
     assert _committed(root) == ["step-4", "step-5"]
     _all_verify(root)
+
+
+def test_an_unreadable_marker_of_the_only_referencing_checkpoint_still_stops_pruning(tmp_path: Path) -> None:
+    """When the one checkpoint that references others is the one whose COMMITTED cannot be read, the root's readable
+    markers look like format 1.0; its global manifest still says it references step-1 (SPEC 14: a collector that
+    cannot read a COMMITTED does not know what it references), so nothing committed goes. Before, step-1 was
+    deleted and step-2, once its marker was repaired, had lost its bytes."""
+    for step, parent in ((1, None), (2, 1), (3, None)):
+        _save(tmp_path, step, parent)
+    marker = tmp_path / "step-2" / "COMMITTED"
+    good = marker.read_bytes()
+    marker.write_bytes(good + b"garbage")  # bit rot, or a hand edit gone wrong: a person must judge it
+    assert list_root(str(tmp_path)).to_prune(1) == []
+    plan = gc(str(tmp_path), keep_last=1, grace=0)
+    assert [action for action in plan.actions if action.kind == "prune"] == []
+    assert prune(open_storage(str(tmp_path)), 1) == []
+    marker.write_bytes(good)
+    _all_verify(tmp_path)  # step-2 reads whole again
+    (tmp_path / "step-2" / "COMMITTED").write_bytes(b"{not json")  # a 1.0 root keeps the 1.0 behaviour:
+    shutil.rmtree(tmp_path / "step-2" / "ranks")
+    for manifest in (tmp_path / "step-2").glob("manifest-*.msgpack"):
+        manifest.unlink()  # no global manifest left that could reference anything
+    assert [entry.name for entry in list_root(str(tmp_path)).to_prune(1)] == ["step-1"]
 
 
 class _Crash(Exception):

@@ -214,3 +214,25 @@ def test_a_source_spelled_with_dots_copies_under_its_own_name(tmp_path, spelled)
     assert done.returncode == 0, done.stderr
     assert os.listdir(tmp_path / "archive") == ["step-00000001"]
     assert shardckpt.open(str(tmp_path / "archive" / "step-00000001")).step == 1
+
+
+def test_a_committed_destination_of_the_same_attempt_but_other_bytes_is_not_already_there(tmp_path) -> None:
+    """Attempt ids are unique only within a checkpoint (SPEC 6.2): a destination committed under the same attempt id
+    is this copy only when its COMMITTED names the same manifest bytes (SPEC 9 'Existing marker'), else a copy that
+    reported "already there" would leave other data where the user believes the source's copy is."""
+    vectors = Path(__file__).resolve().parents[2] / "spec" / "vectors" / "valid"
+    source, other = vectors / "single_rank_basic", vectors / "objects"  # both attempt golden1
+    destination = tmp_path / "dst"
+    shutil.copytree(other, destination, ignore=shutil.ignore_patterns("description.json"))
+    before = {path: path.read_bytes() for path in destination.rglob("*") if path.is_file()}
+    refused = cli("copy", str(source), str(destination))
+    assert refused.returncode != 0 and "never overwritten" in refused.stderr, refused.stdout + refused.stderr
+    assert {path: path.read_bytes() for path in destination.rglob("*") if path.is_file()} == before
+    again = copy_checkpoint(str(source), str(tmp_path / "copy"))  # the same checkpoint copied twice: already there
+    assert copy_checkpoint(str(source), str(tmp_path / "copy")).already_there == [again.committed[0]]
+    # A parent at the destination's root under the referenced name and attempt, but not the source's parent.
+    root = tmp_path / "root"
+    shutil.copytree(other, root / "step-1", ignore=shutil.ignore_patterns("description.json"))
+    child = cli("copy", "--with-parents", str(vectors / "references_basic" / "step-2"), f"{root}/")
+    assert child.returncode != 0 and "copy to another root" in child.stderr, child.stdout + child.stderr
+    assert sorted(path.name for path in root.iterdir()) == ["step-1"]  # refused before writing anything

@@ -558,6 +558,7 @@ def test_commit_marker_round_trip_and_rejections() -> None:
         "[" * 100_000,
         "\xff",
         "",
+        good.replace('"format"', '"must_understand": null, "format"'),
     ]:
         assert bad != good
         with pytest.raises(FormatError):
@@ -718,6 +719,8 @@ def test_specific_global_manifest_mutations_are_refused() -> None:
     with pytest.raises(FormatError):
         decode_global_manifest(_global_with(must_understand=[[1]]))
     assert decode_global_manifest(_global_with(must_understand=[], unknown_key={"x": 1})).world_size == 2
+    with pytest.raises(FormatError, match="must_understand"):  # SPEC 2: an array of strings, nil is not one
+        decode_global_manifest(_global_with(must_understand=None))
     for bad in ["../x", "/etc/passwd", "s3://b/k", f"data/00000-{ATTEMPT}.safetensors\x00", "data/../data/x"]:
         with pytest.raises(FormatError):
             decode_global_manifest(_file_with("data", bad))

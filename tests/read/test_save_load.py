@@ -131,6 +131,9 @@ def test_per_rank_values_hold_tensors(tmp_path) -> None:
         {"__shardckpt_tensor__": ["NOPE", [1], b"\0"]},
         {"__shardckpt_tensor__": ["U8", [-1], b""]},
         {"__shardckpt_tensor__": "U8"},
+        {"__shardckpt_tensor__": ["F32", [0, (1 << 64) - 1], b""]},  # past int64 (was TypeError)
+        {"__shardckpt_tensor__": ["U8", [0] * 65, b""]},  # more dimensions than SPEC 6 allows a tensor
+        {"__shardckpt_tensor__": ["U8", [0, 1 << 62], b""]},  # a dimension past 2^62 - 1
     ],
 )
 def test_a_malformed_per_rank_tensor_is_a_format_error(tmp_path, stored) -> None:

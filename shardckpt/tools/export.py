@@ -126,21 +126,23 @@ def select_torchtitan_llama(
             "way to Hugging Face, so the export needs the model's number of heads: pass heads= (--heads N, the "
             "n_heads of its torchtitan model args, num_attention_heads in HF's config.json)"
         )
-    wq = entries["layers.0.attention.wq.weight"]
+    # torchtitan before 0.3 named them attention.wq; 0.3's llama3 attention.qkv_linear.wq
+    attention = "layers.0.attention." if "layers.0.attention.wq.weight" in entries else "layers.0.attention.qkv_linear."
+    wq = entries[attention + "wq.weight"]
     dim = wq.shape[1] if len(wq.shape) == 2 else 0
     if len(wq.shape) != 2 or wq.shape[0] % heads or (wq.shape[0] // heads) % 2:
         raise ShardckptUsageError(
-            f"{checkpoint.url}: layers.0.attention.wq.weight of shape {list(wq.shape)} does not split into {heads} "
+            f"{checkpoint.url}: {attention}wq.weight of shape {list(wq.shape)} does not split into {heads} "
             "heads of an even size: check --heads"
         )
     head_dim = wq.shape[0] // heads
-    wk = entries.get("layers.0.attention.wk.weight")
+    wk = entries.get(attention + "wk.weight")
     found_kv = wk.shape[0] // head_dim if wk is not None and len(wk.shape) == 2 and wk.shape[0] % head_dim == 0 else 0
     if kv_heads is None:
         kv_heads = found_kv
     if not kv_heads or kv_heads != found_kv:
         raise ShardckptUsageError(
-            f"{checkpoint.url}: layers.0.attention.wk.weight of shape {list(wk.shape) if wk else None} does not hold "
+            f"{checkpoint.url}: {attention}wk.weight of shape {list(wk.shape) if wk else None} does not hold "
             f"{kv_heads} heads of {head_dim} rows ({heads} heads over {dim} columns): check --heads / --kv-heads"
         )
     chosen = []

@@ -23,10 +23,21 @@ TORCHTITAN_LLAMA = {
     "layers.{}.ffn_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+    # torchtitan 0.3.0's llama3 names (checked against models/llama3/state_dict_adapter.py of its wheel): the
+    # attention projections under qkv_linear, the output projection as lm_head.
+    "layers.{}.attention.qkv_linear.wq.weight": "model.layers.{}.self_attn.q_proj.weight",
+    "layers.{}.attention.qkv_linear.wk.weight": "model.layers.{}.self_attn.k_proj.weight",
+    "layers.{}.attention.qkv_linear.wv.weight": "model.layers.{}.self_attn.v_proj.weight",
+    "lm_head.weight": "lm_head.weight",
 }
 # The rows of wq and wk are permuted per attention head on the way to HF (torchtitan's _permute): Meta's RoPE rotates
 # interleaved pairs, HF's rotate_half the two halves of each head.
-TORCHTITAN_LLAMA_PERMUTED = {"layers.{}.attention.wq.weight": "q", "layers.{}.attention.wk.weight": "k"}
+TORCHTITAN_LLAMA_PERMUTED = {
+    "layers.{}.attention.wq.weight": "q",
+    "layers.{}.attention.wk.weight": "k",
+    "layers.{}.attention.qkv_linear.wq.weight": "q",
+    "layers.{}.attention.qkv_linear.wk.weight": "k",
+}
 
 
 def torchtitan_llama_name(name: str) -> tuple[str, str | None] | None:
@@ -43,4 +54,6 @@ def torchtitan_llama_name(name: str) -> tuple[str, str | None] | None:
 def is_torchtitan_llama(names: list[str]) -> bool:
     """True for a checkpoint torchtitan saved for a llama model: its embedding and first attention keys at the top."""
     present = set(names)
-    return "tok_embeddings.weight" in present and "layers.0.attention.wq.weight" in present
+    return "tok_embeddings.weight" in present and bool(
+        {"layers.0.attention.wq.weight", "layers.0.attention.qkv_linear.wq.weight"} & present
+    )

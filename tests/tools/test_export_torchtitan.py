@@ -122,3 +122,24 @@ def test_without_heads_or_with_wrong_heads_the_export_says_what_it_needs(tmp_pat
     # --include keeps the plain export (names as stored): the user chose.
     export_hf_safetensors(url, str(tmp_path / "raw"), include=r"^layers\.0\.attention\.wq")
     assert list(exported(tmp_path / "raw")) == ["layers.0.attention.wq.weight"]
+
+
+def test_torchtitan_0_3_names_export_the_same(tmp_path) -> None:
+    """torchtitan 0.3.0's llama3 keeps wq/wk/wv under attention.qkv_linear and the output as lm_head (its
+    state_dict_adapter.py): the same one-command export, the same permuted logits."""
+    old = titan_state()
+    renamed = {
+        name.replace(".attention.w", ".attention.qkv_linear.w") if ".attention.w" in name and ".wo." not in name
+        else ("lm_head.weight" if name == "output.weight" else name): value
+        for name, value in old.items()
+    }  # fmt: skip
+    url = str(tmp_path / "step-10")
+    shardckpt.save(renamed, url, step=10)
+    assert cli_main(["export", url, str(tmp_path / "hf"), "--heads", str(HEADS)]) == 0
+    hf = exported(tmp_path / "hf")
+    reference_url = str(tmp_path / "old")
+    shardckpt.save(old, reference_url, step=10)
+    assert cli_main(["export", reference_url, str(tmp_path / "hf-old"), "--heads", str(HEADS)]) == 0
+    expected = exported(tmp_path / "hf-old")
+    assert set(hf) == set(expected)
+    assert all(torch.equal(hf[name], expected[name]) for name in hf)

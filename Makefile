@@ -68,6 +68,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.moe --ranks 4 --experts 420 --json benchmarks/moe.json
 	$(BIN)/python -m benchmarks.s3
 	$(BIN)/python -m benchmarks.ds_engine --json benchmarks/ds_engine.json
+	$(BIN)/python -m benchmarks.shared_reads --size-mib 2048 --s3 --json benchmarks/shared_reads.json
 	$(MAKE) figures
 
 # The figures of the performance pages, drawn from the JSON files that make bench wrote (those that exist).

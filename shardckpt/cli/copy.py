@@ -100,24 +100,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
             )
         return EXIT_OK
     show_progress = not args.json and not args.quiet and console.is_terminal
-    if show_progress:
-        with Progress(*transfer_columns(), console=console, transient=True) as bar:
-            task = bar.add_task("copying", total=None)
-            report = copy_checkpoint(
-                args.source,
-                destination,
-                with_parents=args.with_parents,
-                storage_options=options,
-                destination_options=dst_options,
-                progress=lambda n: bar.advance(task, n),
-            )
-    else:
+    with Progress(*transfer_columns(), console=console, transient=True, disable=not show_progress) as bar:
+        task = bar.add_task("copying", total=None)
         report = copy_checkpoint(
             args.source,
             destination,
             with_parents=args.with_parents,
             storage_options=options,
             destination_options=dst_options,
+            progress=(lambda n: bar.advance(task, n)) if show_progress else None,
         )
     if args.json:
         print_json(

@@ -45,6 +45,7 @@ from shardckpt.distributed import protocol
 from shardckpt.distributed.collectives import Group, broadcast_bytes
 from shardckpt.errors import DistributedError, ShardckptError, ShardckptUsageError
 from shardckpt.format.manifest import CommitMarker, GlobalManifest
+from shardckpt.local_tier import LocalTier
 from shardckpt.read.checkpoint import DEFAULT_MAX_IN_FLIGHT
 from shardckpt.statedict.staging import StagingBuffers, stage
 from shardckpt.storage import open_storage
@@ -105,6 +106,12 @@ class Checkpointer:
 
     total_steps: the run's last step (the step number maybe_save gets last); maybe_save saves it whatever the cadence,
     so the final state is never lost between two cadence steps. close(step, state) does the same for any loop.
+
+    local_root: a node-local tier (docs/guide/local-tier.md): every `local_every_steps` steps that are not a
+    persistent save, a local checkpoint into local_root on each node (tmpfs: no fsync), its files also kept by
+    `peers` ranks on other nodes, the newest `local_keep` kept; restore_latest takes the newest local step that the
+    surviving nodes hold between them when it is newer than the newest persistent checkpoint. local_job names the
+    job the local copies belong to (default: root); other jobs' copies are never used, and deleted at the next save.
     """
 
     def __init__(
@@ -132,6 +139,12 @@ class Checkpointer:
         full_every: int = knobs.FULL_EVERY,
         run_names: bool = False,
         total_steps: int | None = None,
+        local_root: str | None = None,
+        local_every_steps: int = 10,
+        local_keep: int = 2,
+        peers: int = 1,
+        local_job: str | None = None,
+        local_durable: bool | None = None,
     ) -> None:
         self.auto = every_steps == "auto"
         self.bounds = Bounds(min_every_steps, max_every_steps, min_every_seconds, max_every_seconds)
@@ -180,6 +193,20 @@ class Checkpointer:
             dist.new_group(backend="gloo") if async_save and isinstance(self.group, Group) else process_group
         )
         self._buffers = StagingBuffers()
+        self.tier = (
+            None
+            if local_root is None
+            else LocalTier(
+                local_root,
+                group=self.group,
+                job=self.root if local_job is None else local_job,
+                every_steps=local_every_steps,
+                keep=local_keep,
+                peers=peers,
+                durable=local_durable,
+                block_size=block_size,
+            )
+        )
         self._series: tuple[str, str, int] | None = None  # (name, attempt, place in the series) of the last save
         self._pending: threading.Thread | None = None
         self._pending_error: BaseException | None = None
@@ -206,9 +233,22 @@ class Checkpointer:
         optional: entries the checkpoint may lack; cast: convert floating-point dtypes (both: see shardckpt.load).
         """
         url = self.latest_url()
+        began = self.clock()
+        if self.tier is not None:
+            restored = self.tier.restore(
+                state,
+                self.group,
+                newer_than=None if url is None else self._step_of(url),
+                optional=optional,
+                cast=cast,
+                max_in_flight=max_in_flight,
+            )
+            if restored is not None:
+                self.last_saved_step = restored.step
+                self._start_run(restored.step, resumed=True, began=began, load_ms=round((self.clock() - began) * 1000))
+                return restored.step
         if url is None:
             return None
-        began = self.clock()
         protocol.load(
             state,
             url,
@@ -266,6 +306,8 @@ class Checkpointer:
         # The final state is what a finished run is for: saved whatever the cadence says.
         force = force or step == self.total_steps
         if not (force or preempted or due) or step == self.last_saved_step:
+            if self.tier is not None and self.tier.due(step) and step != self.last_saved_step and not preempted:
+                self._save_local(step, state)
             if preempted:
                 self._record_preemption(step)
                 self.should_stop = True
@@ -308,6 +350,31 @@ class Checkpointer:
         if wait or failed is not None:
             self.wait()
         self._saved(step, stall)
+
+    def _save_local(self, step: int, state: State) -> None:
+        """A local-tier save of this step; with async_save behind training, as a persistent one."""
+        assert self.tier is not None
+        self.wait()
+        tier = self.tier
+        if not self.async_save:
+            tier.save(state, step, self.group)
+            return
+        try:
+            staged: State = stage(state() if callable(state) else state, self._buffers)
+        except Exception as exc:
+            staged = _failing(exc)
+
+        def run() -> None:
+            try:
+                tier.save(staged, step, self._save_group_resolved())
+            except BaseException as exc:  # surfaced by the next wait() on the training thread
+                self._pending_error = exc
+
+        self._pending = threading.Thread(target=run, daemon=True)
+        self._pending.start()
+
+    def _save_group_resolved(self) -> Any:
+        return protocol.resolve_group(self._save_group)
 
     def url_of(self, step: int) -> str:
         """The URL this Checkpointer saves the checkpoint of `step` under."""

@@ -23,7 +23,7 @@ LAYERS: list[set[str]] = [
     {"ops", "write", "read"},
     {"statedict"},
     {"distributed", "dcp"},
-    {"api", "checkpointer", "__init__"},
+    {"api", "checkpointer", "local_tier", "__init__"},
     {"tools", "interop", "integrations"},
     {"cli", "train", "testing"},
 ]

@@ -1,0 +1,140 @@
+"""What a node's local tier holds (committed local copies, their job, the data files present) and which copy a
+restore takes: the newest step of this job complete across the copies of the surviving ranks. Torch-free.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shardckpt.catalog.chain import read_global_manifest
+from shardckpt.catalog.listing import list_root
+from shardckpt.catalog.retention import delete_checkpoint, retain
+from shardckpt.errors import NotFoundError, ShardckptError
+from shardckpt.storage import Storage
+
+# The global manifest's metadata key naming the job a local copy belongs to (the Checkpointer's persistent root,
+# unless given): a tier another job left on a node is never mixed into this one's restore.
+JOB_KEY = "shardckpt.tier.job"
+
+
+class LocalTierWarning(UserWarning):
+    """A node's local tier holds something a restore or a save leaves aside (another job's copies, a broken copy)."""
+
+
+@dataclass(frozen=True)
+class LocalCopy:
+    """One committed local checkpoint on a node: its identity, and the data files (piece-table indexes) it holds
+    whole (present, of the recorded size)."""
+
+    name: str
+    attempt: str
+    step: int | None
+    job: str | None
+    manifest_crc32c: int
+    files: int  # how many data files the checkpoint has in all
+    held: tuple[int, ...]
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        """What two nodes' copies of one save share, and copies of different saves never do."""
+        return (self.name, self.attempt, self.manifest_crc32c)
+
+    def pack(self) -> list[object]:
+        return [self.name, self.attempt, self.step, self.job, self.manifest_crc32c, self.files, list(self.held)]
+
+    @classmethod
+    def unpack(cls, fields: Sequence[object]) -> LocalCopy:
+        name, attempt, step, job, crc, files, held = fields
+        assert isinstance(name, str) and isinstance(attempt, str) and isinstance(crc, int) and isinstance(files, int)
+        assert (step is None or isinstance(step, int)) and (job is None or isinstance(job, str))
+        assert isinstance(held, list)
+        return cls(name, attempt, step, job, crc, files, tuple(int(file) for file in held))
+
+
+def inventory(root: Storage) -> list[LocalCopy]:
+    """Every committed checkpoint directly under `root` (a node's local tier) that reads back; one that does not
+    (a broken manifest) is left out with a LocalTierWarning."""
+    copies = []
+    for entry in list_root(root).committed():
+        if entry.marker is None:
+            continue
+        checkpoint = root.child(entry.name)
+        try:
+            manifest = read_global_manifest(checkpoint, entry.marker)
+            held = tuple(
+                index for index, file in enumerate(manifest.files) if _whole(checkpoint, file.data, file.data_size)
+            )
+        except ShardckptError as exc:
+            warnings.warn(f"local tier {checkpoint.url} left aside: {exc}", LocalTierWarning, stacklevel=2)
+            continue
+        job = manifest.metadata.get(JOB_KEY)
+        copies.append(
+            LocalCopy(
+                entry.name,
+                entry.marker.attempt,
+                manifest.step,
+                job if isinstance(job, str) else None,
+                entry.marker.manifest_crc32c,
+                len(manifest.files),
+                held,
+            )
+        )
+    return copies
+
+
+def _whole(checkpoint: Storage, path: str, size: int) -> bool:
+    try:
+        return checkpoint.size(path) == size
+    except NotFoundError:
+        return False
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The local checkpoint a restore takes, and which ranks hold each of its data files."""
+
+    name: str
+    attempt: str
+    step: int
+    holders: dict[int, tuple[int, ...]]  # data file index -> ranks whose node holds it
+
+
+def choose(copies: Sequence[Sequence[LocalCopy]], job: str, newer_than: int | None) -> tuple[Choice | None, list[str]]:
+    """The newest save of `job` (by step) whose data files the ranks' copies (`copies[rank]`) hold between them,
+    with a step above `newer_than` (the newest persistent checkpoint's); and what was left aside, in words."""
+    saves: dict[tuple[str, str, int], dict[int, set[int]]] = {}
+    facts: dict[tuple[str, str, int], LocalCopy] = {}
+    others: set[str] = set()
+    for rank, held in enumerate(copies):
+        for copy in held:
+            if copy.job != job:
+                others.add(f"{copy.name} (job {copy.job!r})")
+                continue
+            facts[copy.key] = copy
+            for file in copy.held:
+                saves.setdefault(copy.key, {}).setdefault(file, set()).add(rank)
+    aside = [f"another job's local checkpoint {name}" for name in sorted(others)]
+    best: Choice | None = None
+    for key, copy in facts.items():
+        holders = saves.get(key, {})
+        if copy.step is None or len(holders) != copy.files or set(holders) != set(range(copy.files)):
+            aside.append(f"{copy.name}: {len(holders)} of its {copy.files} data files survive")
+            continue
+        if newer_than is not None and copy.step <= newer_than:
+            continue
+        if best is None or (copy.step, copy.name) > (best.step, best.name):
+            best = Choice(copy.name, copy.attempt, copy.step, {f: tuple(sorted(r)) for f, r in holders.items()})
+    return best, aside
+
+
+def prune_local(root: Storage, keep: int, job: str, *, keep_names: Sequence[str] = ()) -> list[str]:
+    """Delete the committed checkpoints of other jobs under a node's local tier, then all but the newest `keep` of
+    this job's (never one in keep_names); the names deleted."""
+    deleted = []
+    for copy in inventory(root):
+        if copy.job != job and copy.name not in keep_names:
+            delete_checkpoint(root, copy.name)
+            deleted.append(copy.name)
+    return deleted + retain(root, keep, keep=keep_names).deleted

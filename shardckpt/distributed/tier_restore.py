@@ -1,0 +1,270 @@
+"""Restore from the node-local tier onto any world size: the ranks pool what their nodes' local roots hold, take
+the newest save complete across them, and every byte range a rank needs comes from a rank whose node holds it.
+
+(all) inventory the node's local root -> (all) share the inventories; choose (catalog.local_tier.choose) -> (the
+lowest holder) send COMMITTED, the global manifest and the local manifests -> (all) plan own reads (the planner,
+over those manifests) -> (all) share the needs; one reader per range among the holders (planner.share +
+planner.partners.tier_readers) -> (readers) read from their local root, send through the group -> (all) verify
+every block they use, then vote: destinations are written only once every rank has all its bytes verified, so a
+failed or corrupt tier leaves the state untouched for the fallback to the persistent tier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from shardckpt import knobs
+from shardckpt.catalog.chain import verify_global_manifest
+from shardckpt.catalog.local_tier import LocalCopy, LocalTierWarning, choose, inventory
+from shardckpt.distributed.collectives import Group
+from shardckpt.distributed.protocol import (
+    _all_gather,
+    _any_rank,
+    _broadcast,
+    _collective,
+    _pack,
+    _prepare_fill,
+    _Solo,
+    _unpack,
+)
+from shardckpt.errors import DistributedError, IntegrityError, NotFoundError, ShardckptError
+from shardckpt.format import layout, limits
+from shardckpt.format.manifest import decode_commit_marker
+from shardckpt.planner import ReadRequest
+from shardckpt.planner.partners import tier_readers
+from shardckpt.planner.share import SharePlan, plan_shared_reads
+from shardckpt.read.checkpoint import Checkpoint
+from shardckpt.read.fetching import ByteArray
+from shardckpt.statedict.stateful import loadable_states
+from shardckpt.storage import Storage, open_storage
+
+
+class LocalTierError(DistributedError):
+    """A restore from the local tier failed on some rank (a corrupt or vanished copy, a peer's failure); nothing
+    was written into the state: the caller falls back to the persistent tier."""
+
+
+@dataclass(frozen=True)
+class TierRestore:
+    """What a restore from the local tier did on this rank."""
+
+    name: str
+    step: int
+    local_bytes: int  # read from this rank's node's local root (for itself or for others)
+    received_bytes: int  # handed over by other ranks
+    aside: tuple[str, ...]  # what the choice left aside (other jobs' copies, incomplete saves)
+
+
+def restore_local(
+    state: Mapping[str, Any],
+    root: Storage,
+    *,
+    group: Group | _Solo,
+    nodes: Sequence[int],
+    job: str,
+    newer_than: int | None,
+    strict: bool = True,
+    optional: Sequence[str] = (),
+    cast: bool = False,
+    max_in_flight: int = knobs.MAX_IN_FLIGHT,
+) -> TierRestore | None:
+    """Fill `state` from the newest local save of `job` above step `newer_than` that the ranks' nodes hold between
+    them; None (state untouched) when there is none. Collective. LocalTierError (state untouched) when the
+    chosen copy cannot be read whole and verified on every rank."""
+    mine: list[LocalCopy] = []
+    try:
+        mine = inventory(root)
+    except NotFoundError:
+        pass  # a node with an empty (new) local root
+    except ShardckptError as exc:
+        warnings.warn(f"local tier {root.url} unreadable, left out of the restore: {exc}", LocalTierWarning, 2)
+    everyone = [
+        [LocalCopy.unpack(fields) for fields in _unpack(raw)]
+        for raw in _all_gather(group, _pack([c.pack() for c in mine]))
+    ]
+    choice, aside = choose(everyone, job, newer_than)
+    if choice is None:
+        return None
+    where = root.child(choice.name)
+    source = min(rank for ranks in choice.holders.values() for rank in ranks)
+    error: BaseException | None = None
+    bundle = None
+    if group.rank == source:
+        try:
+            bundle = _pack(_metadata(where, choice.attempt))
+        except Exception as exc:
+            error = exc
+            bundle = _pack({"error": f"{type(exc).__name__}: {exc}"})
+    opening = _unpack(_broadcast(group, bundle, source))
+    if "error" in opening:
+        raise LocalTierError("local restore", {source: opening["error"]}) from error
+    scratch = open_storage(f"memory://shardckpt-tier/{uuid.uuid4().hex}")
+    kept: list[tuple[ReadRequest, ByteArray]] = []
+    local_bytes = received = 0
+    try:
+        prepared = None
+        try:
+            state, load_statefuls = loadable_states(state)
+            checkpoint = _checkpoint(scratch, opening, max_in_flight)
+            prepared = _prepare_fill(checkpoint, state, group.rank, strict, optional, cast)
+        except Exception as exc:
+            error = exc
+        if _any_rank(group, error is not None):
+            raise _failure(group, error)
+        assert prepared is not None
+        pending, assign = prepared
+        needs = [
+            [tuple(r) for r in msgpack.unpackb(b)]
+            for b in _all_gather(group, msgpack.packb([[q.file, q.start, q.end] for q in pending.plan.requests]))
+        ]
+        share, missing = tier_readers(
+            plan_shared_reads(needs, chunk=knobs.MAX_REQUEST, nodes=nodes), choice.holders, nodes
+        )
+        assert not missing, missing  # choose() took a save whose every file some rank holds
+        try:
+            kept, local_bytes, received = _fetch(group, checkpoint, where, pending.plan.requests, share, max_in_flight)
+        except Exception as exc:
+            error = exc
+        if _any_rank(group, error is not None):
+            raise _failure(group, error)
+        pending.use(kept)
+        pending.apply()
+        assign()
+        load_statefuls()
+    finally:
+        with contextlib.suppress(ShardckptError):
+            scratch.delete("")
+    return TierRestore(choice.name, choice.step, local_bytes, received, tuple(aside))
+
+
+def _metadata(where: Storage, attempt: str) -> dict[str, Any]:
+    """(the source) COMMITTED, the global manifest and every local manifest of the chosen copy, raw."""
+    marker_raw = where.read_small(layout.COMMITTED, limits.MAX_COMMIT_MARKER_BYTES)
+    marker = decode_commit_marker(marker_raw, where.describe(layout.COMMITTED))
+    if marker.attempt != attempt:
+        raise IntegrityError(f"{where.describe(layout.COMMITTED)} now names attempt {marker.attempt}, not {attempt}")
+    manifest_raw = where.read_small(marker.manifest, limits.MAX_GLOBAL_MANIFEST_BYTES)
+    manifest = verify_global_manifest(manifest_raw, marker, where.describe(marker.manifest))
+    locals_ = [where.read_small(f.index, limits.MAX_LOCAL_MANIFEST_BYTES) for f in manifest.files]
+    return {"marker": marker_raw, "manifest": manifest_raw, "locals": locals_}
+
+
+class _TierCheckpoint(Checkpoint):
+    """A checkpoint whose data files lie on other ranks' nodes: each holder checked the size of every file it
+    offered (catalog.local_tier.inventory), and every block read is verified against its CRC by the rank using it."""
+
+    def _check_data_size(self, file: int) -> None:
+        return
+
+
+def _checkpoint(scratch: Storage, opening: Mapping[str, Any], max_in_flight: int) -> Checkpoint:
+    """The chosen copy's metadata, checked against its COMMITTED, in an in-memory checkpoint the planner reads."""
+    marker = decode_commit_marker(opening["marker"], "the local tier's COMMITTED")
+    manifest = verify_global_manifest(opening["manifest"], marker, "the local tier's global manifest")
+    if len(opening["locals"]) != len(manifest.files):
+        raise IntegrityError(f"the local tier sent {len(opening['locals'])} local manifests for {len(manifest.files)}")
+    for file, raw in zip(manifest.files, opening["locals"]):
+        scratch.write_new(file.index, raw)  # each checked against the global manifest's CRC when the planner reads it
+    return _TierCheckpoint(scratch, marker, manifest, max_in_flight=max_in_flight)
+
+
+def _fetch(
+    group: Group | _Solo,
+    checkpoint: Checkpoint,
+    where: Storage,
+    requests: Sequence[ReadRequest],
+    share: SharePlan,
+    budget: int,
+) -> tuple[list[tuple[ReadRequest, ByteArray]], int, int]:
+    """This rank's requests, whole and verified, from the readers of `share`; bytes read locally, bytes received."""
+    rank = group.rank
+    slots = [np.empty(request.size, dtype=np.uint8) for request in requests]
+    by_file: dict[int, list[int]] = {}
+    for number, request in enumerate(requests):
+        by_file.setdefault(request.file, []).append(number)
+    filled = [0] * len(requests)
+    local_bytes = received_bytes = 0
+
+    def place(file: int, start: int, data: ByteArray) -> None:
+        end = start + data.size
+        for number in by_file.get(file, ()):
+            request = requests[number]
+            low, high = max(request.start, start), min(request.end, end)
+            if low < high:
+                slots[number][low - request.start : high - request.start] = data[low - start : high - start]
+                filled[number] += high - low
+
+    for segments in share.rounds(budget):
+        mine = [segment for segment in segments if segment.reader == rank]
+        fetched: list[ByteArray] = []
+        error: BaseException | None = None
+        try:
+            for segment in mine:
+                data = np.empty(segment.size, dtype=np.uint8)
+                where.read_range_into(checkpoint.manifest.files[segment.file].data, segment.start, data.data)
+                local_bytes += segment.size
+                fetched.append(data)
+                if rank in segment.consumers:
+                    place(segment.file, segment.start, data)
+        except Exception as exc:
+            error = exc
+        # Every rank leaves the rounds together: one that stopped alone would leave the others in the exchange.
+        if _any_rank(group, error is not None):
+            raise error if error is not None else IntegrityError("another rank failed to read its local tier")
+        if not any(s.reader not in s.consumers or len(s.consumers) > 1 for s in segments):
+            continue
+        assert isinstance(group, Group)  # one process reads everything itself
+        send_parts: list[list[ByteArray]] = [[] for _ in range(group.size)]
+        receive: list[list[Any]] = [[] for _ in range(group.size)]
+        for segment in segments:
+            for consumer in segment.consumers:
+                if consumer == segment.reader:
+                    continue
+                if segment.reader == rank:
+                    send_parts[consumer].append(fetched[mine.index(segment)])
+                elif consumer == rank:
+                    receive[segment.reader].append(segment)
+        send_sizes = [sum(part.size for part in parts) for parts in send_parts]
+        receive_sizes = [sum(segment.size for segment in parts) for parts in receive]
+        outgoing = [p for parts in send_parts for p in parts]
+        arrived, position = swap(group, outgoing, send_sizes, receive_sizes), 0
+        for source in range(group.size):
+            for segment in receive[source]:
+                place(segment.file, segment.start, arrived[position : position + segment.size])
+                position += segment.size
+                received_bytes += segment.size
+    short = [n for n, request in enumerate(requests) if filled[n] != request.size]
+    if short:
+        raise IntegrityError(f"{where.url}: the local tier delivered {len(short)} read requests incomplete")
+    for request, slot in zip(requests, slots):
+        checkpoint.verify(request, slot)  # whoever read it, this rank checks every block it will use
+    return list(zip(requests, slots)), local_bytes, received_bytes
+
+
+def _failure(group: Group | _Solo, error: BaseException | None) -> LocalTierError:
+    """(all, after a vote that found a failure) Every rank's cause, the same error on every rank."""
+    status = _pack({"error": f"{type(error).__name__}: {error}"} if error is not None else {})
+    replies = [_unpack(reply) for reply in _all_gather(group, status)]
+    failures = {rank: reply["error"] for rank, reply in enumerate(replies) if "error" in reply}
+    return LocalTierError("local restore", failures)
+
+
+def swap(group: Group, outgoing: Sequence[ByteArray], send_sizes: list[int], receive_sizes: list[int]) -> ByteArray:
+    """One all_to_all_single of bytes: `outgoing` in rank order (send_sizes[r] bytes for rank r); what arrives
+    (receive_sizes[r] bytes from rank r), in rank order."""
+    sending = np.concatenate(list(outgoing)) if any(send_sizes) else np.empty(0, np.uint8)
+    incoming = torch.empty(sum(receive_sizes), dtype=torch.uint8, device=group.device)
+    send = torch.from_numpy(sending).to(group.device)
+    _collective(lambda: dist.all_to_all_single(incoming, send, receive_sizes, send_sizes, group=group.handle), group)
+    arrived: ByteArray = incoming.cpu().numpy()
+    return arrived

@@ -1,0 +1,106 @@
+"""The node-local tier a Checkpointer keeps beside its persistent root: frequent saves into each node's local
+storage, copied to peers on other nodes, restored from whatever survived (distributed.tier_save / tier_restore).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from shardckpt import knobs
+from shardckpt.catalog.local_tier import LocalTierWarning, prune_local
+from shardckpt.distributed.collectives import Group
+from shardckpt.distributed.protocol import _Solo
+from shardckpt.distributed.shared_reads import node_ids
+from shardckpt.distributed.tier_restore import LocalTierError, TierRestore, restore_local
+from shardckpt.distributed.tier_save import save_local
+from shardckpt.errors import ShardckptError, ShardckptUsageError
+from shardckpt.storage.volatile import open_local_tier
+
+
+class LocalTier:
+    """Saves every `every_steps` steps into `root` on each node (one directory per node: tmpfs or local NVMe),
+    keeping the newest `keep` of this `job` there and deleting other jobs' local checkpoints; each rank's files are
+    also kept by `peers` ranks on other nodes. All ranks of `group` call every method together."""
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        group: Group | _Solo,
+        job: str,
+        every_steps: int,
+        keep: int,
+        peers: int,
+        durable: bool | None = None,
+        block_size: int = knobs.BLOCK_SIZE,
+    ) -> None:
+        for what, value, low in (("local_every_steps", every_steps, 1), ("local_keep", keep, 1), ("peers", peers, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ShardckptUsageError(f"{what} must be an integer >= {low}, got {value!r}")
+        if not isinstance(root, str) or not root or "://" in root:
+            raise ShardckptUsageError(f"local_root must be a directory path on the node, got {root!r}")
+        self.storage = open_local_tier(root, durable)
+        self.job, self.every_steps, self.keep, self.peers, self.block_size = job, every_steps, keep, peers, block_size
+        # Each rank's node: SHARDCKPT_NODE, else torchrun's GROUP_RANK; without either, one node for all ranks.
+        found = node_ids(group) if isinstance(group, Group) else None
+        self.nodes: list[int] = found if found is not None else [0] * group.size
+        self.last_step: int | None = None
+        self.last_restore: TierRestore | None = None
+
+    def due(self, step: int) -> bool:
+        return step % self.every_steps == 0 and step != self.last_step
+
+    def save(self, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]], step: int, group: Group | _Solo) -> str:
+        """Save `state` as this step's local checkpoint on every node, then prune each node's tier; its name."""
+        name, _ = save_local(
+            state,
+            self.storage,
+            group=group,
+            nodes=self.nodes,
+            step=step,
+            job=self.job,
+            peers=self.peers,
+            block_size=self.block_size,
+        )
+        self.last_step = step
+        if group.rank == min(r for r, node in enumerate(self.nodes) if node == self.nodes[group.rank]):
+            try:
+                prune_local(self.storage, self.keep, self.job, keep_names=(name,))
+            except ShardckptError as exc:  # the save is committed: pruning costs space, not data
+                warnings.warn(f"local tier {self.storage.url}: retention failed: {exc}", LocalTierWarning, 2)
+        return name
+
+    def restore(
+        self,
+        state: Mapping[str, Any],
+        group: Group | _Solo,
+        *,
+        newer_than: int | None,
+        optional: Sequence[str] = (),
+        cast: bool = False,
+        max_in_flight: int = knobs.MAX_IN_FLIGHT,
+    ) -> TierRestore | None:
+        """Fill `state` from the newest local checkpoint of this job above `newer_than` that the nodes hold between
+        them; None (state untouched) when there is none or it fails (a LocalTierWarning says why)."""
+        try:
+            restored = restore_local(
+                state,
+                self.storage,
+                group=group,
+                nodes=self.nodes,
+                job=self.job,
+                newer_than=newer_than,
+                optional=optional,
+                cast=cast,
+                max_in_flight=max_in_flight,
+            )
+        except LocalTierError as exc:
+            warnings.warn(f"restore from the local tier failed, nothing of it used: {exc}", LocalTierWarning, 2)
+            return None
+        if restored is not None:
+            self.last_step, self.last_restore = restored.step, restored
+            for note in restored.aside:
+                warnings.warn(f"local tier: left aside {note}", LocalTierWarning, 2)
+        return restored

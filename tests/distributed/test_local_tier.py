@@ -1,0 +1,42 @@
+"""The node-local tier under a node loss (issue 28): 4 ranks as 2 nodes x 2 ranks save locally every step with
+peers=1 and peers=0; node 1's ranks are SIGKILLed and its directories wiped; restarts on 3 and 4 ranks (node 0 plus
+a new node with empty directories) resume from the newest local step with peers=1, reading no data byte from the
+persistent root, and from the persistent checkpoint with peers=0, never a partial local one."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tests.helpers.launch import run_ranks
+from tests.helpers.tier_worker import __file__ as WORKER_FILE
+
+pytestmark = pytest.mark.dist
+
+
+def test_a_node_loss_resumes_from_the_surviving_local_copies_or_falls_back_whole(tmp_path) -> None:
+    from pathlib import Path
+
+    worker = Path(WORKER_FILE)
+    base = str(tmp_path)
+    trained = run_ranks(
+        "train", 4, {"base": base, "nodes": ["a", "a", "b", "b"], "killed": "b"}, timeout=120, worker=worker
+    )
+    assert [r is not None and r["ok"] for r in trained] == [True, True, False, False], trained
+    for variant in ("peers1", "peers0"):
+        shutil.rmtree(tmp_path / variant / "local-b")  # the lost node's local storage is gone with it
+    for nodes in (["a", "a", "c"], ["a", "a", "c", "c"]):
+        results = run_ranks("restore", len(nodes), {"base": base, "nodes": nodes}, timeout=120, worker=worker)
+        assert all(r is not None and r["ok"] for r in results), results
+        for rank, result in enumerate(results):
+            assert result is not None
+            replicated, alone = result["value"]["peers1"], result["value"]["peers0"]
+            assert (replicated["step"], replicated["exact"], replicated["persistent_bytes"]) == (6, True, 0), (
+                nodes,
+                rank,
+                replicated,
+            )
+            assert (alone["step"], alone["exact"]) == (4, True), (nodes, rank, alone)
+        assert sum(r["value"]["peers0"]["persistent_bytes"] for r in results if r is not None) > 0
+        assert sum(r["value"]["peers1"]["local_bytes"] for r in results if r is not None) > 0

@@ -101,6 +101,4 @@ class LocalTier:
             return None
         if restored is not None:
             self.last_step, self.last_restore = restored.step, restored
-            for note in restored.aside:
-                warnings.warn(f"local tier: left aside {note}", LocalTierWarning, 2)
         return restored

@@ -93,6 +93,9 @@ def restore_local(
         for raw in _all_gather(group, _pack([c.pack() for c in mine]))
     ]
     choice, aside = choose(everyone, job, newer_than)
+    if group.rank == 0:  # once per job: every rank pooled the same inventories
+        for note in aside:
+            warnings.warn(f"local tier: left aside {note}", LocalTierWarning, 3)
     if choice is None:
         return None
     where = root.child(choice.name)

@@ -28,7 +28,7 @@ from shardckpt.statedict.flatten import flatten
 from shardckpt.statedict.leaves import check_savable, save_items
 from shardckpt.statedict.stateful import saved_states
 from shardckpt.storage import Storage
-from shardckpt.write.node_commit import build_manifest, commit_node
+from shardckpt.write.node_commit import build_manifest, commit_node, write_same
 from shardckpt.write.writer import ShardWriter
 
 
@@ -129,10 +129,11 @@ def _replicate(
     received, position = swap(group, outgoing, send_sizes, receive_sizes), 0
     for source in range(group.size):
         if receive_sizes[source]:
-            where.write_new(layout.data_path(source, attempt), received[position : position + sizes[source]].tobytes())
+            data_file = received[position : position + sizes[source]].tobytes()
+            write_same(where, layout.data_path(source, attempt), data_file, len(data_file))
             position += sizes[source]
         elif source in sources:  # an empty data file (a rank holding nothing) is still a file of the checkpoint
-            where.write_new(layout.data_path(source, attempt), b"")
+            write_same(where, layout.data_path(source, attempt), b"", 0)
 
 
 def _describe(exc: BaseException | None) -> str:

@@ -87,11 +87,20 @@ def commit_node(storage: Storage, raws: Sequence[bytes], attempt: str, manifest:
     """(one rank per node) Write the local manifests this node's directory lacks, the global manifest, then
     COMMITTED. A local manifest a rank of this node wrote already must hold the same bytes."""
     for rank, raw in enumerate(raws):
-        path = layout.local_manifest_path(rank, attempt)
-        try:
-            storage.write_new(path, raw)
-        except AlreadyExistsError:
-            if storage.read_small(path, limits.MAX_LOCAL_MANIFEST_BYTES) != raw:
-                raise IntegrityError(f"{storage.describe(path)} holds other bytes than rank {rank} sent") from None
-    storage.write_new(layout.global_manifest_path(attempt), manifest)
-    storage.commit_marker(layout.COMMITTED, marker)
+        write_same(storage, layout.local_manifest_path(rank, attempt), raw, limits.MAX_LOCAL_MANIFEST_BYTES)
+    write_same(storage, layout.global_manifest_path(attempt), manifest, limits.MAX_GLOBAL_MANIFEST_BYTES)
+    try:
+        storage.commit_marker(layout.COMMITTED, marker)
+    except AlreadyExistsError:  # two "nodes" sharing one directory: the other committed this very save
+        if storage.read_small(layout.COMMITTED, limits.MAX_COMMIT_MARKER_BYTES) != marker:
+            raise
+
+
+def write_same(storage: Storage, path: str, data: bytes, limit: int) -> None:
+    """Create `path` with `data`; where it exists already (a rank of this node wrote it, or two simulated nodes share
+    one directory) it must hold these very bytes: nothing is ever overwritten."""
+    try:
+        storage.write_new(path, data)
+    except AlreadyExistsError:
+        if storage.read_small(path, max(limit, len(data))) != data:
+            raise IntegrityError(f"{storage.describe(path)} exists and holds other bytes than this save's") from None

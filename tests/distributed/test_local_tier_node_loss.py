@@ -32,11 +32,11 @@ def test_a_node_loss_resumes_from_the_surviving_local_copies_or_falls_back_whole
         for rank, result in enumerate(results):
             assert result is not None
             replicated, alone = result["value"]["peers1"], result["value"]["peers0"]
-            assert (replicated["step"], replicated["exact"], replicated["persistent_bytes"]) == (6, True, 0), (
+            assert (replicated["step"], replicated["exact"], replicated["persistent_bytes"]) == (3, True, 0), (
                 nodes,
                 rank,
                 replicated,
             )
-            assert (alone["step"], alone["exact"]) == (4, True), (nodes, rank, alone)
+            assert (alone["step"], alone["exact"]) == (2, True), (nodes, rank, alone)
         assert sum(r["value"]["peers0"]["persistent_bytes"] for r in results if r is not None) > 0
         assert sum(r["value"]["peers1"]["local_bytes"] for r in results if r is not None) > 0

@@ -1,0 +1,86 @@
+"""The local tier in one process (issue 28): retention keeps the newest K local checkpoints, a restart resumes
+from the newest local step above the persistent one, a corrupt local copy falls back to the persistent tier with
+a warning and the state untouched by it, another job's local checkpoints are never used and are deleted."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import shardckpt
+from shardckpt.catalog.local_tier import JOB_KEY, LocalTierWarning, inventory
+from shardckpt.errors import ShardckptUsageError
+from shardckpt.storage import open_storage
+from shardckpt.storage.volatile import VolatileStorage, file_system_type, open_local_tier
+
+pytestmark = pytest.mark.unit
+
+
+def state(step: int) -> dict[str, torch.Tensor]:
+    return {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4) + step, "n": torch.tensor([step])}
+
+
+def manager(tmp_path, **kwargs) -> shardckpt.Checkpointer:
+    options = {"every_steps": 4, "local_every_steps": 1, "local_keep": 2, "preemption_signals": ()}
+    options.update(kwargs)
+    return shardckpt.Checkpointer(str(tmp_path / "persistent"), local_root=str(tmp_path / "local"), **options)
+
+
+def run(tmp_path, steps: range, **kwargs) -> None:
+    saver = manager(tmp_path, **kwargs)
+    for step in steps:
+        saver.maybe_save(step, state(step))
+    saver.close()
+
+
+def local_steps(tmp_path) -> list[int | None]:
+    return sorted(copy.step for copy in inventory(open_storage(str(tmp_path / "local"))))
+
+
+def test_local_saves_between_persistent_ones_are_kept_k_deep_and_resumed_from(tmp_path) -> None:
+    run(tmp_path, range(1, 7))
+    assert local_steps(tmp_path) == [5, 6]  # 4 is persistent only; local_keep=2
+    assert shardckpt.latest(str(tmp_path / "persistent")).endswith("step-00000004")
+    restored = state(0)
+    assert manager(tmp_path).restore_latest(restored) == 6
+    assert all(torch.equal(restored[k], state(6)[k]) for k in restored)
+
+
+def test_a_corrupt_local_copy_falls_back_to_the_persistent_checkpoint(tmp_path) -> None:
+    run(tmp_path, range(1, 7))
+    newest = max(os.listdir(tmp_path / "local"))
+    data = tmp_path / "local" / newest / "data"
+    path = data / os.listdir(data)[0]
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF  # a flipped bit in the last tensor's bytes: the file keeps its size
+    path.write_bytes(bytes(raw))
+    restored = state(0)
+    with pytest.warns(LocalTierWarning, match="nothing of it used"):
+        assert manager(tmp_path).restore_latest(restored) == 4
+    assert all(torch.equal(restored[k], state(4)[k]) for k in restored)
+
+
+def test_another_jobs_local_checkpoints_are_never_used_and_are_deleted(tmp_path) -> None:
+    run(tmp_path, range(1, 4), local_job="yesterday's job")  # steps 1..3 in the local root, no persistent one
+    restored = state(0)
+    with pytest.warns(LocalTierWarning, match="another job"):
+        assert manager(tmp_path).restore_latest(restored) is None
+    assert torch.equal(restored["w"], state(0)["w"])
+    run(tmp_path, range(1, 3))  # this job's first local save deletes the other job's copies
+    copies = inventory(open_storage(str(tmp_path / "local")))
+    assert sorted(c.step for c in copies) == [1, 2] and {c.job for c in copies} == {str(tmp_path / "persistent")}
+    assert JOB_KEY == "shardckpt.tier.job"
+
+
+def test_local_tier_arguments_and_media(tmp_path) -> None:
+    for bad in ({"local_keep": 0}, {"local_every_steps": 0}, {"peers": -1}, {"peers": True}):
+        with pytest.raises(ShardckptUsageError):
+            manager(tmp_path, **bad)
+    with pytest.raises(ShardckptUsageError, match="local_root"):
+        shardckpt.Checkpointer(str(tmp_path / "p"), local_root="s3://bucket/local")
+    assert isinstance(open_local_tier(str(tmp_path), durable=False), VolatileStorage)
+    assert not isinstance(open_local_tier(str(tmp_path), durable=True), VolatileStorage)
+    if file_system_type("/dev/shm") == "tmpfs":
+        assert isinstance(open_local_tier("/dev/shm/shardckpt-test-never-created"), VolatileStorage)

@@ -82,6 +82,9 @@ MANIFEST_SETTLE = float(_knob("MANIFEST_SETTLE", 0.25))  # seconds a half-writte
 MANIFEST_WAIT = float(_knob("MANIFEST_WAIT", 5.0))  # seconds to wait for a concurrent committer's manifest
 DU_MAX_ENTRIES = int(_knob("DU_MAX_ENTRIES", 1_000_000))  # entries `du` looks at in one checkpoint (then says so)
 GC_GRACE = float(_knob("GC_GRACE", 3600.0))  # seconds: gc leaves anything younger (a save may be writing it)
+# Seconds: a local tier's save leaves another job's local checkpoints, and local saves that never committed, alone
+# while younger than this (another job may share the local root and be writing them); older ones it deletes.
+LOCAL_TIER_GRACE = float(_knob("LOCAL_TIER_GRACE", 600.0))
 
 # Streaming tools (tools/export.py, tools/diff.py)
 MEMORY_LIMIT = int(_knob("MEMORY_LIMIT", 1 << 30))  # bytes of tensor data export and diff hold at once

@@ -4,6 +4,7 @@ storage, copied to peers on other nodes, restored from whatever survived (distri
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -46,6 +47,13 @@ class LocalTier:
         # Each rank's node: SHARDCKPT_NODE, else torchrun's GROUP_RANK; without either, one node for all ranks.
         found = node_ids(group) if isinstance(group, Group) else None
         self.nodes: list[int] = found if found is not None else [0] * group.size
+        if peers and group.size > 1 and len(set(self.nodes)) < 2 and group.rank == 0:
+            warnings.warn(
+                f"local tier {root}: every rank is on one node (SHARDCKPT_NODE or torchrun's GROUP_RANK names a "
+                f"rank's node), so peers={peers} keeps no copy elsewhere: losing the node loses the local tier",
+                LocalTierWarning,
+                3,
+            )
         self.last_step: int | None = None
         self.last_restore: TierRestore | None = None
 
@@ -67,7 +75,9 @@ class LocalTier:
         self.last_step = step
         if group.rank == min(r for r, node in enumerate(self.nodes) if node == self.nodes[group.rank]):
             try:
-                prune_local(self.storage, self.keep, self.job, keep_names=(name,))
+                prune_local(
+                    self.storage, self.keep, self.job, now=time.time(), grace=knobs.LOCAL_TIER_GRACE, keep_names=(name,)
+                )
             except ShardckptError as exc:  # the save is committed: pruning costs space, not data
                 warnings.warn(f"local tier {self.storage.url}: retention failed: {exc}", LocalTierWarning, 2)
         return name
@@ -84,21 +94,27 @@ class LocalTier:
     ) -> TierRestore | None:
         """Fill `state` from the newest local checkpoint of this job above `newer_than` that the nodes hold between
         them; None (state untouched) when there is none or it fails (a LocalTierWarning says why)."""
-        try:
-            restored = restore_local(
-                state,
-                self.storage,
-                group=group,
-                nodes=self.nodes,
-                job=self.job,
-                newer_than=newer_than,
-                optional=optional,
-                cast=cast,
-                max_in_flight=max_in_flight,
-            )
-        except LocalTierError as exc:
-            warnings.warn(f"restore from the local tier failed, nothing of it used: {exc}", LocalTierWarning, 2)
-            return None
+        failed: list[tuple[str, str, int]] = []
+        while True:  # each failed save is left out and the next older one tried: every rank sees the same failures
+            try:
+                restored = restore_local(
+                    state,
+                    self.storage,
+                    group=group,
+                    nodes=self.nodes,
+                    job=self.job,
+                    newer_than=newer_than,
+                    exclude=failed,
+                    optional=optional,
+                    cast=cast,
+                    max_in_flight=max_in_flight,
+                )
+                break
+            except LocalTierError as exc:
+                warnings.warn(f"restore from the local tier failed, nothing of it used: {exc}", LocalTierWarning, 2)
+                if exc.key is None or exc.key in failed:
+                    return None
+                failed.append(exc.key)
         if restored is not None:
             self.last_step, self.last_restore = restored.step, restored
         return restored

@@ -4,11 +4,13 @@ restore takes: the newest step of this job complete across the copies of the sur
 
 from __future__ import annotations
 
+import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from shardckpt.catalog.chain import read_global_manifest
+from shardckpt.catalog.deletion import delete_objects, layout_objects
 from shardckpt.catalog.listing import list_root
 from shardckpt.catalog.retention import delete_checkpoint, retain
 from shardckpt.errors import NotFoundError, ShardckptError
@@ -17,6 +19,8 @@ from shardckpt.storage import Storage
 # The global manifest's metadata key naming the job a local copy belongs to (the Checkpointer's persistent root,
 # unless given): a tier another job left on a node is never mixed into this one's restore.
 JOB_KEY = "shardckpt.tier.job"
+# A local save's name (distributed.tier_save.local_name): step, then attempt. Only such names are pruned uncommitted.
+LOCAL_NAME = re.compile(r"step-[0-9]{8,}-[0-9a-z]{1,64}")
 
 
 class LocalTierWarning(UserWarning):
@@ -35,6 +39,7 @@ class LocalCopy:
     manifest_crc32c: int
     files: int  # how many data files the checkpoint has in all
     held: tuple[int, ...]
+    created: float = 0.0  # COMMITTED's creation time (Unix seconds)
 
     @property
     def key(self) -> tuple[str, str, int]:
@@ -42,15 +47,24 @@ class LocalCopy:
         return (self.name, self.attempt, self.manifest_crc32c)
 
     def pack(self) -> list[object]:
-        return [self.name, self.attempt, self.step, self.job, self.manifest_crc32c, self.files, list(self.held)]
+        return [
+            self.name,
+            self.attempt,
+            self.step,
+            self.job,
+            self.manifest_crc32c,
+            self.files,
+            list(self.held),
+            self.created,
+        ]
 
     @classmethod
     def unpack(cls, fields: Sequence[object]) -> LocalCopy:
-        name, attempt, step, job, crc, files, held = fields
+        name, attempt, step, job, crc, files, held, created = fields
         assert isinstance(name, str) and isinstance(attempt, str) and isinstance(crc, int) and isinstance(files, int)
         assert (step is None or isinstance(step, int)) and (job is None or isinstance(job, str))
-        assert isinstance(held, list)
-        return cls(name, attempt, step, job, crc, files, tuple(int(file) for file in held))
+        assert isinstance(held, list) and isinstance(created, (int, float))
+        return cls(name, attempt, step, job, crc, files, tuple(int(file) for file in held), float(created))
 
 
 def inventory(root: Storage) -> list[LocalCopy]:
@@ -79,6 +93,7 @@ def inventory(root: Storage) -> list[LocalCopy]:
                 entry.marker.manifest_crc32c,
                 len(manifest.files),
                 held,
+                entry.marker.created,
             )
         )
     return copies
@@ -99,11 +114,18 @@ class Choice:
     attempt: str
     step: int
     holders: dict[int, tuple[int, ...]]  # data file index -> ranks whose node holds it
+    key: tuple[str, str, int]  # LocalCopy.key
 
 
-def choose(copies: Sequence[Sequence[LocalCopy]], job: str, newer_than: int | None) -> tuple[Choice | None, list[str]]:
+def choose(
+    copies: Sequence[Sequence[LocalCopy]],
+    job: str,
+    newer_than: int | None,
+    exclude: Collection[tuple[str, str, int]] = (),
+) -> tuple[Choice | None, list[str]]:
     """The newest save of `job` (by step) whose data files the ranks' copies (`copies[rank]`) hold between them,
-    with a step above `newer_than` (the newest persistent checkpoint's); and what was left aside, in words."""
+    with a step above `newer_than` (the newest persistent checkpoint's) and not in `exclude` (saves that failed to
+    restore); and what was left aside, in words."""
     saves: dict[tuple[str, str, int], dict[int, set[int]]] = {}
     facts: dict[tuple[str, str, int], LocalCopy] = {}
     others: set[str] = set()
@@ -122,19 +144,33 @@ def choose(copies: Sequence[Sequence[LocalCopy]], job: str, newer_than: int | No
         if copy.step is None or len(holders) != copy.files or set(holders) != set(range(copy.files)):
             aside.append(f"{copy.name}: {len(holders)} of its {copy.files} data files survive")
             continue
-        if newer_than is not None and copy.step <= newer_than:
+        if (newer_than is not None and copy.step <= newer_than) or key in exclude:
             continue
         if best is None or (copy.step, copy.name) > (best.step, best.name):
-            best = Choice(copy.name, copy.attempt, copy.step, {f: tuple(sorted(r)) for f, r in holders.items()})
+            best = Choice(copy.name, copy.attempt, copy.step, {f: tuple(sorted(r)) for f, r in holders.items()}, key)
     return best, aside
 
 
-def prune_local(root: Storage, keep: int, job: str, *, keep_names: Sequence[str] = ()) -> list[str]:
-    """Delete the committed checkpoints of other jobs under a node's local tier, then all but the newest `keep` of
-    this job's (never one in keep_names); the names deleted."""
+def prune_local(
+    root: Storage, keep: int, job: str, *, now: float, grace: float, keep_names: Sequence[str] = ()
+) -> list[str]:
+    """(one rank per node, between its saves) Delete what a node's local tier no longer needs: local saves that never
+    committed here and committed checkpoints of other jobs, each once older than `grace` seconds at `now` (another job
+    sharing the root may be writing them), then all but the newest `keep` of this job's (never one in keep_names);
+    the names deleted."""
+    listing = list_root(root)
     deleted = []
+    for entry in listing.entries:
+        leftover = entry.marker is None and entry.alias_of is None and entry.owned
+        if leftover and LOCAL_NAME.fullmatch(entry.name) and entry.name not in keep_names:
+            checkpoint = root.child(entry.name)
+            objects = [path for path, _ in layout_objects(checkpoint)]
+            times = [checkpoint.modified(path) for path in objects]
+            if all(time is not None and time < now - grace for time in times):
+                delete_objects(root, entry.name, objects)
+                deleted.append(entry.name)
     for copy in inventory(root):
-        if copy.job != job and copy.name not in keep_names:
+        if copy.job != job and copy.name not in keep_names and copy.created < now - grace:
             delete_checkpoint(root, copy.name)
             deleted.append(copy.name)
     return deleted + retain(root, keep, keep=keep_names).deleted

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +51,9 @@ from shardckpt.storage import Storage, open_storage
 
 class LocalTierError(DistributedError):
     """A restore from the local tier failed on some rank (a corrupt or vanished copy, a peer's failure); nothing
-    was written into the state: the caller falls back to the persistent tier."""
+    was written into the state: the caller tries an older local save, then the persistent tier."""
+
+    key: tuple[str, str, int] | None = None  # the save that failed (catalog.local_tier.LocalCopy.key)
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ def restore_local(
     nodes: Sequence[int],
     job: str,
     newer_than: int | None,
+    exclude: Collection[tuple[str, str, int]] = (),
     strict: bool = True,
     optional: Sequence[str] = (),
     cast: bool = False,
@@ -92,7 +95,7 @@ def restore_local(
         [LocalCopy.unpack(fields) for fields in _unpack(raw)]
         for raw in _all_gather(group, _pack([c.pack() for c in mine]))
     ]
-    choice, aside = choose(everyone, job, newer_than)
+    choice, aside = choose(everyone, job, newer_than, exclude)
     if group.rank == 0:  # once per job: every rank pooled the same inventories
         for note in aside:
             warnings.warn(f"local tier: left aside {note}", LocalTierWarning, 3)
@@ -110,7 +113,9 @@ def restore_local(
             bundle = _pack({"error": f"{type(exc).__name__}: {exc}"})
     opening = _unpack(_broadcast(group, bundle, source))
     if "error" in opening:
-        raise LocalTierError("local restore", {source: opening["error"]}) from error
+        failed = LocalTierError("local restore", {source: opening["error"]})
+        failed.key = choice.key
+        raise failed from error
     scratch = open_storage(f"memory://shardckpt-tier/{uuid.uuid4().hex}")
     kept: list[tuple[ReadRequest, ByteArray]] = []
     local_bytes = received = 0
@@ -123,7 +128,7 @@ def restore_local(
         except Exception as exc:
             error = exc
         if _any_rank(group, error is not None):
-            raise _failure(group, error)
+            raise _failure(group, error, choice.key)
         assert prepared is not None
         pending, assign = prepared
         needs = [
@@ -139,7 +144,7 @@ def restore_local(
         except Exception as exc:
             error = exc
         if _any_rank(group, error is not None):
-            raise _failure(group, error)
+            raise _failure(group, error, choice.key)
         pending.use(kept)
         pending.apply()
         assign()
@@ -254,12 +259,14 @@ def _fetch(
     return list(zip(requests, slots)), local_bytes, received_bytes
 
 
-def _failure(group: Group | _Solo, error: BaseException | None) -> LocalTierError:
+def _failure(group: Group | _Solo, error: BaseException | None, key: tuple[str, str, int]) -> LocalTierError:
     """(all, after a vote that found a failure) Every rank's cause, the same error on every rank."""
     status = _pack({"error": f"{type(error).__name__}: {error}"} if error is not None else {})
     replies = [_unpack(reply) for reply in _all_gather(group, status)]
     failures = {rank: reply["error"] for rank, reply in enumerate(replies) if "error" in reply}
-    return LocalTierError("local restore", failures)
+    failed = LocalTierError("local restore", failures)
+    failed.key = key
+    return failed
 
 
 def swap(group: Group, outgoing: Sequence[ByteArray], send_sizes: list[int], receive_sizes: list[int]) -> ByteArray:

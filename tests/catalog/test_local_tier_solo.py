@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import shardckpt
+from shardckpt import knobs
 from shardckpt.catalog.local_tier import JOB_KEY, LocalTierWarning, inventory
 from shardckpt.errors import ShardckptUsageError
 from shardckpt.storage import open_storage
@@ -48,27 +49,55 @@ def test_local_saves_between_persistent_ones_are_kept_k_deep_and_resumed_from(tm
     assert all(torch.equal(restored[k], state(6)[k]) for k in restored)
 
 
-def test_a_corrupt_local_copy_falls_back_to_the_persistent_checkpoint(tmp_path) -> None:
-    run(tmp_path, range(1, 7))
-    newest = max(os.listdir(tmp_path / "local"))
-    data = tmp_path / "local" / newest / "data"
+def flip_last_byte(tmp_path, name: str) -> None:
+    data = tmp_path / "local" / name / "data"
     path = data / os.listdir(data)[0]
     raw = bytearray(path.read_bytes())
     raw[-1] ^= 0xFF  # a flipped bit in the last tensor's bytes: the file keeps its size
     path.write_bytes(bytes(raw))
+
+
+def test_a_corrupt_local_copy_falls_back_to_an_older_one_then_to_the_persistent_checkpoint(tmp_path) -> None:
+    run(tmp_path, range(1, 7))
+    older, newest = sorted(os.listdir(tmp_path / "local"))
+    flip_last_byte(tmp_path, newest)
+    restored = state(0)
+    with pytest.warns(LocalTierWarning, match="nothing of it used"):
+        assert manager(tmp_path).restore_latest(restored) == 5
+    assert all(torch.equal(restored[k], state(5)[k]) for k in restored)
+    flip_last_byte(tmp_path, older)
     restored = state(0)
     with pytest.warns(LocalTierWarning, match="nothing of it used"):
         assert manager(tmp_path).restore_latest(restored) == 4
     assert all(torch.equal(restored[k], state(4)[k]) for k in restored)
 
 
-def test_another_jobs_local_checkpoints_are_never_used_and_are_deleted(tmp_path) -> None:
+def test_a_local_save_that_never_committed_is_cleaned_by_the_next_once_old(tmp_path, monkeypatch) -> None:
+    run(tmp_path, range(1, 3))
+    leftover = tmp_path / "local" / "step-00000009-0123abcd"  # a crash mid-save left data and no COMMITTED
+    (leftover / "data").mkdir(parents=True)
+    (leftover / "data" / "00000-0123abcd.safetensors").write_bytes(b"partial")
+    (tmp_path / "local" / "notes.txt").write_text("not ours")
+    run(tmp_path, range(3, 4))
+    assert leftover.exists()  # young: another job sharing the root may still be writing it
+    monkeypatch.setattr(knobs, "LOCAL_TIER_GRACE", 0.0)
+    run(tmp_path, range(4, 6))
+    assert not leftover.exists() and (tmp_path / "local" / "notes.txt").exists()
+
+
+def test_another_jobs_local_checkpoints_are_never_used_and_are_deleted(tmp_path, monkeypatch) -> None:
     run(tmp_path, range(1, 4), local_job="yesterday's job")  # steps 1..3 in the local root, no persistent one
     restored = state(0)
     with pytest.warns(LocalTierWarning, match="another job"):
         assert manager(tmp_path).restore_latest(restored) is None
     assert torch.equal(restored["w"], state(0)["w"])
-    run(tmp_path, range(1, 3))  # this job's first local save deletes the other job's copies
+    run(tmp_path, range(1, 2))
+    assert {c.job for c in inventory(open_storage(str(tmp_path / "local")))} == {
+        str(tmp_path / "persistent"),
+        "yesterday's job",
+    }
+    monkeypatch.setattr(knobs, "LOCAL_TIER_GRACE", 0.0)
+    run(tmp_path, range(2, 3))  # once older than the grace period, the other job's copies go
     copies = inventory(open_storage(str(tmp_path / "local")))
     assert sorted(c.step for c in copies) == [1, 2] and {c.job for c in copies} == {str(tmp_path / "persistent")}
     assert JOB_KEY == "shardckpt.tier.job"

@@ -205,6 +205,7 @@ class Checkpointer:
                 peers=peers,
                 durable=local_durable,
                 block_size=block_size,
+                persistent=self.root,
             )
         )
         self._series: tuple[str, str, int] | None = None  # (name, attempt, place in the series) of the last save

@@ -4,6 +4,7 @@ storage, copied to peers on other nodes, restored from whatever survived (distri
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -36,12 +37,19 @@ class LocalTier:
         peers: int,
         durable: bool | None = None,
         block_size: int = knobs.BLOCK_SIZE,
+        persistent: str | None = None,
     ) -> None:
         for what, value, low in (("local_every_steps", every_steps, 1), ("local_keep", keep, 1), ("peers", peers, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ShardckptUsageError(f"{what} must be an integer >= {low}, got {value!r}")
         if not isinstance(root, str) or not root or "://" in root:
             raise ShardckptUsageError(f"local_root must be a directory path on the node, got {root!r}")
+        if persistent is not None and _nested(root, persistent):
+            # Local checkpoints there would be listed, ordered and pruned as persistent ones (and the reverse).
+            raise ShardckptUsageError(
+                f"local_root {root!r} and the persistent root {persistent!r} overlap: give the local tier a "
+                "directory of its own, outside the persistent root (e.g. /dev/shm/<job>)"
+            )
         self.storage = open_local_tier(root, durable)
         self.job, self.every_steps, self.keep, self.peers, self.block_size = job, every_steps, keep, peers, block_size
         # Each rank's node: SHARDCKPT_NODE, else torchrun's GROUP_RANK; without either, one node for all ranks.
@@ -60,19 +68,28 @@ class LocalTier:
     def due(self, step: int) -> bool:
         return step % self.every_steps == 0 and step != self.last_step
 
-    def save(self, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]], step: int, group: Group | _Solo) -> str:
-        """Save `state` as this step's local checkpoint on every node, then prune each node's tier; its name."""
-        name, _ = save_local(
-            state,
-            self.storage,
-            group=group,
-            nodes=self.nodes,
-            step=step,
-            job=self.job,
-            peers=self.peers,
-            block_size=self.block_size,
-        )
+    def save(
+        self, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]], step: int, group: Group | _Solo
+    ) -> str | None:
+        """Save `state` as this step's local checkpoint on every node, then prune each node's tier; its name.
+
+        A failed local save (tmpfs full, a rank's state) warns on every rank and returns None: training goes on
+        with the local checkpoints it has and the persistent ones, which the failure does not touch."""
         self.last_step = step
+        try:
+            name, _ = save_local(
+                state,
+                self.storage,
+                group=group,
+                nodes=self.nodes,
+                step=step,
+                job=self.job,
+                peers=self.peers,
+                block_size=self.block_size,
+            )
+        except ShardckptError as exc:
+            warnings.warn(f"local save of step {step} failed, nothing of it used: {exc}", LocalTierWarning, 3)
+            return None
         if group.rank == min(r for r, node in enumerate(self.nodes) if node == self.nodes[group.rank]):
             try:
                 prune_local(
@@ -118,3 +135,12 @@ class LocalTier:
         if restored is not None:
             self.last_step, self.last_restore = restored.step, restored
         return restored
+
+
+def _nested(local: str, persistent: str) -> bool:
+    """Whether two roots are the same directory or one lies inside the other (a persistent URL never is local)."""
+    if "://" in persistent and not persistent.startswith("file://"):
+        return False
+    one = os.path.realpath(local)
+    other = os.path.realpath(persistent.removeprefix("file://"))
+    return one == other or one.startswith(other.rstrip("/") + "/") or other.startswith(one.rstrip("/") + "/")

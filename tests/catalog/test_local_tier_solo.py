@@ -109,7 +109,17 @@ def test_local_tier_arguments_and_media(tmp_path) -> None:
             manager(tmp_path, **bad)
     with pytest.raises(ShardckptUsageError, match="local_root"):
         shardckpt.Checkpointer(str(tmp_path / "p"), local_root="s3://bucket/local")
+    for inside in ("p", "p/local", "."):  # the same directory, or one inside the other: listed as each other's
+        with pytest.raises(ShardckptUsageError, match="overlap"):
+            shardckpt.Checkpointer(str(tmp_path / "p"), local_root=str(tmp_path / inside))
     assert isinstance(open_local_tier(str(tmp_path), durable=False), VolatileStorage)
     assert not isinstance(open_local_tier(str(tmp_path), durable=True), VolatileStorage)
     if file_system_type("/dev/shm") == "tmpfs":
         assert isinstance(open_local_tier("/dev/shm/shardckpt-test-never-created"), VolatileStorage)
+
+
+def test_a_failed_local_save_warns_and_training_goes_on(tmp_path) -> None:
+    (tmp_path / "local").write_text("a file where the local root should be: every local write fails")
+    with pytest.warns(LocalTierWarning, match="local save of step 1 failed"):
+        run(tmp_path, range(1, 5))
+    assert shardckpt.latest(str(tmp_path / "persistent")).endswith("step-00000004")

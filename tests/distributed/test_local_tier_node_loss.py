@@ -15,7 +15,9 @@ from tests.helpers.tier_worker import __file__ as WORKER_FILE
 pytestmark = pytest.mark.dist
 
 
-def test_a_node_loss_resumes_from_the_surviving_local_copies_or_falls_back_whole(tmp_path) -> None:
+def test_a_node_loss_resumes_from_the_surviving_local_copies_or_falls_back_whole(tmp_path, monkeypatch) -> None:
+    # A small read and transfer budget: files are replicated, and restored, in several rounds of 4 KiB.
+    monkeypatch.setenv("SHARDCKPT_MAX_IN_FLIGHT", "4096")
     from pathlib import Path
 
     worker = Path(WORKER_FILE)

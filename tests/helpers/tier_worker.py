@@ -29,7 +29,7 @@ from tests.helpers.launch import serve_rank
 def full(step: int) -> dict[str, torch.Tensor]:
     """The whole state after `step` steps: what every world size must restore bit for bit."""
     return {
-        "w": torch.arange(48, dtype=torch.float32).reshape(8, 6) / 7 + step,
+        "w": torch.arange(64 * 256, dtype=torch.float32).reshape(64, 256) / 7 + step,  # 16 KiB per rank of 4
         "b": torch.arange(5, dtype=torch.float64) * step - 1 / 3,
         "n": torch.tensor([step], dtype=torch.int64),
     }

@@ -85,6 +85,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="N",
         help="with --incremental: every N-th checkpoint is a full one (default %(default)d)",
     )
+    tier = parser.add_argument_group("node-local tier (docs/guide/local-tier.md)")
+    tier.add_argument(
+        "--local-root",
+        metavar="DIR",
+        help="also checkpoint into DIR on every node (tmpfs or local NVMe) between persistent saves; a resume takes "
+        "the newest step the surviving nodes hold when it is newer than --ckpt's",
+    )
+    tier.add_argument("--local-every", type=int, default=10, metavar="N", help="a local checkpoint every N steps")
+    tier.add_argument("--local-keep", type=int, default=2, metavar="K", help="local checkpoints kept per node")
+    tier.add_argument("--peers", type=int, default=1, help="other nodes keeping a copy of each rank's local files")
     parser.add_argument("--global-batch", type=int, default=12, help="samples per step over all ranks")
     parser.add_argument("--lr", type=float, default=1e-2, help="peak learning rate")
     parser.add_argument("--warmup", type=int, default=5, help="linear warmup steps")

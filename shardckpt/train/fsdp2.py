@@ -67,6 +67,10 @@ class Trainer:
             # Beside another run's checkpoints the same cadence meets the same step names: this run's carry its id.
             run_names=args.ignore_existing and not args.resume,
             total_steps=args.steps,
+            local_root=args.local_root,
+            local_every_steps=args.local_every,
+            local_keep=args.local_keep,
+            peers=args.peers,
         )
 
     def build(self, model: GPT) -> None:
@@ -154,7 +158,9 @@ class Trainer:
         if state["rng"].value is not None:
             set_rng_state(state["rng"].value, self.device)
         self.keep_schedule()
-        self._say(f"resumed at step {self.step} on {self.world} ranks in {time.perf_counter() - began:.2f} s")
+        tier = self.checkpointer.tier
+        source = " from the local tier" if tier is not None and tier.last_restore is not None else ""
+        self._say(f"resumed at step {self.step}{source} on {self.world} ranks in {time.perf_counter() - began:.2f} s")
         return step
 
     def keep_schedule(self) -> None:

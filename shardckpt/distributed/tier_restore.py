@@ -149,9 +149,10 @@ def restore_local(
         pending.apply()
         assign()
         load_statefuls()
-    finally:
+    finally:  # the in-memory copies of the local manifests live in a process-wide store: gone with the restore
         with contextlib.suppress(ShardckptError):
-            scratch.delete("")
+            for name in scratch.list(layout.RANKS_DIR):
+                scratch.delete(f"{layout.RANKS_DIR}/{name}")
     return TierRestore(choice.name, choice.step, local_bytes, received, tuple(aside))
 
 

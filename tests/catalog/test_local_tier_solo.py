@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import fsspec
 import pytest
 import torch
 
@@ -47,6 +48,8 @@ def test_local_saves_between_persistent_ones_are_kept_k_deep_and_resumed_from(tm
     restored = state(0)
     assert manager(tmp_path).restore_latest(restored) == 6
     assert all(torch.equal(restored[k], state(6)[k]) for k in restored)
+    # The planner's in-memory copy of the local manifests lives in fsspec's process-wide store: gone afterwards.
+    assert not [path for path in fsspec.filesystem("memory").store if path.startswith("/shardckpt-tier/")]
 
 
 def flip_last_byte(tmp_path, name: str) -> None:

@@ -89,8 +89,8 @@ def restore_local(
         mine = inventory(root)
     except NotFoundError:
         pass  # a node with an empty (new) local root
-    except ShardckptError as exc:
-        warnings.warn(f"local tier {root.url} unreadable, left out of the restore: {exc}", LocalTierWarning, 2)
+    except Exception as exc:  # whatever it is, this rank must still join the collectives below
+        warnings.warn(f"local tier {root.url} unreadable, left out of the restore: {exc!r}", LocalTierWarning, 2)
     everyone = [
         [LocalCopy.unpack(fields) for fields in _unpack(raw)]
         for raw in _all_gather(group, _pack([c.pack() for c in mine]))

@@ -69,6 +69,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.s3
 	$(BIN)/python -m benchmarks.ds_engine --json benchmarks/ds_engine.json
 	$(BIN)/python -m benchmarks.shared_reads --size-mib 2048 --s3 --json benchmarks/shared_reads.json
+	$(BIN)/python -m benchmarks.local_tier --size-mib 2048 --s3 --json benchmarks/local_tier.json
 	$(MAKE) figures
 
 # The figures of the performance pages, drawn from the JSON files that make bench wrote (those that exist).

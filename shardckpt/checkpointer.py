@@ -239,7 +239,10 @@ class Checkpointer:
             restored = self.tier.restore(
                 state,
                 self.group,
-                newer_than=None if url is None else self._step_of(url),
+                # One read of the marker (rank 0's), not one per rank: thousands of ranks on an object store.
+                newer_than=None
+                if url is None
+                else self._from_coordinator("reading its step", lambda: self._step_of(url)),
                 optional=optional,
                 cast=cast,
                 max_in_flight=max_in_flight,

@@ -37,7 +37,7 @@ from shardckpt.distributed.protocol import (
     _Solo,
     _unpack,
 )
-from shardckpt.errors import DistributedError, IntegrityError, NotFoundError, ShardckptError
+from shardckpt.errors import DistributedError, IntegrityError, NotFoundError, ShardckptError, ShardckptUsageError
 from shardckpt.format import layout, limits
 from shardckpt.format.manifest import decode_commit_marker
 from shardckpt.planner import ReadRequest
@@ -260,11 +260,17 @@ def _fetch(
     return list(zip(requests, slots)), local_bytes, received_bytes
 
 
-def _failure(group: Group | _Solo, error: BaseException | None, key: tuple[str, str, int]) -> LocalTierError:
-    """(all, after a vote that found a failure) Every rank's cause, the same error on every rank."""
-    status = _pack({"error": f"{type(error).__name__}: {error}"} if error is not None else {})
-    replies = [_unpack(reply) for reply in _all_gather(group, status)]
+def _failure(
+    group: Group | _Solo, error: BaseException | None, key: tuple[str, str, int]
+) -> LocalTierError | DistributedError:
+    """(all, after a vote that found a failure) Every rank's cause, the same error on every rank: LocalTierError
+    (try another copy) unless some rank's state does not fit the checkpoint (a usage error: no copy would do, and
+    falling back would hide it), which is a DistributedError the caller sees."""
+    mine = {"error": f"{type(error).__name__}: {error}", "usage": isinstance(error, ShardckptUsageError)}
+    replies = [_unpack(reply) for reply in _all_gather(group, _pack(mine if error is not None else {}))]
     failures = {rank: reply["error"] for rank, reply in enumerate(replies) if "error" in reply}
+    if any(reply.get("usage") for reply in replies):
+        return DistributedError("restore from the local tier", failures)
     failed = LocalTierError("local restore", failures)
     failed.key = key
     return failed

@@ -126,3 +126,11 @@ def test_a_failed_local_save_warns_and_training_goes_on(tmp_path) -> None:
     with pytest.warns(LocalTierWarning, match="local save of step 1 failed"):
         run(tmp_path, range(1, 5))
     assert shardckpt.latest(str(tmp_path / "persistent")).endswith("step-00000004")
+
+
+def test_a_state_that_does_not_fit_the_local_checkpoint_raises_rather_than_starting_over(tmp_path) -> None:
+    run(tmp_path, range(1, 4))  # local steps only: no persistent checkpoint to fall back to
+    wrong = {"w": torch.zeros(5, 4), "n": torch.tensor([0])}
+    with pytest.raises(shardckpt.DistributedError, match="global shape"):
+        manager(tmp_path).restore_latest(wrong)
+    assert torch.equal(wrong["w"], torch.zeros(5, 4))

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from shardckpt import knobs
-from shardckpt.catalog.local_tier import LocalTierWarning, prune_local
+from shardckpt.catalog.local_tier import Footprint, LocalTierWarning, footprint, prune_local
 from shardckpt.distributed.collectives import Group
 from shardckpt.distributed.protocol import _Solo
 from shardckpt.distributed.shared_reads import node_ids
@@ -64,6 +64,10 @@ class LocalTier:
             )
         self.last_step: int | None = None
         self.last_restore: TierRestore | None = None
+
+    def footprint(self, rank: int) -> Footprint:
+        """What this rank's node's local tier takes now (its own ranks' files, replicas kept for peers, the rest)."""
+        return footprint(self.storage, [r for r, node in enumerate(self.nodes) if node == self.nodes[rank]])
 
     def due(self, step: int) -> bool:
         return step % self.every_steps == 0 and step != self.last_step

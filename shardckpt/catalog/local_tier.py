@@ -14,6 +14,7 @@ from shardckpt.catalog.deletion import delete_objects, layout_objects
 from shardckpt.catalog.listing import list_root
 from shardckpt.catalog.retention import delete_checkpoint, retain
 from shardckpt.errors import NotFoundError, ShardckptError
+from shardckpt.format.layout import parse_data_path
 from shardckpt.storage import Storage
 
 # The global manifest's metadata key naming the job a local copy belongs to (the Checkpointer's persistent root,
@@ -104,6 +105,41 @@ def _whole(checkpoint: Storage, path: str, size: int) -> bool:
         return checkpoint.size(path) == size
     except NotFoundError:
         return False
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What a node's local tier takes: data bytes of its own ranks' files and of the replicas it keeps for peers,
+    and of the manifests (every file of its checkpoints' directories counted once)."""
+
+    checkpoints: int
+    own_bytes: int
+    replica_bytes: int
+    other_bytes: int  # manifests, markers, other jobs' checkpoints and leftovers
+
+
+def footprint(root: Storage, own_ranks: Collection[int]) -> Footprint:
+    """The footprint of a node's local tier (`own_ranks`: the ranks of the node, whose files are not replicas)."""
+    own = replicas = other = checkpoints = 0
+    try:
+        names = root.list()
+    except NotFoundError:  # no local save on this node yet
+        names = []
+    for name in names:
+        checkpoint = root.child(name)
+        try:
+            objects = layout_objects(checkpoint)
+        except NotFoundError:  # a file, not a checkpoint directory
+            continue
+        for path, _ in objects:
+            size = checkpoint.size(path)
+            if path.startswith("data/"):
+                rank, _ = parse_data_path(path)
+                own, replicas = (own + size, replicas) if rank in own_ranks else (own, replicas + size)
+            else:
+                other += size
+        checkpoints += 1
+    return Footprint(checkpoints, own, replicas, other)
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,9 @@ def local_steps(tmp_path) -> list[int | None]:
 def test_local_saves_between_persistent_ones_are_kept_k_deep_and_resumed_from(tmp_path) -> None:
     run(tmp_path, range(1, 7))
     assert local_steps(tmp_path) == [5, 6]  # 4 is persistent only; local_keep=2
+    taken = manager(tmp_path).tier.footprint(0)
+    data = sum(p.stat().st_size for p in (tmp_path / "local").glob("*/data/*"))
+    assert (taken.checkpoints, taken.own_bytes, taken.replica_bytes) == (2, data, 0) and taken.other_bytes > 0
     assert shardckpt.latest(str(tmp_path / "persistent")).endswith("step-00000004")
     restored = state(0)
     assert manager(tmp_path).restore_latest(restored) == 6

@@ -26,6 +26,9 @@ def test_a_node_loss_resumes_from_the_surviving_local_copies_or_falls_back_whole
         "train", 4, {"base": base, "nodes": ["a", "a", "b", "b"], "killed": "b"}, timeout=120, worker=worker
     )
     assert [r is not None and r["ok"] for r in trained] == [True, True, False, False], trained
+    # Node a keeps local steps 1 and 3 (2 is persistent) of its own two ranks and, as replicas, of node b's two.
+    taken = trained[0]["value"]  # type: ignore[index]
+    assert taken["checkpoints"] == 2 and taken["own"] > 0 and abs(taken["replicas"] - taken["own"]) < taken["own"] / 4
     for variant in ("peers1", "peers0"):
         shutil.rmtree(tmp_path / variant / "local-b")  # the lost node's local storage is gone with it
     for nodes in (["a", "a", "c"], ["a", "a", "c", "c"]):

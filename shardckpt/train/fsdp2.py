@@ -159,8 +159,10 @@ class Trainer:
             set_rng_state(state["rng"].value, self.device)
         self.keep_schedule()
         tier = self.checkpointer.tier
-        source = " from the local tier" if tier is not None and tier.last_restore is not None else ""
-        self._say(f"resumed at step {self.step}{source} on {self.world} ranks in {time.perf_counter() - began:.2f} s")
+        restored = tier.last_restore if tier is not None else None
+        # "resumed [from X ]at step N on W ranks": the form tests/soak.py reads.
+        source = f"from local:{restored.name} " if restored is not None else ""
+        self._say(f"resumed {source}at step {self.step} on {self.world} ranks in {time.perf_counter() - began:.2f} s")
         return step
 
     def keep_schedule(self) -> None:

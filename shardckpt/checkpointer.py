@@ -45,7 +45,7 @@ from shardckpt.distributed import protocol
 from shardckpt.distributed.collectives import Group, broadcast_bytes
 from shardckpt.errors import DistributedError, ShardckptError, ShardckptUsageError
 from shardckpt.format.manifest import CommitMarker, GlobalManifest
-from shardckpt.local_tier import LocalTier
+from shardckpt.local_tier import LocalTier, job_of
 from shardckpt.read.checkpoint import DEFAULT_MAX_IN_FLIGHT
 from shardckpt.statedict.staging import StagingBuffers, stage
 from shardckpt.storage import open_storage
@@ -199,7 +199,7 @@ class Checkpointer:
             else LocalTier(
                 local_root,
                 group=self.group,
-                job=self.root if local_job is None else local_job,
+                job=job_of(self.root) if local_job is None else local_job,
                 every_steps=local_every_steps,
                 keep=local_keep,
                 peers=peers,

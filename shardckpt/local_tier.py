@@ -148,3 +148,11 @@ def _nested(local: str, persistent: str) -> bool:
     one = os.path.realpath(local)
     other = os.path.realpath(persistent.removeprefix("file://"))
     return one == other or one.startswith(other.rstrip("/") + "/") or other.startswith(one.rstrip("/") + "/")
+
+
+def job_of(root: str) -> str:
+    """The default job of a local tier: its persistent root, a local path made absolute and resolved, so that
+    `ckpt`, `./ckpt/` and `/abs/ckpt` name one job (another spelling would make its own tier another job's)."""
+    if "://" in root and not root.startswith("file://"):
+        return root.rstrip("/")
+    return os.path.realpath(root.removeprefix("file://"))

@@ -109,6 +109,14 @@ def test_another_jobs_local_checkpoints_are_never_used_and_are_deleted(tmp_path,
     assert JOB_KEY == "shardckpt.tier.job"
 
 
+def test_another_spelling_of_the_persistent_root_is_the_same_job(tmp_path, monkeypatch) -> None:
+    run(tmp_path, range(1, 4))
+    monkeypatch.chdir(tmp_path)
+    restored = state(0)
+    again = shardckpt.Checkpointer("./persistent/", local_root="local", local_every_steps=1, preemption_signals=())
+    assert again.restore_latest(restored) == 3
+
+
 def test_local_tier_arguments_and_media(tmp_path) -> None:
     for bad in ({"local_keep": 0}, {"local_every_steps": 0}, {"peers": -1}, {"peers": True}):
         with pytest.raises(ShardckptUsageError):

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.unit
 node_lists = st.lists(st.integers(0, 5), min_size=1, max_size=13)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(node_lists, st.integers(0, 4))
 def test_every_file_outlives_the_loss_of_any_one_node(nodes, peers) -> None:
     partners = replica_partners(nodes, peers)
@@ -42,7 +42,7 @@ def test_partners_hand_computed_on_uneven_nodes() -> None:
         replica_partners([0, 1], -1)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.data())
 def test_every_range_is_read_by_a_holder_of_its_file(data) -> None:
     world = data.draw(st.integers(1, 6))

@@ -152,3 +152,18 @@ def test_uncompressed_saves_stay_format_1_0(tmp_path) -> None:
     save_sharded(_state(), url, 2)
     manifest = shardckpt.open(url).manifest
     assert manifest.version == (1, 0) and all(f.logical_size is None for f in manifest.files)
+
+
+def test_checkpointer_saves_compressed_and_restores(tmp_path) -> None:
+    root = str(tmp_path / "run")
+    with pytest.raises(ShardckptUsageError, match="unknown compression 'ztsd'"):
+        shardckpt.Checkpointer(root, compression="ztsd")
+    state = _state()
+    manager = shardckpt.Checkpointer(root, every_steps=1, compression="zstd")
+    manager.maybe_save(1, dict(state))
+    manager.close()
+    url = shardckpt.latest(root)
+    assert url is not None and shardckpt.open(url).manifest.files[0].logical_size is not None
+    target = {name: torch.zeros_like(tensor) for name, tensor in state.items()}
+    assert shardckpt.Checkpointer(root).restore_latest(target) == 1
+    assert all(torch.equal(target[name], state[name]) for name in state)

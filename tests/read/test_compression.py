@@ -194,3 +194,17 @@ def test_copy_export_dcp_streaming_inspect_and_du_read_compressed(tmp_path, comp
     assert cli_main(["export", url, str(out), "--include", ".*", "-q"]) == 0
     with safe_open(str(next(out.glob("*.safetensors"))), "pt") as handle:
         assert torch.equal(handle.get_tensor("big"), state["big"])
+
+
+def test_dcp_storage_writer_compresses_and_dcp_load_reads_it(tmp_path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    url = str(tmp_path / "step-3")
+    state = {"w": (torch.randn(64, 32) * 0.02).to(torch.bfloat16), "i": torch.arange(5)}
+    dcp.save(state, storage_writer=shardckpt.dcp.StorageWriter(url, compression="zstd"))
+    assert shardckpt.open(url).manifest.files[0].logical_size is not None
+    target = {name: torch.zeros_like(tensor) for name, tensor in state.items()}
+    dcp.load(target, storage_reader=shardckpt.dcp.StorageReader(url))
+    assert all(torch.equal(target[name], state[name]) for name in state)
+    with pytest.raises(ShardckptUsageError, match="unknown compression"):
+        shardckpt.dcp.StorageWriter(url, compression="gzip")

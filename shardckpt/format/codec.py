@@ -6,6 +6,7 @@ Pure: bytes in, bytes out, no I/O. A block that does not shrink is stored raw, s
 from __future__ import annotations
 
 import struct
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,11 @@ _MIN_MATCH = 7
 # bit moves to the bottom and the top byte holds eight exponent bits (all of BF16's, F32's; ZipNN's trick):
 # that byte stream is highly repetitive and zstd shrinks it well, while the mantissa bytes stay near random.
 PLAIN, GROUP, ROTATE = 0, 1, 2
-RAW_STREAM, ZSTD_STREAM = 0, 1
+# Group streams: raw, one zstd frame, or one raw deflate stream (RFC 1951). The exponent stream of a rotated float
+# is written as Huffman-only deflate: an order-0 Huffman code per ~16 K symbols fits its few distinct values closer
+# than zstd's matches do (MiniLM BF16 exponents: 0.329 of raw against 0.355 for zstd -1..4 and 0.332 for zstd -19,
+# at about 150 MB/s per core), which is what brings the whole at or below ZipNN's size. Other groups go to zstd.
+RAW_STREAM, ZSTD_STREAM, DEFLATE_STREAM = 0, 1, 2
 _ROTATED = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "C64": 4}  # C64 is two F32s: group as F32
 _WIDTHS = (1, 2, 4, 8)
 _UINT: dict[int, np.dtype[Any]] = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
@@ -89,9 +94,13 @@ class BlockEncoder:
         transform, width = plan_transform(dtype, size)
         parts: list[bytes | memoryview] = [bytes((transform, width))]
         total = 2
-        for group in _split(raw, transform, width):
-            frame = self._zstd.compress(group)
-            mode, body = (ZSTD_STREAM, frame) if len(frame) < len(group) else (RAW_STREAM, group)
+        for k, group in enumerate(_split(raw, transform, width)):
+            if transform == ROTATE and k == width - 1:
+                coder = zlib.compressobj(1, zlib.DEFLATED, -15, 8, zlib.Z_HUFFMAN_ONLY)  # 16 K symbols per code
+                frame, kind = coder.compress(group) + coder.flush(), DEFLATE_STREAM
+            else:
+                frame, kind = self._zstd.compress(group), ZSTD_STREAM
+            mode, body = (kind, frame) if len(frame) < len(group) else (RAW_STREAM, group)
             parts.append(_STREAM_HEAD.pack(mode, len(body)))
             parts.append(body)
             total += _STREAM_HEAD.size + len(body)
@@ -147,6 +156,8 @@ def _decode_stream(mode: int, body: memoryview, size: int, where: str) -> bytes:
         if len(body) != size:
             raise IntegrityError(f"{where}: raw group of {len(body)} bytes, expected {size}")
         return bytes(body)
+    if mode == DEFLATE_STREAM:
+        return _inflate(body, size, where)
     if mode != ZSTD_STREAM:
         raise IntegrityError(f"{where}: unknown group mode {mode}")
     try:
@@ -162,3 +173,15 @@ def _decode_stream(mode: int, body: memoryview, size: int, where: str) -> bytes:
     if not done or rest or len(out) != size:
         raise IntegrityError(f"{where}: zstd frame is not exactly one complete frame of {size} bytes")
     return bytes(out)
+
+
+def _inflate(body: memoryview, size: int, where: str) -> bytes:
+    """Exactly one raw deflate stream of exactly `size` bytes; never more than size + 1 bytes of output."""
+    inflater = zlib.decompressobj(-15)
+    try:
+        out = inflater.decompress(body, size + 1)
+    except zlib.error as exc:
+        raise IntegrityError(f"{where}: corrupt deflate stream ({exc})") from None
+    if not inflater.eof or inflater.unused_data or inflater.unconsumed_tail or len(out) != size:
+        raise IntegrityError(f"{where}: deflate stream is not exactly one complete stream of {size} bytes")
+    return out

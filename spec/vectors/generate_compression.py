@@ -42,7 +42,8 @@ U32 = "<u4"
 def valid_compressed_blocks() -> None:
     case = ValidCase(
         CASE,
-        "format 1.2: every block stored compressed (byte grouping, sign-rotated floats, zstd per group) or raw where "
+        "format 1.2: every block stored compressed (byte grouping, sign-rotated floats, Huffman-only deflate for "
+        "exponent bytes and zstd for the other groups) or raw where "
         "it does not shrink (the random bytes of 'noise'); pieces are U8 safetensors entries of their stored bytes",
         2,
         7,

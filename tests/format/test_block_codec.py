@@ -5,6 +5,7 @@ bound, and a decoder that meets only typed errors on mutated, truncated and host
 from __future__ import annotations
 
 import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -117,3 +118,28 @@ def test_hostile_frames_are_integrity_errors() -> None:
     lying[5:7] = struct.pack("<H", 4096 - 256)  # the frame now claims 4096 bytes but holds 16384
     with pytest.raises(IntegrityError, match="corrupt zstd frame"):
         decode_block(_block(bytes(lying)), 4096, WHERE)
+
+
+def test_hostile_deflate_groups_are_integrity_errors() -> None:
+    def deflate(data: bytes) -> bytes:
+        coder = zlib.compressobj(1, zlib.DEFLATED, -15, 8, zlib.Z_HUFFMAN_ONLY)
+        return coder.compress(data) + coder.flush()
+
+    def block(stream: bytes) -> bytes:  # one rotated BF16 block of 4096 bytes: mantissa raw, exponents deflated
+        return bytes((2, 2)) + struct.pack("<BI", 0, 2048) + bytes(2048) + struct.pack("<BI", 2, len(stream)) + stream
+
+    good = deflate(bytes((0, 1, 2, 3)) * 512)
+    assert len(decode_block(block(good), 4096, WHERE)) == 4096
+    bomb = zlib.compressobj(9, zlib.DEFLATED, -15)
+    with pytest.raises(IntegrityError, match="not exactly one complete stream of 2048 bytes"):
+        decode_block(block(bomb.compress(bytes(1 << 20)) + bomb.flush()), 4096, WHERE)  # 1 MiB in ~1 KiB: not inflated
+    with pytest.raises(IntegrityError, match="not exactly one complete stream"):
+        decode_block(block(good[:-3]), 4096, WHERE)
+    with pytest.raises(IntegrityError, match="not exactly one complete stream"):
+        decode_block(block(good + b"\0\0"), 4096, WHERE)
+    with pytest.raises(IntegrityError, match="corrupt deflate stream|not exactly one complete"):
+        decode_block(block(b"\xff" * len(good)), 4096, WHERE)
+    with pytest.raises(IntegrityError, match="unknown group mode 3"):
+        decode_block(
+            bytes((2, 2)) + struct.pack("<BI", 3, 2048) + bytes(2048) + struct.pack("<BI", 0, 2048), 4096, WHERE
+        )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import json
+import warnings
 
 import msgpack
 import numpy as np
@@ -25,6 +26,7 @@ from shardckpt.ops.verify import verify
 from shardckpt.planner import Box, Target
 from shardckpt.planner.plan import plan_reads
 from shardckpt.read.streaming import chunk_arena, open_streaming, read_chunks
+from shardckpt.write.holders import DamagedHolderWarning
 from tests.helpers.checkpoints import chunk_bounds, sample_state, save_sharded
 
 
@@ -231,3 +233,24 @@ def test_s3_save_and_batched_load_of_a_compressed_checkpoint(s3_url: str) -> Non
     assert all(torch.equal(target[name], state[name]) for name in state)
     assert torch.equal(shardckpt.open(url).read("big", offsets=(100, 8), shape=(700, 50)), state["big"][100:800, 8:58])
     assert verify(url).ok
+
+
+def test_incremental_saves_reference_raw_pieces_and_rewrite_compressed_ones(tmp_path) -> None:
+    """A compressed child references its raw parent's unchanged pieces; a compressed parent's pieces carry no raw
+    block checksums, so its child writes them again (SPEC 4.1, References)."""
+    root = tmp_path / "run"
+    state = {"frozen": torch.randn(5000), "trained": torch.randn(3000)}
+    shardckpt.save(state, str(root / "step-1"), step=1, piece_hashes=True)
+    state2 = {"frozen": state["frozen"], "trained": state["trained"] + 1}
+    child = shardckpt.save(state2, str(root / "step-2"), step=2, parent=str(root / "step-1"), compression="zstd")
+    assert [r.file.target.checkpoint for r in child.references] == ["step-1"] and child.version == (1, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DamagedHolderWarning)  # never taken for a damaged holder, never referenced
+        grandchild = shardckpt.save(
+            state2, str(root / "step-3"), step=3, parent=str(root / "step-2"), compression="zstd"
+        )
+    assert [r.file.target.checkpoint for r in grandchild.references] == ["step-1"]  # "trained" written anew
+    for name in ("step-2", "step-3"):
+        checkpoint = shardckpt.open(str(root / name))
+        assert all(torch.equal(checkpoint.read(key), value) for key, value in state2.items())
+        assert verify(str(root / name)).ok

@@ -69,7 +69,7 @@ def test_codec_names() -> None:
         check_codec("zstandard")
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(
     dtype=st.sampled_from(["BF16", "F32", "I64", "U8"]),
     seed=st.integers(0, 3),

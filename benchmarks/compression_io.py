@@ -36,10 +36,6 @@ def local_data_bytes(url: str) -> int:
     return sum(os.path.getsize(folder / name) for name in os.listdir(folder))
 
 
-def medians(samples: dict[str, list[float]]) -> dict[str, float]:
-    return {name: statistics.median(values) for name, values in samples.items()}
-
-
 def turns(operations: dict[str, Callable[[], object]], repeats: int, before: Callable[[], object] | None) -> dict:
     """Median seconds of each operation; they take turns (a slow spell of the machine hits them alike)."""
     samples: dict[str, list[float]] = {name: [] for name in operations}
@@ -51,7 +47,7 @@ def turns(operations: dict[str, Callable[[], object]], repeats: int, before: Cal
             began = time.perf_counter()
             operations[name]()
             samples[name].append(time.perf_counter() - began)
-    return medians(samples)
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def compare(name: str, seconds: dict[str, float], stored: dict[str, int], size: int) -> dict[str, object]:
@@ -75,31 +71,37 @@ def compare(name: str, seconds: dict[str, float], stored: dict[str, int], size: 
 def local_rows(state: dict[str, torch.Tensor], repeats: int, scratch: str, warm: bool) -> dict[str, object]:
     size = sum(t.numel() * t.element_size() for t in state.values())
     counter = iter(range(1 << 30))
-    saved: dict[str, str] = {}
+    stored: dict[str, int] = {}
+    written: list[str] = []
 
     def save(way: str) -> None:
         url = f"{scratch}/save-{way}-{next(counter)}"
-        shardckpt.save(state, url, compression=WAYS[way])
-        saved[way] = url
+        written.append(url)
+        shardckpt.save(state, url, step=1, compression=WAYS[way])
+        stored[way] = local_data_bytes(url)
 
-    def clear() -> None:
-        for url in saved.values():
-            shutil.rmtree(url, ignore_errors=True)
-        saved.clear()
-        os.sync()  # the next save starts with the disk even (benchmarks/__main__.py's remove)
+    def remove_saved() -> None:
+        """Every save writes into blocks the disk freed just before (benchmarks/__main__.py's remove: see its note)."""
+        while written:
+            shutil.rmtree(written.pop(), ignore_errors=True)
+        os.sync()
 
-    seconds = turns({way: lambda way=way: save(way) for way in WAYS}, repeats, clear)  # type: ignore[misc]
-    row = {"save": compare("local save", seconds, {w: local_data_bytes(u) for w, u in saved.items()}, size)}
-    save_rate = row["save"]["logical_gib_s"]  # type: ignore[index]
-    row["save_throughput_ratio"] = save_rate["zstd"] / save_rate["plain"]  # type: ignore[assignment]
+    seconds = turns({way: lambda way=way: save(way) for way in WAYS}, repeats, remove_saved)  # type: ignore[misc]
+    remove_saved()
+    row: dict[str, object] = {"save": compare("local save", seconds, stored, size)}
+    rates = row["save"]["logical_gib_s"]  # type: ignore[index]
+    row["save_throughput_ratio"] = rates["zstd"] / rates["plain"]
     print(f"  local save throughput zstd / plain = {row['save_throughput_ratio']:.3f} (target >= 0.9)", flush=True)
+    urls = {way: f"{scratch}/load-{way}" for way in WAYS}
+    for way, url in urls.items():
+        shardckpt.save(state, url, step=1, compression=WAYS[way])
     destination = {name: torch.empty_like(tensor) for name, tensor in state.items()}
     cold = not warm and drop_caches()
-    loads = {way: lambda way=way: shardckpt.load(destination, saved[way]) for way in WAYS}
-    load_seconds = turns(loads, repeats, drop_caches if cold else None)  # type: ignore[arg-type]
-    name = f"local load ({'cold' if cold else 'warm'})"
-    row["load"] = compare(name, load_seconds, {w: local_data_bytes(u) for w, u in saved.items()}, size)
-    clear()
+    loads = {way: lambda url=url: shardckpt.load(destination, url) for way, url in urls.items()}
+    load_seconds = turns(loads, repeats, drop_caches if cold else None)  # type: ignore[misc]
+    row["load"] = compare(f"local load ({'cold' if cold else 'warm'})", load_seconds, stored, size)
+    for url in urls.values():
+        shutil.rmtree(url, ignore_errors=True)
     return row
 
 
@@ -117,11 +119,12 @@ def s3_rows(state: dict[str, torch.Tensor], repeats: int, endpoint: str | None, 
         counter = iter(range(1 << 30))
 
         def save(way: str) -> None:
-            shardckpt.save(state, f"s3://{run}/{way}-{next(counter)}", compression=WAYS[way], storage_options=options)
+            url = f"s3://{run}/{way}-{next(counter)}"
+            shardckpt.save(state, url, step=1, compression=WAYS[way], storage_options=options)
 
         urls = {way: f"s3://{run}/loaded-{way}" for way in WAYS}
         for way, url in urls.items():  # the checkpoints the loads read, written once (this also warms both paths)
-            shardckpt.save(state, url, compression=WAYS[way], storage_options=options)
+            shardckpt.save(state, url, step=1, compression=WAYS[way], storage_options=options)
         stored = {way: int(fs.du(f"{url}/data")) for way, url in urls.items()}
         destination = {name: torch.empty_like(tensor) for name, tensor in state.items()}
         saves = turns({way: lambda way=way: save(way) for way in WAYS}, repeats, None)  # type: ignore[misc]
@@ -157,10 +160,14 @@ def reshard_row(source: str, scratch: str, warm: bool, elements: int) -> dict[st
     for way, url in (("plain", args["plain"]), ("zstd", args["packed"])):
         key = "plain" if way == "plain" else "packed"
         stored = local_data_bytes(str(url))
+        fetched, needed = [rank[key]["fetched"] for rank in ranks], [rank[key]["needed"] for rank in ranks]
         row[way] = {
             "stored_bytes": stored,
             "read_bytes": sum(rank[key]["read"] for rank in ranks),
             "read_ratio": sum(rank[key]["read"] for rank in ranks) / stored,
+            "fetched_ratio": sum(fetched) / stored if None not in fetched else None,
+            # the load's own count: bytes it fetched from storage / bytes its plan needed
+            "fetched_over_needed": sum(fetched) / sum(needed) if None not in fetched + needed else None,
             "seconds": max(rank[key]["seconds"] for rank in ranks),
             "agree": all(rank[key]["agree"] for rank in ranks),
         }
@@ -168,7 +175,8 @@ def reshard_row(source: str, scratch: str, warm: bool, elements: int) -> dict[st
         cell = row[way]
         assert isinstance(cell, dict)
         print(
-            f"  reshard 4 -> 3 ({way}): stored bytes read / stored bytes needed {cell['read_ratio']:.3f}; "
+            f"  reshard 4 -> 3 ({way}): stored bytes read / stored bytes needed {cell['read_ratio']:.3f} (rchar), "
+            f"{cell['fetched_ratio']:.3f} (fetched; fetched / the plan's needed {cell['fetched_over_needed']:.3f}); "
             f"{cell['seconds']:.3f} s; values equal: {cell['agree']}",
             flush=True,
         )
@@ -195,7 +203,7 @@ def throughput_rows(args: argparse.Namespace, weights: dict[str, torch.Tensor]) 
             rows["s3"] = s3_rows(state, args.repeats, args.endpoint, args.bucket)
         if not args.no_reshard:
             source = "synthetic" if args.smoke else "minilm"
-            rows["reshard_4_to_3"] = reshard_row(source, scratch, args.warm, 1 << 16)
+            rows["reshard_4_to_3"] = reshard_row(source, scratch, args.warm, 1 << 20)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return rows

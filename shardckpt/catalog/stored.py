@@ -18,6 +18,8 @@ from shardckpt.catalog.chain import read_commit_marker, read_opening
 from shardckpt.catalog.identity import home
 from shardckpt.errors import FormatError, IntegrityError, NotCommittedError, ShardckptError, ShardckptUsageError
 from shardckpt.format import limits
+from shardckpt.format.codec import BlockPlace, decode_block
+from shardckpt.format.compressed import BlockMap
 from shardckpt.format.local_manifest import LocalManifest, decode_local_manifest
 from shardckpt.format.manifest import CommitMarker, GlobalManifest, TensorEntry, crc32c_of
 from shardckpt.format.references import GlobalReference, ReferencedPieces, check_local_references
@@ -38,6 +40,8 @@ class FileIndex:
         self.offsets, self.sizes, self.crcs = local.pieces.offset, local.pieces.nbytes, local.crc32c
         blocks = -(-self.sizes // local.block_size)
         self.first_block = np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64) if blocks.size else blocks
+        # Format 1.2: where each block's stored bytes are; `crcs` then covers the stored bytes (SPEC 4.1).
+        self.blocks = None if local.compression is None else BlockMap(local.header_size, local.compression)
         # The same columns as Python ints, made on first use: a lookup per piece then costs no numpy call.
         self._lists: tuple[dict[int, int], list[int], list[int], list[int], list[int], list[int], list[int]] | None
         self._lists = None
@@ -128,6 +132,7 @@ class ReferencedIndex(FileIndex):
         self.rows = np.nonzero(pieces.source == source)[0]
         self.offsets, self.sizes, self.crcs = pieces.offset[self.rows], pieces.nbytes[self.rows], pieces.crc32c
         self.first_block = pieces.first_block
+        self.blocks = None  # a referenced file is stored raw (SPEC 4.1: compressed pieces are not referenced)
         self._lists = None
 
     def _positions_by_offset(self) -> dict[int, int]:
@@ -305,13 +310,15 @@ class StoredCheckpoint:
                 f"{entry.index_size} bytes with CRC32C {entry.index_crc32c:#010x}"
             )
         local = decode_local_manifest(raw, where)
-        if (local.attempt, local.rank, local.world_size, local.data, local.data_size, local.block_size) != (
+        logical = None if local.compression is None else local.compression.logical_size
+        if (local.attempt, local.rank, local.world_size, local.data, local.data_size, local.block_size, logical) != (
             self.manifest.attempt,
             entry.rank,
             self.manifest.world_size,
             entry.data,
             entry.data_size,
             self.manifest.block_size,
+            entry.logical_size,
         ):
             raise FormatError(f"{where}: does not describe {entry.data} of attempt {self.manifest.attempt}")
         files = local.references.files if local.references is not None else ()
@@ -404,6 +411,69 @@ class StoredCheckpoint:
             self._check_data_size(int(number))
         for piece in hit.tolist():
             self._piece_position(int(file[piece]), entry.name, piece)
+
+    # ------------------------------------------------------------------------- compressed files (SPEC 4.1)
+
+    def is_compressed(self, file: int) -> bool:
+        return self.file_index(file).blocks is not None
+
+    def _span_blocks(self, file: int, spans: Sequence[VerifySpan]) -> list[tuple[int, int, VerifySpan]]:
+        """(block index in file order, block number in its piece, span) of every block the spans need, ascending."""
+        index = self.file_index(file)
+        first_block = index.lists()[5]
+        block = self.manifest.block_size
+        found: dict[int, tuple[int, int, VerifySpan]] = {}
+        for span in spans:
+            base = first_block[self._position(file, span)]
+            for number in range((span.start - span.piece_offset) // block, -(-(span.end - span.piece_offset) // block)):
+                found.setdefault(base + number, (base + number, number, span))
+        return [found[key] for key in sorted(found)]
+
+    def stored_range(self, file: int, spans: Sequence[VerifySpan]) -> tuple[int, int]:
+        """File bytes [start, end) that hold the stored blocks the spans need, of a compressed file."""
+        blocks = self.file_index(file).blocks
+        assert blocks is not None
+        needed = self._span_blocks(file, spans)
+        if not needed:
+            return 0, 0
+        return blocks.stored_range(needed[0][0], needed[-1][0] + 1)
+
+    def decode_range(
+        self, file: int, spans: Sequence[VerifySpan], stored: ByteArray, stored_start: int, out: ByteArray, start: int
+    ) -> None:
+        """Check and decompress the blocks the spans need from `stored` (file bytes from `stored_start`) into `out`
+        (logical bytes from `start`): CRC32C of the stored bytes before decompressing, of the logical bytes after.
+
+        Blocks go in file order, so `stored` may lie at the end of `out` itself: a block's logical bytes end no
+        later than the stored bytes of the blocks after it begin (stored sizes never exceed logical ones)."""
+        index = self.file_index(file)
+        blocks = index.blocks
+        assert blocks is not None
+        block = self.manifest.block_size
+        starts, sizes, crcs = blocks.starts, blocks.sizes, index.crcs
+        logical_crcs = blocks.table.crc32c
+        view = stored.data
+        for position, number, span in self._span_blocks(file, spans):
+            lo = int(starts[position]) - stored_start
+            data = view[lo : lo + int(sizes[position])]
+            place = BlockPlace(self.describe_file(file), span.tensor, number)
+            actual = crc32c.crc32c(data)
+            if actual != crcs[position]:
+                raise IntegrityError(
+                    f"{place} of the piece at byte {span.piece_offset} fails its checksum of the stored bytes "
+                    f"(stored {int(crcs[position]):#010x}, read {actual:#010x})"
+                )
+            size = min(block, span.piece_size - number * block)
+            logical = decode_block(data, size, place)
+            if isinstance(logical, memoryview):
+                logical = bytes(logical)  # stored raw: a view of `out` itself, copied before it is overwritten
+            if crc32c.crc32c(logical) != logical_crcs[position]:
+                raise IntegrityError(
+                    f"{place} of the piece at byte {span.piece_offset} decompresses to bytes that fail their "
+                    f"checksum (expected {int(logical_crcs[position]):#010x})"
+                )
+            at = span.piece_offset + number * block - start
+            out[at : at + size] = np.frombuffer(logical, dtype=np.uint8)
 
     def _verify(self, file: int, span: VerifySpan, fetched: ByteArray, fetched_start: int) -> None:
         index = self.file_index(file)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import numpy as np
+
 from shardckpt.errors import FormatError
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.limits import MAX_HEADER_JSON_BYTES
@@ -56,6 +58,8 @@ def header_problems(raw: bytes, local: LocalManifest, where: str) -> list[tuple[
     pieces = local.pieces
     seen: dict[str, int] = {}
     expected_keys = {"__metadata__"}
+    stored = _stored_sizes(local)
+    stored_begin = 0
     for i, (t, offset, size) in enumerate(zip(pieces.tensor.tolist(), pieces.offset.tolist(), pieces.nbytes.tolist())):
         spec = local.tensors[t]
         number = seen.get(spec.name, 0)
@@ -68,6 +72,9 @@ def header_problems(raw: bytes, local: LocalManifest, where: str) -> list[tuple[
         )
         begin = offset - local.header_size
         expected = {"dtype": spec.dtype, "shape": shape, "data_offsets": [begin, begin + size]}
+        if stored is not None:  # SPEC 4.1: a compressed piece is a U8 entry of its stored bytes
+            expected = {"dtype": "U8", "shape": [stored[i]], "data_offsets": [stored_begin, stored_begin + stored[i]]}
+            stored_begin += stored[i]
         found = header.get(key)
         if found != expected:
             problems.append((spec.name, f"safetensors header entry {key!r} is {_short(found)}, expected {expected!r}"))
@@ -85,6 +92,16 @@ def header_problems(raw: bytes, local: LocalManifest, where: str) -> list[tuple[
         missing = sorted(expected_keys - set(header))[:5]
         problems.append((None, f"safetensors header keys differ: extra {extra}, missing {missing}"))
     return problems
+
+
+def _stored_sizes(local: LocalManifest) -> list[int] | None:
+    """The stored size of every piece of a compressed file (its blocks' stored sizes summed), None if raw."""
+    if local.compression is None:
+        return None
+    counts = -(-local.pieces.nbytes // local.block_size)
+    ends = np.cumsum(counts)
+    sums = np.concatenate([[0], np.cumsum(local.compression.stored.astype(np.int64))])
+    return (sums[ends] - sums[ends - counts]).tolist() if counts.size else []
 
 
 def _short(value: object, limit: int = 200) -> str:

@@ -24,6 +24,15 @@ from shardckpt.format.columns import (
     encode_int_column,
     encode_u32_column,
 )
+from shardckpt.format.compressed import (
+    FEATURE as COMPRESSION,
+)
+from shardckpt.format.compressed import (
+    LocalCompression,
+    block_sizes,
+    decode_local_compression,
+    encode_local_compression,
+)
 from shardckpt.format.dtypes import DTYPE_SIZES
 from shardckpt.format.layout import parse_data_path
 from shardckpt.format.references import (
@@ -128,6 +137,12 @@ class LocalManifest:
     step: int | None = None
     version: tuple[int, int] = FORMAT_VERSION
     references: LocalReferences | None = None  # format 1.1: piece hashes, pieces stored by reference
+    compression: LocalCompression | None = None  # format 1.2: the data file's blocks are stored compressed
+
+    @property
+    def logical_size(self) -> int:
+        """The end of the pieces' logical address space: data_size unless the file is compressed (SPEC 4.1)."""
+        return self.data_size if self.compression is None else self.compression.logical_size
 
 
 # ------------------------------------------------------------------------------------------- encoding
@@ -167,10 +182,16 @@ def encode_local_manifest(manifest: LocalManifest) -> bytes:
         "crc32c": encode_u32_column(manifest.crc32c),
         "objects": [{"name": o.name, "rank": o.rank, "value": o.value} for o in manifest.objects],
     }
+    must = []
     if manifest.references is not None:
         document.update(encode_local_references(manifest.references))
         if manifest.references.pieces is not None:
-            document["must_understand"] = [FEATURE]  # a 1.0 reader refuses it rather than miss pieces
+            must.append(FEATURE)  # a 1.0 reader refuses it rather than miss pieces
+    if manifest.compression is not None:
+        document["compression"] = encode_local_compression(manifest.compression)
+        must.append(COMPRESSION)  # a 1.1 reader refuses it rather than read compressed bytes as raw
+    if must:
+        document["must_understand"] = must
     return pack_value(document)
 
 
@@ -220,10 +241,24 @@ def decode_local_manifest(data: bytes, where: str = "local manifest") -> LocalMa
         size_of,
         max_count=int(crcs.size),
     )
-    _check_packing(pieces, header_size, data_size, where)
+    if fields.raw.get("compression") is None:
+        _check_packing(pieces, header_size, data_size, where)
+    elif float(pieces.nbytes.astype(np.float64).sum()) > limits.MAX_EXTENT:  # the block count below stays exact
+        raise FormatError(f"{where}: pieces hold more than 2^62 bytes")
     blocks = int((-(-pieces.nbytes // block_size)).sum())
     if crcs.size != blocks:
         raise FormatError(f"{where}: {crcs.size} checksums for {blocks} blocks")
+    compression = decode_local_compression(
+        fields,
+        version,
+        header_size=header_size,
+        data_size=data_size,
+        logical_blocks=block_sizes(pieces.nbytes, block_size),
+    )
+    if compression is not None:
+        # Pieces tile the logical address space (SPEC 4.1); the stored blocks tile the file (checked above). The
+        # block count is bounded by the raw checksum column, so block_sizes above allocated nothing hostile.
+        _check_packing(pieces, header_size, compression.logical_size, where)
     objects = decode_objects(fields.get("objects", list, optional=True) or [], where, world_size)
     if any(entry.rank not in (None, rank) for entry in objects):
         raise FormatError(f"{where}: a local manifest may only hold shared objects and objects of rank {rank}")
@@ -255,6 +290,7 @@ def decode_local_manifest(data: bytes, where: str = "local manifest") -> LocalMa
         step=fields.integer("step", -(1 << 63), (1 << 63) - 1, optional=True),
         version=version,
         references=references,
+        compression=compression,
     )
 
 

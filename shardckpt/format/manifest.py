@@ -29,6 +29,8 @@ from shardckpt.format.columns import (
     encode_small_int_column,
     small_column_values,
 )
+from shardckpt.format.compressed import FEATURE as COMPRESSION
+from shardckpt.format.compressed import check_feature as check_compression
 from shardckpt.format.dtypes import DTYPE_SIZES, itemsize
 from shardckpt.format.layout import (
     parse_data_path,
@@ -249,6 +251,12 @@ class FileEntry:
     index: str
     index_size: int
     index_crc32c: int
+    logical_size: int | None = None  # format 1.2: the file is compressed; piece offsets address this extent
+
+    @property
+    def extent(self) -> int:
+        """The end of the address space of the file's piece offsets (SPEC 4.1)."""
+        return self.data_size if self.logical_size is None else self.logical_size
 
 
 @dataclass(frozen=True, eq=False)
@@ -590,6 +598,7 @@ def encode_global_manifest(manifest: GlobalManifest) -> bytes:
                 "index": f.index,
                 "index_size": f.index_size,
                 "index_crc32c": f.index_crc32c,
+                **({} if f.logical_size is None else {"logical_size": f.logical_size}),
             }
             for f in manifest.files
         ],
@@ -597,9 +606,14 @@ def encode_global_manifest(manifest: GlobalManifest) -> bytes:
         "objects": [{"name": o.name, "rank": o.rank, "value": o.value} for o in manifest.objects],
         "metadata": manifest.metadata,
     }
+    must = []
     if manifest.references:
-        document["must_understand"] = [FEATURE]
+        must.append(FEATURE)
         document["references"] = encode_global_references(manifest.references)
+    if any(f.logical_size is not None for f in manifest.files):
+        must.append(COMPRESSION)
+    if must:
+        document["must_understand"] = must
     return pack_value(document)
 
 
@@ -627,8 +641,9 @@ def decode_global_manifest(data: bytes, where: str = "manifest") -> GlobalManife
     files = tuple(_decode_file(item, f"{where} files[{i}]", world_size, attempt) for i, item in enumerate(raw_files))
     if [f.rank for f in files] != list(range(world_size)):
         raise FormatError(f"{where}: files must list one data file per rank, in rank order 0..{world_size - 1}")
+    check_compression(fields, version, any(f.logical_size is not None for f in files))
     references = decode_global_references(fields, version, attempt, world_size)
-    sizes = [f.data_size for f in files] + [entry.file.data_size for entry in references]
+    sizes = [f.extent for f in files] + [entry.file.data_size for entry in references]
     tensors = _decode_tensors(fields.get("tensors", list), where, sizes)
     metadata = fields.get("metadata", dict, optional=True) or {}
     objects = decode_objects(fields.get("objects", list, optional=True) or [], where, world_size)
@@ -669,6 +684,7 @@ def _decode_file(raw: object, where: str, world_size: int, attempt: str) -> File
         index=index,
         index_size=fields.integer("index_size", 1, limits.MAX_LOCAL_MANIFEST_BYTES),
         index_crc32c=fields.integer("index_crc32c", 0, (1 << 32) - 1),
+        logical_size=fields.integer("logical_size", 8, limits.MAX_EXTENT, optional=True),
     )
 
 

@@ -299,33 +299,51 @@ class Checkpoint(StoredCheckpoint):
     def fetch_wave(self, wave: list[ReadRequest]) -> list[tuple[ReadRequest, ByteArray]]:
         """Read a wave's ranges concurrently and verify every block of them; nothing is copied."""
         try:
-            blobs = self.data_storage.read_ranges([(self.source(r.file)[1], r.start, r.end) for r in wave])
+            blobs = self.data_storage.read_ranges([(self.source(r.file)[1], *self._stored(r)) for r in wave])
         except TruncatedError as exc:
             names = sorted({span.tensor for r in wave for span in r.verify})
             raise IntegrityError(f"{exc} while reading tensors {names[:5]}") from exc
         fetched_wave = []
         for request, blob in zip(wave, blobs):
-            if len(blob) != request.size:
+            start, end = self._stored(request)
+            if len(blob) != end - start:
                 raise IntegrityError(
-                    f"{self.describe_file(request.file)}: short read of bytes "
-                    f"{request.start}:{request.end} (got {len(blob)})"
+                    f"{self.describe_file(request.file)}: short read of bytes {start}:{end} (got {len(blob)})"
                 )
             fetched = np.frombuffer(blob, dtype=np.uint8)
-            self.verify(request, fetched)
+            if self.is_compressed(request.file):
+                stored, fetched = fetched, np.empty(request.size, dtype=np.uint8)
+                self.decode_range(request.file, request.verify, stored, start, fetched, request.start)
+            else:
+                self.verify(request, fetched)
             fetched_wave.append((request, fetched))
         return fetched_wave
+
+    def _stored(self, request: ReadRequest) -> tuple[int, int]:
+        """The file bytes a request reads: its own range, or the stored blocks behind it in a compressed file."""
+        if self.is_compressed(request.file):
+            return self.stored_range(request.file, request.verify)
+        return request.start, request.end
 
     def read_request(self, reader: RangeReader, request: ReadRequest, slot: ByteArray) -> None:
         """Read one request's bytes into `slot` (request.size bytes) through `reader`; nothing is verified yet."""
         path = self.source(request.file)[1]
+        compressed = self.is_compressed(request.file)
+        start, end = self._stored(request)
+        # A compressed request's stored bytes go to the end of its slot, and decompress into it from the start.
+        into = slot[slot.size - (end - start) :] if compressed else slot
         try:
-            reader.read_into(path, request.start, slot.data)
+            reader.read_into(path, start, into.data)
         except TruncatedError as exc:
             names = sorted({span.tensor for span in request.verify})
             raise IntegrityError(f"{exc} while reading tensors {names[:5]}") from exc
+        if compressed:  # checked (both checksums) while decompressing: verify() has nothing left to do
+            self.decode_range(request.file, request.verify, into, start, slot, request.start)
 
     def verify(self, request: ReadRequest, fetched: ByteArray) -> None:
         """Check every block of a request's bytes against its checksum; IntegrityError on the first mismatch."""
+        if self.is_compressed(request.file):
+            return  # read_request checked every block it decompressed
         for span in request.verify:
             self._verify(request.file, span, fetched, request.start)
 

@@ -28,6 +28,7 @@ from shardckpt.errors import (
 )
 from shardckpt.format import layout, limits
 from shardckpt.format.bulk import gc_paused
+from shardckpt.format.compressed import FIRST_VERSION as COMPRESSED_VERSION
 from shardckpt.format.local_manifest import LocalManifest, decode_local_manifest
 from shardckpt.format.manifest import (
     CommitMarker,
@@ -97,7 +98,13 @@ def commit(
         block_size=_agree(locals_, "block_size"),
         files=tuple(
             FileEntry(
-                m.rank, m.data, m.data_size, layout.local_manifest_path(m.rank, attempt), len(raw), crc32c_of(raw)
+                m.rank,
+                m.data,
+                m.data_size,
+                layout.local_manifest_path(m.rank, attempt),
+                len(raw),
+                crc32c_of(raw),
+                None if m.compression is None else m.compression.logical_size,
             )
             for m, raw in zip(locals_, local_manifests)
         ),
@@ -106,7 +113,10 @@ def commit(
         step=step if step is not None else _agree(locals_, "step"),
         created=time.time(),
         metadata=dict(metadata or {}),
-        version=FIRST_VERSION if references else FORMAT_VERSION,
+        version=max(
+            FIRST_VERSION if references else FORMAT_VERSION,
+            COMPRESSED_VERSION if any(m.compression is not None for m in locals_) else FORMAT_VERSION,
+        ),
         references=references,
     )
     clash = {o.name for o in manifest.objects} & {t.name for t in manifest.tensors}

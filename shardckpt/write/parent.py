@@ -183,7 +183,9 @@ def _add_holders(
     refs = local.references
     specs = local.tensors
     pieces = local.pieces
-    if refs is not None and refs.piece_hash is not None:  # pieces without a recorded hash are never referenced
+    # Pieces without a recorded hash are never referenced; nor, yet, pieces of a compressed file (SPEC 4.1: a
+    # reference carries raw block checksums, which a compressed holder does not have): they are written anew.
+    if refs is not None and refs.piece_hash is not None and local.compression is None:
         own = ReferencedFile(ReferencePath(name, local.rank, local.attempt), local.data_size)
         first = _first_blocks(pieces.nbytes, block)
         for row in range(pieces.count):

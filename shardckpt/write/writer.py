@@ -26,6 +26,9 @@ from shardckpt.crashpoints import crash_point
 from shardckpt.errors import IntegrityError, ShardckptError, ShardckptUsageError
 from shardckpt.format import layout
 from shardckpt.format.bulk import gc_paused
+from shardckpt.format.codec import check_codec
+from shardckpt.format.compressed import FIRST_VERSION as COMPRESSED_VERSION
+from shardckpt.format.compressed import LocalCompression
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.limits import MAX_BLOCK_SIZE, MAX_LOCAL_MANIFEST_BYTES, MIN_BLOCK_SIZE
 from shardckpt.format.local_manifest import LocalManifest, LocalPieces, TensorSpec, encode_local_manifest
@@ -34,6 +37,7 @@ from shardckpt.format.strict import FORMAT_VERSION, ObjectEntry, check_name, che
 from shardckpt.format.values import check_plain
 from shardckpt.storage import Storage, open_storage
 from shardckpt.torch_bytes import by_value, check_dense, format_dtype, host_bytes
+from shardckpt.write.compressed import Source, Written, write_compressed
 from shardckpt.write.holders import DamagedHolderWarning, damaged_holders, mark_intact, unchecked
 from shardckpt.write.parent import Holder, ParentPieces
 
@@ -205,15 +209,24 @@ class ShardWriter:
         parent: ParentPieces | None = None,
         piece_hashes: bool | None = None,
         hash_threads: int = DEFAULT_HASH_THREADS,
+        compression: str | None = None,
+        compression_level: int | None = None,
+        compression_threads: int | None = None,
     ) -> None:
         """parent: an incremental save's parent (write.parent.open_parent): a piece whose bytes hash equal to the
         parent's piece of the same identity is stored by reference to the file that holds it (SPEC 6.2).
         piece_hashes: record the hash of every piece written, which a parent needs (default: knobs.PIECE_HASHES, or
-        on when there is a parent). hash_threads: threads hashing pieces while they are written (0: in line)."""
+        on when there is a parent). hash_threads: threads hashing pieces while they are written (0: in line).
+        compression: "zstd" stores every block compressed (format 1.2, SPEC 4.1), None (default) raw; the level and
+        threads default to knobs.COMPRESSION_LEVEL and knobs.COMPRESSION_THREADS."""
         if not 0 <= rank < world_size:
             raise ShardckptUsageError(f"rank {rank} is outside 0..{world_size - 1}")
         if not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE or block_size & (block_size - 1):
             raise ShardckptUsageError(f"block_size must be a power of two in {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE}")
+        self.compression = check_codec(compression)
+        self.compression_level = knobs.COMPRESSION_LEVEL if compression_level is None else int(compression_level)
+        threads = knobs.COMPRESSION_THREADS if compression_threads is None else compression_threads
+        self.compression_threads = max(1, int(threads))
         self.storage = open_storage(url, storage_options)
         self.rank, self.world_size, self.block_size, self.step = rank, world_size, block_size, step
         self.write_threads = max(1, write_threads)
@@ -329,11 +342,17 @@ class ShardWriter:
             hash_seconds = time.perf_counter() - began
         elif self.piece_hashes:
             hasher = _PieceHasher(len(self._pieces), self.hash_threads)
-        header = self._header()
+        header = self._header() if self.compression is None else b""
         offsets: list[int] = []
         crcs: list[np.ndarray] = []
+        compressed: LocalCompression | None = None
         try:
-            position = self._write_data(data_path, header, hasher, offsets, crcs)
+            if self.compression is None:
+                position = self._write_data(data_path, header, hasher, offsets, crcs)
+            else:
+                written = self._write_compressed(data_path, hasher)
+                position, header, compressed = written.data_size, written.header, written.compression
+                offsets, crcs = written.offsets, [written.crc32c]
             if hasher is not None:
                 digests = hasher.finish()
         finally:
@@ -362,8 +381,12 @@ class ShardWriter:
             crc32c=np.concatenate(crcs).astype(np.uint32) if crcs else np.zeros(0, np.uint32),
             objects=tuple(self._objects.values()),
             step=self.step,
-            version=FORMAT_VERSION if references is None else FIRST_VERSION,
+            version=max(
+                FORMAT_VERSION if references is None else FIRST_VERSION,
+                FORMAT_VERSION if compressed is None else COMPRESSED_VERSION,
+            ),
             references=references,
+            compression=compressed,
         )
         self.encoded_manifest = encode_local_manifest(manifest)
         manifest_path = layout.local_manifest_path(self.rank, self.attempt)
@@ -404,6 +427,29 @@ class ShardWriter:
                 crash_point("writing_data", self.rank)
             crcs.extend(buffered.flush())
         return position
+
+    def _write_compressed(self, data_path: str, hasher: _PieceHasher | None) -> Written:
+        """The data file of a compressed save: every block compressed on threads, hashed (logical bytes) alongside."""
+        datas = [host_bytes(piece.tensor) for piece in self._pieces]
+        for number, (piece, data) in enumerate(zip(self._pieces, datas)):
+            if data.size != piece.nbytes:
+                raise ShardckptError(f"tensor {piece.name!r}: changed size while being saved")
+            if hasher is not None:  # piece hashes cover the logical bytes (SPEC 4.1)
+                hasher.submit([(number, data.data)], copy=False)
+        sources = [Source(piece.key, self._tensors[piece.name].dtype, data) for piece, data in zip(self._pieces, datas)]
+        metadata = {"format": "shardckpt", "version": "{}.{}".format(*COMPRESSED_VERSION), "attempt": self.attempt,
+                    "rank": str(self.rank)}  # fmt: skip
+        with self.storage.open_new(data_path) as handle:
+            return write_compressed(
+                handle,
+                metadata,
+                sources,
+                block_size=self.block_size,
+                level=self.compression_level,
+                threads=self.compression_threads,
+                codec=self.compression or "zstd",
+                progress=lambda: crash_point("writing_data", self.rank),
+            )
 
     # ------------------------------------------------------------------------------------- incremental
 

@@ -43,6 +43,7 @@ def save_sharded(
     flat: tuple[str, ...] = (),
     step: int | None = 1,
     piece_hashes: bool | None = None,
+    compression: str | None = None,
 ) -> str:
     """Write `state` as `world` ranks (Shard(0) rows; flat ranges for names in `flat`) and commit."""
     attempt = attempt or new_attempt()
@@ -55,6 +56,7 @@ def save_sharded(
             block_size=block_size,
             step=step,
             piece_hashes=piece_hashes,
+            compression=compression,
         )
         for name, tensor in state.items():
             if tensor.dim() == 0:

@@ -1,0 +1,154 @@
+"""Compressed checkpoints (format 1.2, SPEC 4.1) through the read paths: load at another world size, open/read of
+boxes, batched (object-store) reads, verify, stock safetensors, and corruption caught before decompression."""
+
+from __future__ import annotations
+
+import glob
+import json
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+import shardckpt
+from shardckpt.catalog.stored import open_stored
+from shardckpt.errors import FormatError, IntegrityError, ShardckptUsageError
+from shardckpt.format.local_manifest import decode_local_manifest
+from shardckpt.format.manifest import decode_global_manifest
+from shardckpt.ops.verify import verify
+from shardckpt.planner import Box, Target
+from shardckpt.planner.plan import plan_reads
+from tests.helpers.checkpoints import chunk_bounds, sample_state, save_sharded
+
+
+def _state() -> dict[str, torch.Tensor]:
+    state = sample_state()
+    generator = torch.Generator().manual_seed(1)
+    state["big"] = (torch.randn(1200, 64, generator=generator) * 0.02).to(torch.bfloat16)  # 150 blocks of 1 KiB rows
+    state["h"] = torch.randn(333, generator=generator).to(torch.float16)  # an odd byte count per rank
+    return state
+
+
+@pytest.fixture
+def compressed(tmp_path) -> tuple[str, dict[str, torch.Tensor]]:
+    url = str(tmp_path / "ck")
+    state = _state()
+    save_sharded(state, url, 4, block_size=4096, flat=("h",), compression="zstd")
+    return url, state
+
+
+def test_every_box_reads_back_bit_exact(compressed) -> None:
+    url, state = compressed
+    checkpoint = shardckpt.open(url)
+    manifest = checkpoint.manifest
+    assert manifest.version == (1, 2) and all(f.logical_size is not None for f in manifest.files)
+    assert sum(f.data_size for f in manifest.files) < 0.85 * sum(f.logical_size or 0 for f in manifest.files)
+    for name, tensor in state.items():
+        assert torch.equal(checkpoint.read(name), tensor), name
+    assert torch.equal(checkpoint.read("big", offsets=(301, 5), shape=(598, 40)), state["big"][301:899, 5:45])
+    assert torch.equal(checkpoint.read("h", offsets=(80,), shape=(170,)), state["h"][80:250])
+    # The batched path of object stores (whole waves of range reads) decodes the same bytes.
+    checkpoint = shardckpt.open(url)
+    checkpoint.data_storage.batched_reads = True  # type: ignore[misc]
+    assert torch.equal(checkpoint.read("big", offsets=(7, 0), shape=(900, 64)), state["big"][7:907])
+    target = {name: torch.zeros_like(tensor) for name, tensor in state.items()}
+    shardckpt.load(target, url)
+    assert all(torch.equal(target[name], state[name]) for name in state)
+
+
+def test_reshard_4_to_3_reads_only_the_stored_blocks_it_needs(compressed) -> None:
+    """Every request reads the stored bytes of the blocks its copies need (and the few blocks in coalesced gaps),
+    never whole pieces: <= 1.1x the stored size of the needed blocks, as a raw checkpoint's reads are."""
+    url, state = compressed
+    stored = open_stored(url)
+    entries = {name: stored.entry(name) for name in state}
+    read = needed = 0
+    per_rank = []
+    for rank in range(3):
+        targets = []
+        for name, tensor in state.items():
+            if tensor.dim() == 0:
+                targets.append(Target(name, Box((), ())))
+                continue
+            lo, hi = chunk_bounds(tensor.shape[0], 3, rank)
+            targets.append(Target(name, Box((lo,) + (0,) * (tensor.dim() - 1), (hi - lo, *tensor.shape[1:]))))
+        plan = plan_reads(entries, targets, block_size=4096, max_gap=0, max_request=8 << 20)
+        for request in plan.requests:
+            start, end = stored.stored_range(request.file, request.verify)
+            read += end - start
+            blocks = stored.file_index(request.file).blocks
+            assert blocks is not None
+            needed += sum(int(blocks.sizes[b]) for b, _, _ in stored._span_blocks(request.file, request.verify))
+        per_rank.append(read - sum(per_rank))
+    total = sum(f.data_size for f in stored.manifest.files)  # the 3 ranks together read all of it once, about
+    assert needed <= read <= 1.1 * needed and read <= 1.1 * total and max(per_rank) < 0.5 * total, (read, total)
+
+
+def test_stock_safetensors_sees_u8_entries_of_the_stored_bytes(compressed) -> None:
+    url, _ = compressed
+    for path in sorted(glob.glob(f"{url}/data/*.safetensors")):
+        with safe_open(path, "np") as handle:
+            assert handle.metadata()["version"] == "1.2"
+            for key in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+                assert handle.get_tensor(key).dtype == np.uint8
+    assert verify(url).ok
+
+
+def test_a_flipped_stored_byte_is_an_integrity_error_naming_tensor_and_block(compressed) -> None:
+    url, _ = compressed
+    local = decode_local_manifest(open(glob.glob(f"{url}/ranks/00001-*")[0], "rb").read())
+    big = next(n for n, spec in enumerate(local.tensors) if spec.name == "big")
+    position = int(np.nonzero(local.pieces.tensor == big)[0][0])
+    assert local.compression is not None
+    first = int((-(-local.pieces.nbytes[:position] // 4096)).sum())
+    at = local.header_size + int(local.compression.stored[:first].sum()) + 3 * int(local.compression.stored[first])
+    data = glob.glob(f"{url}/data/00001-*")[0]
+    with open(data, "r+b") as handle:  # a byte inside block 3 (or after it) of rank 1's piece of "big"
+        handle.seek(at + 7)
+        byte = handle.read(1)
+        handle.seek(at + 7)
+        handle.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(IntegrityError, match=r"tensor 'big', block \d+ of the piece at byte \d+ fails its checksum"):
+        shardckpt.open(url).read("big")
+    report = verify(url)
+    assert not report.ok and any(p.tensor == "big" and "stored bytes" in p.message for p in report.problems)
+    assert torch.equal(shardckpt.open(url).read("w"), _state()["w"])  # other tensors still read
+
+
+def test_unknown_codec_is_a_usage_error_naming_the_valid_ones(tmp_path) -> None:
+    with pytest.raises(ShardckptUsageError, match="unknown compression 'lz4'.*zstd"):
+        shardckpt.save({"w": torch.ones(3)}, str(tmp_path / "ck"), compression="lz4")
+    assert not (tmp_path / "ck").exists() or not list((tmp_path / "ck").rglob("*.safetensors"))
+
+
+def test_manifests_list_the_feature_if_and_only_if_they_use_it(compressed) -> None:
+    url, _ = compressed
+    raw = open(glob.glob(f"{url}/ranks/00000-*")[0], "rb").read()
+    document = msgpack.unpackb(raw)
+    assert document["must_understand"] == ["compression"] and document["version"] == [1, 2]
+    unlisted = dict(document, must_understand=[])
+    with pytest.raises(FormatError, match="does not list 'compression'"):
+        decode_local_manifest(msgpack.packb(unlisted), "local")
+    older = dict(document, version=[1, 1])
+    with pytest.raises(FormatError, match="need format version 1.2"):
+        decode_local_manifest(msgpack.packb(older), "local")
+    bigger = dict(document, compression=dict(document["compression"], codec="brotli"))
+    with pytest.raises(FormatError, match="unknown codec 'brotli'"):
+        decode_local_manifest(msgpack.packb(bigger), "local")
+    manifest = glob.glob(f"{url}/manifest-*")[0]
+    glob_doc = msgpack.unpackb(open(manifest, "rb").read())
+    assert glob_doc["must_understand"] == ["compression"]
+    stripped = dict(glob_doc, files=[{k: v for k, v in f.items() if k != "logical_size"} for f in glob_doc["files"]])
+    with pytest.raises(FormatError, match="describes no compressed data file"):
+        decode_global_manifest(msgpack.packb(stripped), "manifest")
+    marker = json.loads(open(f"{url}/COMMITTED").read())
+    assert "must_understand" not in marker  # COMMITTED describes no data file; the manifests carry the feature
+
+
+def test_uncompressed_saves_stay_format_1_0(tmp_path) -> None:
+    url = str(tmp_path / "ck")
+    save_sharded(_state(), url, 2)
+    manifest = shardckpt.open(url).manifest
+    assert manifest.version == (1, 0) and all(f.logical_size is None for f in manifest.files)

@@ -8,8 +8,7 @@ import json
 import pytest
 
 from benchmarks.compression import main, zipnn_version
-
-pytestmark = pytest.mark.unit
+from tests.helpers.checkpoints import S3_BUCKET
 
 SETS = ("weights fp32", "weights bf16", "AdamW exp_avg fp32", "AdamW exp_avg_sq fp32")
 # Byte grouping with the sign bit rotated out of the exponent byte: normal(0, 0.05) weights measured 0.837 (fp32) and
@@ -35,3 +34,23 @@ def test_compression_ratio_rows_smoke(tmp_path, capsys) -> None:
     else:
         assert report["zipnn"]["version"] == zipnn_version()
         assert all(0 < row["zipnn"] < 1 for row in report["ratios"].values())
+
+
+@pytest.mark.dist
+def test_compression_throughput_rows_smoke(s3_server, tmp_path) -> None:
+    """Local, S3 and 4 -> 3 ranks rows at their smallest: what each way stored, values equal after the reshard,
+    and the compressed reshard reads no more of what it stored than the plain one (no timing is asserted)."""
+    out = tmp_path / "compression.json"
+    args = ["--smoke", "--train-steps", "1", "--no-zipnn", "--size-mib", "2", "--repeats", "1", "--warm"]
+    s3 = ["--endpoint", s3_server.endpoint, "--bucket", S3_BUCKET]
+    assert main([*args, *s3, "--dir", str(tmp_path), "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["throughput"]
+    for where in ("local", "s3"):
+        for what in ("save", "load"):
+            row = rows[where][what]
+            assert set(row["seconds"]) == {"plain", "zstd"}, (where, what)
+            assert row["size_ratio"] < BOUNDS["weights fp32"], (where, what, row)  # compressed bytes were stored
+    reshard = rows["reshard_4_to_3"]
+    assert reshard["plain"]["agree"] and reshard["zstd"]["agree"]
+    assert reshard["zstd"]["stored_bytes"] < BOUNDS["weights fp32"] * reshard["plain"]["stored_bytes"]
+    assert reshard["zstd"]["read_ratio"] <= reshard["plain"]["read_ratio"] + 0.1, reshard

@@ -44,6 +44,7 @@ from shardckpt.catalog.retention import retain
 from shardckpt.distributed import protocol
 from shardckpt.distributed.collectives import Group, broadcast_bytes
 from shardckpt.errors import DistributedError, ShardckptError, ShardckptUsageError
+from shardckpt.format.codec import check_codec
 from shardckpt.format.manifest import CommitMarker, GlobalManifest
 from shardckpt.read.checkpoint import DEFAULT_MAX_IN_FLIGHT
 from shardckpt.statedict.staging import StagingBuffers, stage
@@ -132,7 +133,9 @@ class Checkpointer:
         full_every: int = knobs.FULL_EVERY,
         run_names: bool = False,
         total_steps: int | None = None,
+        compression: str | None = None,
     ) -> None:
+        self.compression = check_codec(compression)  # every save of the manager: save(..., compression=)
         self.auto = every_steps == "auto"
         self.bounds = Bounds(min_every_steps, max_every_steps, min_every_seconds, max_every_seconds)
         if self.auto and isinstance(default_every_steps, int) and default_every_steps >= 1:
@@ -390,6 +393,7 @@ class Checkpointer:
             parent=parent,
             piece_hashes=True if self.incremental else None,  # every save of the series may be the next's parent
             metadata={SERIES_KEY: place} if self.incremental else None,
+            compression=self.compression,
         )
         # A save that found nothing to reference is a full one in all but its record: the next counts from it.
         self._series = (_name_of(url), manifest.attempt, place if manifest.references else 0)

@@ -82,6 +82,13 @@ def run(args: argparse.Namespace, console: Console) -> int:
         for row, cell in zip(table_rows, [*referenced, ""]):
             row.insert(4, cell)
         columns.insert(4, Column("referenced", right=True, drop=3))
+    if any(c.compressed_bytes for c in report.checkpoints):  # format 1.2: the data's size decompressed
+        logical = [
+            human_bytes(c.data_bytes + c.compressed_bytes) if c.compressed_bytes else "-" for c in report.checkpoints
+        ]
+        for row, cell in zip(table_rows, [*logical, ""]):
+            row.insert(4, cell)
+        columns.insert(4, Column("uncompressed", right=True, drop=3))
     columns, table_rows = _without_empty(columns, table_rows, optional=("leftovers", "other"))
     print_table(console, columns, table_rows, title=report.root)
     if incremental:

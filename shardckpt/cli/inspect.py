@@ -90,6 +90,14 @@ def run(args: argparse.Namespace, console: Console) -> int:
             f"format {summary['format_version']}, attempt {summary['attempt']}, {when(summary['created'])}"
         )
     )
+    if summary["compressed_files"]:  # format 1.2: stored vs logical bytes
+        console.print(
+            line(
+                f"compressed: {human_bytes(summary['total_bytes'])} stored for {human_bytes(summary['logical_bytes'])} "
+                f"({summary['compression_ratio']:.1%} of the raw size) in "
+                f"{plural(summary['compressed_files'], 'data file')}"
+            )
+        )
     references = summary.get("references") or []
     if references:  # format 1.1: pieces stored by reference to older checkpoints' data files
         held = sum(r["bytes"] for r in references)
@@ -153,10 +161,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
     names = [t["name"] for t in tensors]
     rows = tree_rows(names, row, group) if args.tree else [row(i) for i in range(len(tensors))]
     print_table(console, columns, rows, title="tensors")
+    compressed = bool(summary["compressed_files"])
     rank_rows: list[list[Cell]] = [
-        [r["data"], str(r["rank"]), human_bytes(r["bytes"]), str(r["pieces"])] for r in ranks
+        [r["data"], str(r["rank"]), human_bytes(r["bytes"]), str(r["pieces"])]
+        + ([human_bytes(r["logical_bytes"]), f"{r['bytes'] / max(r['logical_bytes'], 1):.1%}"] if compressed else [])
+        for r in ranks
     ]
     rank_columns = [Column("data file"), Column("rank", True), Column("size", True, 2), Column("pieces", True, 1)]
+    if compressed:  # the stored size against what the file holds decompressed
+        rank_columns += [Column("logical", True, 3), Column("stored", True, 4)]
     print_table(console, rank_columns, rank_rows, title="ranks")
     if summary["objects"]:
         object_rows = _object_rows(summary["objects"], 0 if args.all_objects else knobs.INSPECT_GROUP_MIN)

@@ -25,6 +25,7 @@ from shardckpt import knobs
 from shardckpt.dcp.naming import Path, assemble, object_names, split_objects
 from shardckpt.errors import AlreadyExistsError, ShardckptError, ShardckptUsageError
 from shardckpt.format import layout
+from shardckpt.format.codec import check_codec
 from shardckpt.format.values import check_plain
 from shardckpt.storage import Storage, open_storage
 from shardckpt.write.commit import already_committed, commit
@@ -84,6 +85,7 @@ class StorageWriter(_DCPStorageWriter):
     saving step-6 again, Lightning's last.ckpt): the new save is written beside the old one and, once committed,
     replaces it for every reader (SPEC 14.2); the old one stays whole until then and gc collects it after.
     False: such a save fails with AlreadyExistsError on every rank before anything is written.
+    compression: "zstd" stores every block compressed (format 1.2, SPEC 4.1), as save(..., compression=).
     """
 
     def __init__(
@@ -94,8 +96,10 @@ class StorageWriter(_DCPStorageWriter):
         step: int | None = None,
         block_size: int = knobs.BLOCK_SIZE,
         supersede: bool = True,
+        compression: str | None = None,
     ) -> None:
         super().__init__()
+        self.compression = check_codec(compression)
         if step is not None and (
             isinstance(step, bool) or not isinstance(step, int) or not -(1 << 63) <= step < 1 << 63
         ):
@@ -195,6 +199,7 @@ class StorageWriter(_DCPStorageWriter):
             attempt=info["attempt"],
             block_size=self.block_size,
             step=self.step,
+            compression=self.compression,
         )
         results: list[WriteResult] = []
         written: set[str] = set()

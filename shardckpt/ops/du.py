@@ -18,6 +18,7 @@ from shardckpt.catalog.deletion import is_temp_marker
 from shardckpt.catalog.listing import ALIAS, classify, list_root, local_path
 from shardckpt.errors import FormatError, NotFoundError, ShardckptError
 from shardckpt.format import layout
+from shardckpt.format.compressed import FIRST_VERSION as COMPRESSED_VERSION
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import GlobalManifest
 from shardckpt.storage import Storage, open_storage
@@ -43,6 +44,7 @@ class CheckpointUsage:
     # then its unique bytes: the root's totals count every physical file once.
     referenced_bytes: int = 0
     logical_bytes: int = 0
+    compressed_bytes: int = 0  # format 1.2: bytes compression saved (logical - stored sizes of its data files)
     references: list[str] = field(default_factory=list)  # the checkpoints it references
     error: str | None = None
 
@@ -114,13 +116,16 @@ def checkpoint_usage(storage: Storage, name: str, seen: set[tuple[int, int]] | N
         else:
             usage.other_bytes += size
     usage.logical_bytes = usage.data_bytes
-    if marker is not None and marker.references:
+    # 1.1 references and 1.2 compressed files (SPEC 4.1) make the logical size differ: only then is the manifest read.
+    if marker is not None and (marker.references or marker.version >= COMPRESSED_VERSION):
         usage.references = [name for name, _ in marker.references]
         try:
-            usage.referenced_bytes = referenced_bytes(read_opening(storage).manifest)
+            manifest = read_opening(storage).manifest
+            usage.referenced_bytes = referenced_bytes(manifest) if marker.references else 0
+            usage.compressed_bytes = sum(f.extent - f.data_size for f in manifest.files)
         except ShardckptError as exc:
             usage.error = str(exc)
-        usage.logical_bytes += usage.referenced_bytes
+        usage.logical_bytes += usage.referenced_bytes + usage.compressed_bytes
     return usage
 
 

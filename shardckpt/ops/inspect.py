@@ -63,10 +63,13 @@ def inspect_checkpoint(url: str | Storage, *, storage_options: dict[str, Any] | 
             "rank": f.rank,
             "data": f.data,
             "bytes": f.data_size,
+            "logical_bytes": f.extent,  # format 1.2: what the file holds decompressed (SPEC 4.1); = bytes if raw
+            "compressed": f.logical_size is not None,
             "pieces": sum(t["pieces_per_rank"].get(f.rank, 0) for t in tensors),
         }
         for f in manifest.files
     ]
+    logical = sum(f.extent for f in manifest.files)
     return {
         "url": storage.url,
         "status": "committed",
@@ -77,6 +80,10 @@ def inspect_checkpoint(url: str | Storage, *, storage_options: dict[str, Any] | 
         "world_size": manifest.world_size,
         "block_size": manifest.block_size,
         "total_bytes": manifest.total_bytes,
+        # Format 1.2: stored (total_bytes) against logical bytes of the data files; ratio = stored / logical.
+        "compressed_files": sum(f.logical_size is not None for f in manifest.files),
+        "logical_bytes": logical,
+        "compression_ratio": manifest.total_bytes / logical if logical else 1.0,
         "tensors": tensors,
         "ranks": ranks,
         "objects": [{"name": o.name, "rank": o.rank, "value": o.value} for o in manifest.objects],

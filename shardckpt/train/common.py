@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from shardckpt import knobs
+from shardckpt.format.codec import CODECS
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -66,6 +67,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "continue the old run)",
     )
     parser.add_argument("--async-save", action="store_true", help="stage to host memory, write in the background")
+    parser.add_argument(
+        "--compression",
+        choices=CODECS,
+        help="store every checkpoint block losslessly compressed (format 1.2; level: SHARDCKPT_COMPRESSION_LEVEL)",
+    )
     parser.add_argument(
         "--freeze-base",
         action="store_true",

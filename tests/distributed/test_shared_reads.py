@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import shardckpt
 from tests.helpers.launch import run_ranks
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "share_worker.py"
@@ -78,3 +79,12 @@ def test_ranks_that_disagree_on_share_reads_all_fail_at_once_instead_of_hanging(
     assert all(r is not None and not r["ok"] for r in failed), failed
     for result in failed:
         assert "DistributedError" in result["error"] and "share_reads differs" in result["error"], result["error"]
+
+
+def test_a_compressed_checkpoint_saved_by_2_ranks_loads_bit_exact_on_3_even_when_sharing_is_asked(tmp_path) -> None:
+    """Compressed files (SPEC 4.1) are read unshared: a shared read would hand ranks stored blocks to use as raw."""
+    url = str(tmp_path / "ddp")
+    ok(run_ranks("ddp_save", 2, {"url": url, "compression": "zstd"}, worker=WORKER))
+    assert shardckpt.open(url).manifest.files[1].logical_size is not None
+    loaded = ok(run_ranks("ddp_load", 3, {"url": url, "share": True}, worker=WORKER))
+    assert all(result["equal"] for result in loaded), loaded

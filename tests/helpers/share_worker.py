@@ -100,7 +100,7 @@ def replicated(seed: int) -> dict[str, torch.Tensor]:
 
 
 def scenario_ddp_save(args: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
-    shardckpt.save({"model": replicated(3)}, args["url"], step=1)
+    shardckpt.save({"model": replicated(3)}, args["url"], step=1, compression=args.get("compression"))
     return {}
 
 

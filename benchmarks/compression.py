@@ -145,6 +145,24 @@ def print_ratios(rows: dict[str, dict[str, object]], zipnn: str) -> None:
         print(f"| {name:24} | {size / 2**20:7.1f} | {row['zstd']:6.4f} | {cells} | {mine:6.4f} | {versus} |")
 
 
+def targets(report: dict) -> dict[str, bool]:
+    """Issue 29's targets that this run measured: met or not."""
+    out: dict[str, bool] = {}
+    for name in ("weights fp32", "weights bf16"):
+        row = report["ratios"][name]
+        if row["zipnn"] is not None:
+            out[f"{name}: ours <= ZipNN"] = row["ours"] <= row["zipnn"]
+    rows = report.get("throughput", {})
+    if "local" in rows:
+        out["local save throughput >= 0.9x uncompressed"] = rows["local"]["save_throughput_ratio"] >= 0.9
+    for what in ("save", "load") if "s3" in rows else ():
+        row = rows["s3"][what]
+        out[f"S3 {what} time <= size ratio + 0.10"] = row["time_ratio"] <= row["target_time_ratio"]
+    if "reshard_4_to_3" in rows:
+        out["reshard 4 -> 3: stored bytes read <= 1.1x needed"] = rows["reshard_4_to_3"]["zstd"]["read_ratio"] <= 1.1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--level", type=int, default=COMPRESSION_LEVEL, help="zstd level of ours and plain zstd")
@@ -188,6 +206,11 @@ def main(argv: list[str] | None = None) -> int:
 
         throughput: Callable[..., dict[str, object]] = compression_io.throughput_rows
         report["throughput"] = throughput(args, sets["weights fp32"])
+    report["targets"] = targets(report)
+    print(
+        "targets (issue 29): "
+        + "; ".join(f"{name} {'met' if met else 'MISSED'}" for name, met in report["targets"].items())
+    )
     write_report(args.json, report)
     return 0
 

@@ -44,7 +44,9 @@ def test_compression_throughput_rows_smoke(s3_server, tmp_path) -> None:
     args = ["--smoke", "--train-steps", "1", "--no-zipnn", "--size-mib", "2", "--repeats", "1", "--warm"]
     s3 = ["--endpoint", s3_server.endpoint, "--bucket", S3_BUCKET]
     assert main([*args, *s3, "--dir", str(tmp_path), "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["throughput"]
+    report = json.loads(out.read_text())
+    assert len(report["targets"]) == 4  # local save, S3 save and load, the reshard's reads: each met or missed
+    rows = report["throughput"]
     for where in ("local", "s3"):
         for what in ("save", "load"):
             row = rows[where][what]

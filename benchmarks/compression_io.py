@@ -36,25 +36,34 @@ def local_data_bytes(url: str) -> int:
     return sum(os.path.getsize(folder / name) for name in os.listdir(folder))
 
 
-def turns(operations: dict[str, Callable[[], object]], repeats: int, before: Callable[[], object] | None) -> dict:
-    """Median seconds of each operation; they take turns (a slow spell of the machine hits them alike)."""
-    samples: dict[str, list[float]] = {name: [] for name in operations}
+Timing = tuple[dict[str, float], dict[str, float]]
+
+
+def turns(operations: dict[str, Callable[[], object]], repeats: int, before: Callable[[], object] | None) -> Timing:
+    """Median wall and CPU seconds (this process, all its threads) of each operation; they take turns (a slow spell
+    of the machine hits them alike). CPU time is what a busy machine cannot hide: compression is CPU work."""
+    wall: dict[str, list[float]] = {name: [] for name in operations}
+    cpu: dict[str, list[float]] = {name: [] for name in operations}
     for repeat in range(repeats):
         names = list(operations)
         for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
             if before is not None:
                 before()
-            began = time.perf_counter()
+            began, began_cpu = time.perf_counter(), time.process_time()
             operations[name]()
-            samples[name].append(time.perf_counter() - began)
-    return {name: statistics.median(values) for name, values in samples.items()}
+            wall[name].append(time.perf_counter() - began)
+            cpu[name].append(time.process_time() - began_cpu)
+    wall_medians = {name: statistics.median(values) for name, values in wall.items()}
+    return wall_medians, {name: statistics.median(values) for name, values in cpu.items()}
 
 
-def compare(name: str, seconds: dict[str, float], stored: dict[str, int], size: int) -> dict[str, object]:
-    """A row: seconds and GiB/s of logical bytes each way, time ratio zstd / plain, and the size ratio."""
+def compare(name: str, timing: Timing, stored: dict[str, int], size: int) -> dict[str, object]:
+    """A row: wall and CPU seconds and GiB/s of logical bytes each way, time ratio zstd / plain, the size ratio."""
+    seconds, cpu = timing
     ratio = stored["zstd"] / stored["plain"]
     row: dict[str, object] = {
         "seconds": seconds,
+        "cpu_seconds": cpu,
         "logical_gib_s": {way: size / value / 2**30 for way, value in seconds.items()},
         "stored_bytes": stored,
         "size_ratio": ratio,
@@ -62,7 +71,7 @@ def compare(name: str, seconds: dict[str, float], stored: dict[str, int], size: 
     }
     print(
         f"  {name:34} plain {seconds['plain']:7.3f} s  zstd {seconds['zstd']:7.3f} s  time zstd/plain "
-        f"{row['time_ratio']:.3f}  (size ratio {ratio:.3f})",
+        f"{row['time_ratio']:.3f}  (size ratio {ratio:.3f}); CPU s plain {cpu['plain']:.3f} zstd {cpu['zstd']:.3f}",
         flush=True,
     )
     return row
@@ -86,9 +95,9 @@ def local_rows(state: dict[str, torch.Tensor], repeats: int, scratch: str, warm:
             shutil.rmtree(written.pop(), ignore_errors=True)
         os.sync()
 
-    seconds = turns({way: lambda way=way: save(way) for way in WAYS}, repeats, remove_saved)  # type: ignore[misc]
+    timing = turns({way: lambda way=way: save(way) for way in WAYS}, repeats, remove_saved)  # type: ignore[misc]
     remove_saved()
-    row: dict[str, object] = {"save": compare("local save", seconds, stored, size)}
+    row: dict[str, object] = {"save": compare("local save", timing, stored, size)}
     rates = row["save"]["logical_gib_s"]  # type: ignore[index]
     row["save_throughput_ratio"] = rates["zstd"] / rates["plain"]
     print(f"  local save throughput zstd / plain = {row['save_throughput_ratio']:.3f} (target >= 0.9)", flush=True)

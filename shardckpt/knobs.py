@@ -34,7 +34,9 @@ WRITE_THREADS = int(_knob("WRITE_THREADS", 2))  # streams filling one large data
 PARALLEL_MIN_BYTES = int(_knob("PARALLEL_MIN_BYTES", 64 << 20))  # below this one stream is as fast as several
 # save(..., compression="zstd"): the zstd level of every group stream (format 1.2, SPEC 4.1; 1 measured best).
 COMPRESSION_LEVEL = int(_knob("COMPRESSION_LEVEL", 1))
-COMPRESSION_THREADS = int(_knob("COMPRESSION_THREADS", 2))  # threads compressing one rank's blocks
+# Threads compressing one rank's blocks; 0: the cores this process may run on, at most 8. zstd is CPU-bound (about
+# 0.1-0.3 GB/s per core on grouped exponent bytes), so a save keeps pace with a disk only with enough of them.
+COMPRESSION_THREADS = int(_knob("COMPRESSION_THREADS", 0))
 HOT_CHUNK = int(_knob("HOT_CHUNK", 2 << 20))  # checksummed then written while still in the CPU cache
 # 1: every save records a BLAKE3-128 hash of every piece written (format 1.1, SPEC 6.3), what incremental saves
 # compare. 0 (default): only saves that may be parents hash (parent= given, piece_hashes=True, Checkpointer(

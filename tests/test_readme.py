@@ -48,6 +48,7 @@ MARKERS = {
     "incremental checkpointer": "incremental=True,",
     "save parent": 'parent=f"{root}/step-00000001"',
     "torch_checkpointing": 'ShardckptStorageConfig(root="/tmp/tc-run")',
+    "compression": '"/tmp/zstd-run/step-00000100"',
 }
 
 
@@ -205,3 +206,13 @@ def test_torch_checkpointing_snippet_saves_its_format_and_loads_a_shardckpt_chec
     code = snippet(MARKERS["torch_checkpointing"]).replace("/tmp/tc-run", str(root))
     run(code, tmp_path)
     assert sorted(os.listdir(root)) == ["step-200", "step_100"]  # its rename committed step_100; no tmp_ left
+
+
+def test_compression_snippet_saves_compressed_and_reads_a_box(tmp_path) -> None:
+    import shardckpt
+
+    url = tmp_path / "zstd-run" / "step-00000100"
+    output = run(snippet(MARKERS["compression"]).replace("/tmp/zstd-run", str(tmp_path / "zstd-run")), tmp_path)
+    percent = int(output.split("bytes (")[1].split("%")[0])
+    assert 50 < percent < 90, output
+    assert shardckpt.open(str(url)).manifest.version >= (1, 2)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 import warnings
 from collections import deque
@@ -74,6 +75,10 @@ class WriteStats:
     # Seconds hashing every piece before anything is written (a save with a parent compares first); 0 for other
     # saves, whose hashes run alongside the writes.
     hash_seconds: float = 0.0
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def piece_digest(data: Any) -> bytes:
@@ -226,7 +231,7 @@ class ShardWriter:
         self.compression = check_codec(compression)
         self.compression_level = knobs.COMPRESSION_LEVEL if compression_level is None else int(compression_level)
         threads = knobs.COMPRESSION_THREADS if compression_threads is None else compression_threads
-        self.compression_threads = max(1, int(threads))
+        self.compression_threads = max(1, int(threads) or min(8, _cores()))
         self.storage = open_storage(url, storage_options)
         self.rank, self.world_size, self.block_size, self.step = rank, world_size, block_size, step
         self.write_threads = max(1, write_threads)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script
 
@@ -31,11 +31,19 @@ def full_tensors(args: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def sharded(full: dict[str, torch.Tensor], world: int, zero: bool) -> dict[str, DTensor]:
+    """Every tensor as FSDP2 shards it (Shard(0): torch.chunk's rows, trailing ranks fewer or none), cut locally:
+    every rank holds the full tensors, so no collective is needed."""
     mesh = init_device_mesh("cpu", (world,))
-    return {
-        name: distribute_tensor(torch.zeros_like(tensor) if zero else tensor, mesh, [Shard(0)])
-        for name, tensor in full.items()
-    }
+    rank = dist.get_rank()
+    state = {}
+    for name, tensor in full.items():
+        pieces = tensor.chunk(world, dim=0)
+        local = pieces[rank] if rank < len(pieces) else tensor[:0]
+        local = torch.zeros_like(local) if zero else local.clone()
+        state[name] = DTensor.from_local(
+            local, mesh, [Shard(0)], shape=tensor.shape, stride=tensor.stride(), run_check=False
+        )
+    return state
 
 
 def scenario_save(args: dict[str, Any], rank: int, world: int) -> dict[str, Any]:

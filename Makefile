@@ -24,6 +24,13 @@ $(STAMP): $(BIN)/python $(if $(SHARED),,pyproject.toml)
 	DS_BUILD_OPS=0 $(BIN)/pip install -q -e '.[dev,deepspeed]'
 	touch $(STAMP)
 
+# make bench's extra (issue 29's real weights and ZipNN), on top of the test bootstrap; a worktree sharing the main
+# checkout's venv installs it from there, so the editable install keeps pointing at the main checkout.
+BENCH_STAMP := $(VENV)/.installed-bench
+$(BENCH_STAMP): $(STAMP) $(if $(SHARED),,pyproject.toml)
+	DS_BUILD_OPS=0 $(BIN)/pip install -q -e '$(or $(SHARED),.)[bench]'
+	touch $(BENCH_STAMP)
+
 LINTED := shardckpt tests benchmarks spec examples docs/hooks
 
 lint: $(STAMP)
@@ -54,8 +61,9 @@ demo: $(STAMP)
 # process and 4 gloo ranks vs DCP on the issue's reference state (2 GiB: 64 fp32 tensors of 32 MiB), dcp.save /
 # dcp.load through shardckpt.dcp vs DCP's own FileSystemWriter/Reader on it, the training loop's own state, metadata
 # scale (dense and DeepSeek-V3 MoE), many small (MoE) tensors vs safetensors and DCP, incremental saves of a
-# frozen-base fine-tuning state, S3, a DeepSpeed ZeRO-3 engine vs DeepSpeed's own checkpoints and ds_to_universal.
-bench: $(STAMP)
+# frozen-base fine-tuning state, S3, a DeepSpeed ZeRO-3 engine vs DeepSpeed's own checkpoints and ds_to_universal,
+# shared reads of an HSDP state, and per-block compression on real tensors vs zstd and ZipNN (~3 minutes).
+bench: $(BENCH_STAMP)
 	$(BIN)/python -m benchmarks --size-mib 2048 --repeats 5 --json benchmarks/results.json
 	$(BIN)/python -m benchmarks.distributed --size-mib 2048 --json benchmarks/distributed.json
 	$(BIN)/python -m benchmarks.dcp_backend --size-mib 2048 --json benchmarks/dcp_backend.json
@@ -70,6 +78,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.ds_engine --json benchmarks/ds_engine.json
 	$(BIN)/python -m benchmarks.shared_reads --size-mib 2048 --s3 --json benchmarks/shared_reads.json
 	$(BIN)/python -m benchmarks.local_tier --size-mib 2048 --s3 --json benchmarks/local_tier.json
+	$(BIN)/python -m benchmarks.compression --json benchmarks/compression.json
 	$(MAKE) figures
 
 # The figures of the performance pages, drawn from the JSON files that make bench wrote (those that exist).

@@ -1,0 +1,218 @@
+"""The throughput rows of `python -m benchmarks.compression`: save and load with compression="zstd" against the same
+save without it, on local disk and on S3 (SeaweedFS here), and a resharded load 4 -> 3 ranks (gloo) with the stored
+bytes it read against the compressed bytes it needed. Medians over repeats; the two ways take turns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import shardckpt
+from benchmarks.compression_data import tiled
+from benchmarks.pagecache import drop_caches
+
+WORKER = Path(__file__).resolve().parent / "compression_worker.py"
+WAYS = {"plain": None, "zstd": "zstd"}
+
+
+def save_compresses() -> bool:
+    """Whether this tree's save() takes compression= (the codec branch's save path)."""
+    return "compression" in inspect.signature(shardckpt.save).parameters
+
+
+def local_data_bytes(url: str) -> int:
+    folder = Path(url) / "data"
+    return sum(os.path.getsize(folder / name) for name in os.listdir(folder))
+
+
+Timing = tuple[dict[str, float], dict[str, float]]
+
+
+def turns(operations: dict[str, Callable[[], object]], repeats: int, before: Callable[[], object] | None) -> Timing:
+    """Median wall and CPU seconds (this process, all its threads) of each operation; they take turns (a slow spell
+    of the machine hits them alike). CPU time is what a busy machine cannot hide: compression is CPU work."""
+    wall: dict[str, list[float]] = {name: [] for name in operations}
+    cpu: dict[str, list[float]] = {name: [] for name in operations}
+    for repeat in range(repeats):
+        names = list(operations)
+        for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+            if before is not None:
+                before()
+            began, began_cpu = time.perf_counter(), time.process_time()
+            operations[name]()
+            wall[name].append(time.perf_counter() - began)
+            cpu[name].append(time.process_time() - began_cpu)
+    wall_medians = {name: statistics.median(values) for name, values in wall.items()}
+    return wall_medians, {name: statistics.median(values) for name, values in cpu.items()}
+
+
+def compare(name: str, timing: Timing, stored: dict[str, int], size: int) -> dict[str, object]:
+    """A row: wall and CPU seconds and GiB/s of logical bytes each way, time ratio zstd / plain, the size ratio."""
+    seconds, cpu = timing
+    ratio = stored["zstd"] / stored["plain"]
+    row: dict[str, object] = {
+        "seconds": seconds,
+        "cpu_seconds": cpu,
+        "logical_gib_s": {way: size / value / 2**30 for way, value in seconds.items()},
+        "stored_bytes": stored,
+        "size_ratio": ratio,
+        "time_ratio": seconds["zstd"] / seconds["plain"],
+    }
+    print(
+        f"  {name:34} plain {seconds['plain']:7.3f} s  zstd {seconds['zstd']:7.3f} s  time zstd/plain "
+        f"{row['time_ratio']:.3f}  (size ratio {ratio:.3f}); CPU s plain {cpu['plain']:.3f} zstd {cpu['zstd']:.3f}",
+        flush=True,
+    )
+    return row
+
+
+def local_rows(state: dict[str, torch.Tensor], repeats: int, scratch: str, warm: bool) -> dict[str, object]:
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    counter = iter(range(1 << 30))
+    stored: dict[str, int] = {}
+    written: list[str] = []
+
+    def save(way: str) -> None:
+        url = f"{scratch}/save-{way}-{next(counter)}"
+        written.append(url)
+        shardckpt.save(state, url, step=1, compression=WAYS[way])
+        stored[way] = local_data_bytes(url)
+
+    def remove_saved() -> None:
+        """Every save writes into blocks the disk freed just before (benchmarks/__main__.py's remove: see its note)."""
+        while written:
+            shutil.rmtree(written.pop(), ignore_errors=True)
+        os.sync()
+
+    timing = turns({way: lambda way=way: save(way) for way in WAYS}, repeats, remove_saved)  # type: ignore[misc]
+    remove_saved()
+    row: dict[str, object] = {"save": compare("local save", timing, stored, size)}
+    rates = row["save"]["logical_gib_s"]  # type: ignore[index]
+    row["save_throughput_ratio"] = rates["zstd"] / rates["plain"]
+    print(f"  local save throughput zstd / plain = {row['save_throughput_ratio']:.3f} (target >= 0.9)", flush=True)
+    urls = {way: f"{scratch}/load-{way}" for way in WAYS}
+    for way, url in urls.items():
+        shardckpt.save(state, url, step=1, compression=WAYS[way])
+    destination = {name: torch.empty_like(tensor) for name, tensor in state.items()}
+    cold = not warm and drop_caches()
+    loads = {way: lambda url=url: shardckpt.load(destination, url) for way, url in urls.items()}
+    load_seconds = turns(loads, repeats, drop_caches if cold else None)  # type: ignore[misc]
+    row["load"] = compare(f"local load ({'cold' if cold else 'warm'})", load_seconds, stored, size)
+    for url in urls.values():
+        shutil.rmtree(url, ignore_errors=True)
+    return row
+
+
+def s3_rows(state: dict[str, torch.Tensor], repeats: int, endpoint: str | None, bucket: str) -> dict[str, object]:
+    """Save and load through s3fs to `endpoint`, or to a SeaweedFS started here: the link (loopback, shared cores)
+    is the limit."""
+    import s3fs
+
+    from benchmarks.s3 import server_options
+
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    with server_options(endpoint) as options:
+        fs = s3fs.S3FileSystem(**options)
+        run = f"{bucket}/zbench-{uuid.uuid4().hex[:8]}"
+        counter = iter(range(1 << 30))
+
+        def save(way: str) -> None:
+            url = f"s3://{run}/{way}-{next(counter)}"
+            shardckpt.save(state, url, step=1, compression=WAYS[way], storage_options=options)
+
+        urls = {way: f"s3://{run}/loaded-{way}" for way in WAYS}
+        for way, url in urls.items():  # the checkpoints the loads read, written once (this also warms both paths)
+            shardckpt.save(state, url, step=1, compression=WAYS[way], storage_options=options)
+        stored = {way: int(fs.du(f"{url}/data")) for way, url in urls.items()}
+        destination = {name: torch.empty_like(tensor) for name, tensor in state.items()}
+        saves = turns({way: lambda way=way: save(way) for way in WAYS}, repeats, None)  # type: ignore[misc]
+        load_ops = {
+            way: lambda url=url: shardckpt.load(destination, url, storage_options=options)
+            for way, url in urls.items()  # type: ignore[misc]
+        }
+        loads = turns(load_ops, repeats, None)
+        fs.rm(run, recursive=True)
+    rows = {"save": compare("S3 save", saves, stored, size), "load": compare("S3 load", loads, stored, size)}
+    for what, row in rows.items():
+        target = row["size_ratio"] + 0.10  # type: ignore[operator]
+        row["target_time_ratio"] = target
+        print(f"  S3 {what}: time ratio {row['time_ratio']:.3f}, target <= size ratio + 0.10 = {target:.3f}")
+    return rows
+
+
+def reshard_row(source: str, scratch: str, warm: bool, elements: int) -> dict[str, object]:
+    """Saved on 4 ranks, loaded on 3 (gloo): bytes all ranks read / the checkpoint's data bytes, each way."""
+    from benchmarks.distributed import values
+    from tests.helpers.launch import run_ranks
+
+    args = {
+        "source": source,
+        "elements": elements,
+        "plain": f"{scratch}/reshard-plain",
+        "packed": f"{scratch}/reshard-zstd",
+        "warm": warm,
+    }
+    values(run_ranks("save", 4, args, worker=WORKER, timeout=1800))
+    ranks = values(run_ranks("load", 3, args, worker=WORKER, timeout=1800))
+    row: dict[str, object] = {}
+    for way, url in (("plain", args["plain"]), ("zstd", args["packed"])):
+        key = "plain" if way == "plain" else "packed"
+        stored = local_data_bytes(str(url))
+        fetched, needed = [rank[key]["fetched"] for rank in ranks], [rank[key]["needed"] for rank in ranks]
+        row[way] = {
+            "stored_bytes": stored,
+            "read_bytes": sum(rank[key]["read"] for rank in ranks),
+            "read_ratio": sum(rank[key]["read"] for rank in ranks) / stored,
+            "fetched_ratio": sum(fetched) / stored if None not in fetched else None,
+            # the load's own count: bytes it fetched from storage / bytes its plan needed
+            "fetched_over_needed": sum(fetched) / sum(needed) if None not in fetched + needed else None,
+            "seconds": max(rank[key]["seconds"] for rank in ranks),
+            "agree": all(rank[key]["agree"] for rank in ranks),
+        }
+    for way in ("plain", "zstd"):
+        cell = row[way]
+        assert isinstance(cell, dict)
+        print(
+            f"  reshard 4 -> 3 ({way}): stored bytes read / stored bytes needed {cell['read_ratio']:.3f} (rchar), "
+            f"{cell['fetched_ratio']:.3f} (fetched; fetched / the plan's needed {cell['fetched_over_needed']:.3f}); "
+            f"{cell['seconds']:.3f} s; values equal: {cell['agree']}",
+            flush=True,
+        )
+        if not cell["agree"]:
+            raise SystemExit(f"resharded load ({way}) gave other values than were saved")
+    return row
+
+
+def throughput_rows(args: argparse.Namespace, weights: dict[str, torch.Tensor]) -> dict[str, object]:
+    """Every throughput row that args asks for, or the reason there are none yet."""
+    if not save_compresses():
+        reason = "pending: this tree's shardckpt.save() has no compression= (the codec branch's save path)"
+        print(f"throughput rows {reason}")
+        return {"pending": reason}
+    state = tiled(weights, args.size_mib << 20)
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    print(f"throughput: {len(state)} fp32 tensors of {'synthetic' if args.smoke else 'MiniLM'} weights, "
+          f"{size / 2**20:.0f} MiB, median of {args.repeats}")  # fmt: skip
+    scratch = tempfile.mkdtemp(prefix="shardckpt-zbench-", dir=args.dir)
+    rows: dict[str, object] = {"state_bytes": size}
+    try:
+        rows["local"] = local_rows(state, args.repeats, scratch, args.warm)
+        if not args.no_s3:
+            rows["s3"] = s3_rows(state, args.repeats, args.endpoint, args.bucket)
+        if not args.no_reshard:
+            source = "synthetic" if args.smoke else "minilm"
+            rows["reshard_4_to_3"] = reshard_row(source, scratch, args.warm, 1 << 20)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return rows

@@ -67,6 +67,9 @@ MAX_REQUEST = int(_knob("MAX_REQUEST", 8 << 20))  # bytes per range request from
 RESIDENT_MAX_REQUEST = int(_knob("RESIDENT_MAX_REQUEST", 2 << 20))
 PREFETCH_AHEAD = int(_knob("PREFETCH_AHEAD", 16 << 20))  # how far ahead a jumping reader announces its ranges
 VERIFY_CHUNK = int(_knob("VERIFY_CHUNK", 64 << 20))  # bytes `verify` reads per request
+# 1 (default): in a shared read, ranks proved to share a host hand bytes over through the reader's /dev/shm region
+# (one memcpy, or none) rather than the process group's sockets; 0: always through the group.
+SHARE_MEMORY = int(_knob("SHARE_MEMORY", 1))
 
 # Object stores (storage/s3.py)
 S3_PART_SIZE = int(_knob("S3_PART_SIZE", 16 << 20))  # multipart upload part (S3's minimum is 5 MiB)

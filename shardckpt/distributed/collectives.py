@@ -66,6 +66,16 @@ def all_gather_bytes(group: Group, data: bytes) -> list[bytes]:
     return [bytes(buffer.cpu()[:size].numpy().tobytes()) for buffer, size in zip(buffers, sizes)]
 
 
+def all_gather_fixed(group: Group, data: bytes, size: int) -> list[bytes]:
+    """Every rank's `data` of at most `size` bytes (trailing zero bytes dropped): one collective."""
+    if len(data) > size:
+        raise ValueError(f"{len(data)} bytes do not fit a fixed gather of {size}")
+    mine = _to_tensor(data, size, group.device)
+    buffers = [torch.zeros(size, dtype=torch.uint8, device=group.device) for _ in range(group.size)]
+    dist.all_gather(buffers, mine, group=group.handle)
+    return [bytes(buffer.cpu().numpy().tobytes()).rstrip(b"\0") for buffer in buffers]
+
+
 # A broadcast carries its length and up to this many bytes in one collective; longer data takes a second one.
 INLINE_BYTES = 64 << 10
 

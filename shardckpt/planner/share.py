@@ -36,6 +36,9 @@ class SharePlan:
 
     world: int
     segments: tuple[Segment, ...]  # ascending (file, start), disjoint
+    # Each rank's host as it claims it (None: unknown or no shared memory), when the planner was told: ranks that
+    # claim one host try to hand bytes over through shared memory (distributed/host_memory.py).
+    hosts: tuple[str | None, ...] | None = None
 
     @property
     def overlaps(self) -> bool:
@@ -63,19 +66,28 @@ class SharePlan:
             yield tuple(group)
 
 
-def plan_shared_reads(needs: Sequence[Sequence[Range]], *, chunk: int, nodes: Sequence[int] | None = None) -> SharePlan:
+def plan_shared_reads(
+    needs: Sequence[Sequence[Range]],
+    *,
+    chunk: int,
+    nodes: Sequence[int] | None = None,
+    hosts: Sequence[str | None] | None = None,
+) -> SharePlan:
     """Assign every byte that some rank of `needs` (one list of ranges per rank) wants to one reader.
 
     The ranges of all ranks are cut into segments at every range boundary (and into pieces of at most `chunk`
     bytes, so one large tensor is spread over many readers); each segment is fetched by one of the ranks that
     need it: on the node (`nodes[rank]`, when known) where most of its consumers are, the one with the fewest
     bytes to fetch so far, ties to the lower rank. Deterministic: every rank computes the same plan.
+    hosts: each rank's host (see SharePlan.hosts), carried along for the exchange.
     """
     if chunk < 1:
         raise ShardckptUsageError(f"chunk must be at least 1 byte, got {chunk}")
     world = len(needs)
     if nodes is not None and len(nodes) != world:
         raise ShardckptUsageError(f"nodes names {len(nodes)} ranks, needs {world}")
+    if hosts is not None and len(hosts) != world:
+        raise ShardckptUsageError(f"hosts names {len(hosts)} ranks, needs {world}")
     events: dict[int, list[tuple[int, int, int]]] = {}  # file -> (position, +1/-1, rank)
     for rank, ranges in enumerate(needs):
         for file, start, end in ranges:
@@ -101,7 +113,7 @@ def plan_shared_reads(needs: Sequence[Sequence[Range]], *, chunk: int, nodes: Se
             else:
                 del active[rank]
             previous = position
-    return SharePlan(world, tuple(_merged(segments, chunk)))
+    return SharePlan(world, tuple(_merged(segments, chunk)), None if hosts is None else tuple(hosts))
 
 
 def _reader(consumers: tuple[int, ...], load: list[int], nodes: Sequence[int] | None) -> int:

@@ -46,6 +46,13 @@ def test_replicated_plain_tensors_are_read_once_and_a_failing_reader_fails_every
     loaded = ok(run_ranks("ddp_load", 4, {"url": url, "share": True}, worker=WORKER))
     assert all(result["equal"] for result in loaded)
     assert sum(result["read"] for result in loaded) <= 1.05 * data_bytes(url)
+    assert sum(result["links"] for result in loaded) == 4 * 3  # all on this host: every hand-over in memory
+    # Rank 1 declines shared memory (SHARDCKPT_SHARE_MEMORY=0): what it reads and receives goes through gloo, the
+    # others still hand over in memory, in the same rounds.
+    mixed = ok(run_ranks("ddp_load", 4, {"url": url, "share": True, "no_shm_rank": 1}, worker=WORKER))
+    assert all(result["equal"] for result in mixed)
+    assert sum(result["read"] for result in mixed) <= 1.05 * data_bytes(url)
+    assert 0 < sum(result["links"] for result in mixed) < 4 * 3
     one_node = ok(run_ranks("ddp_load", 4, {"url": url}, worker=WORKER))  # the default on one node: each its own
     assert all(result["equal"] for result in one_node)
     assert sum(result["read"] for result in one_node) == 4 * sum(result["read"] for result in loaded)
@@ -54,6 +61,26 @@ def test_replicated_plain_tensors_are_read_once_and_a_failing_reader_fails_every
     assert all(r is not None and not r["ok"] for r in failed), failed
     for result in failed:
         assert "DistributedError" in result["error"] and "injected I/O error" in result["error"], result["error"]
+
+
+def test_overlapping_flat_partitions_and_an_incremental_checkpoint_are_read_once(tmp_path) -> None:
+    # DeepSpeed-style flat partitions saved on 2 ranks, loaded on 3 whose ranges overlap by 3,000 elements each side
+    # (the shared bytes span pieces of several parameters); nothing is handed over in memory here (gloo only).
+    url = str(tmp_path / "flat")
+    ok(run_ranks("flat_save", 2, {"url": url}, worker=WORKER))
+    loaded = ok(run_ranks("flat_load", 3, {"url": url, "overlap": 3000, "no_shm_rank": "all"}, worker=WORKER))
+    assert all(result["equal"] for result in loaded)
+    assert sum(result["read"] for result in loaded) <= 1.05 * data_bytes(url)
+    assert sum(result["links"] for result in loaded) == 0
+    # An incremental checkpoint: four of its six tensors are stored by reference in its parent's data file.
+    parent, child = str(tmp_path / "root" / "step-1"), str(tmp_path / "root" / "step-2")
+    ok(run_ranks("incremental_save", 1, {"url": child, "parent": parent}, worker=WORKER))
+    assert data_bytes(child) < data_bytes(parent)  # the child's own file holds only the two changed tensors
+    loaded = ok(run_ranks("incremental_load", 4, {"url": child}, worker=WORKER))
+    assert all(result["equal"] for result in loaded)
+    needed = 6 * 128 * 96 * 4
+    assert sum(result["read"] for result in loaded) <= 1.05 * needed  # alone: 4x
+    assert sum(result["links"] for result in loaded) > 0
 
 
 def test_a_flipped_bit_in_a_shared_range_is_caught_by_every_rank_that_uses_it(tmp_path) -> None:

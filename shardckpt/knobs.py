@@ -70,6 +70,7 @@ VERIFY_CHUNK = int(_knob("VERIFY_CHUNK", 64 << 20))  # bytes `verify` reads per 
 # 1 (default): in a shared read, ranks proved to share a host hand bytes over through the reader's /dev/shm region
 # (one memcpy, or none) rather than the process group's sockets; 0: always through the group.
 SHARE_MEMORY = int(_knob("SHARE_MEMORY", 1))
+SHARE_CHECKERS = int(_knob("SHARE_CHECKERS", 8))  # threads per rank verifying and copying out shared reads
 
 # Object stores (storage/s3.py)
 S3_PART_SIZE = int(_knob("S3_PART_SIZE", 16 << 20))  # multipart upload part (S3's minimum is 5 MiB)

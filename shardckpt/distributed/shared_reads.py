@@ -170,7 +170,7 @@ def fetch_shared(
 
     with (
         links_for(group, rounds, _shared_memory(shared_memory), share.hosts) as links,
-        checkpoint.worker_pool(len(plan.requests)) as pool,
+        ThreadPoolExecutor(max_workers=_checkers(len(plan.requests))) as pool,
         ThreadPoolExecutor(max_workers=1) as reading,
     ):
         ahead = reading.submit(read_round, 0) if rounds else None
@@ -218,6 +218,13 @@ def fetch_shared(
     if missing:  # every byte of a request arrives exactly once (planner.share): a broken plan, never silent
         raise DistributedError("load", {rank: f"shared read left {len(missing)} requests incomplete"})
     return kept
+
+
+def _checkers(jobs: int) -> int:
+    """Threads that verify and copy out: a thread per core (the reads run on a thread of their own and wait on the
+    storage, not a core; this thread only waits for a round), never more than the jobs."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, jobs, knobs.SHARE_CHECKERS))
 
 
 def _shared_memory(choice: bool | None) -> bool:

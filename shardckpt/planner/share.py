@@ -50,20 +50,38 @@ class SharePlan:
         return sum(s.size for s in self.segments if s.reader == rank)
 
     def rounds(self, budget: int) -> Iterator[tuple[Segment, ...]]:
-        """The segments in consecutive groups in which no rank fetches plus receives more than `budget` bytes (a
-        larger segment alone): the memory one exchange holds in flight per rank."""
-        group: list[Segment] = []
-        load = [0] * self.world
+        """The segments in groups (each ascending) in which no rank fetches plus receives more than `budget` bytes
+        (a larger segment with nothing else of its ranks): the memory one exchange holds in flight per rank.
+        Each segment goes to the first group where all its ranks still have room, so ranks that share nothing fill
+        a group side by side: about (the busiest rank's bytes / budget) groups, not (the job's bytes / budget),
+        and each group is a collective of the whole job."""
+        groups: list[list[Segment]] = []
+        loads: dict[int, list[int]] = {}  # rank -> its bytes in each group so far
+        first_open: dict[int, int] = {}  # rank -> groups before this one are full to within a chunk for it
         for segment in self.segments:
             involved = {segment.reader, *segment.consumers}
-            if group and any(load[rank] + segment.size > budget for rank in involved):
-                yield tuple(group)
-                group, load = [], [0] * self.world
-            group.append(segment)
+            size = segment.size
+            number = min(first_open.get(rank, 0) for rank in involved)
+            while number < len(groups):
+                if all(_load(loads, rank, number) + size <= budget for rank in involved):
+                    break
+                number += 1
+            if number == len(groups):
+                groups.append([])
+            groups[number].append(segment)
             for rank in involved:
-                load[rank] += segment.size
-        if group:
+                per = loads.setdefault(rank, [])
+                per.extend([0] * (number + 1 - len(per)))
+                per[number] += size
+                while first_open.get(rank, 0) < len(per) and per[first_open.get(rank, 0)] + size > budget:
+                    first_open[rank] = first_open.get(rank, 0) + 1
+        for group in groups:
             yield tuple(group)
+
+
+def _load(loads: dict[int, list[int]], rank: int, number: int) -> int:
+    per = loads.get(rank)
+    return per[number] if per is not None and number < len(per) else 0
 
 
 def plan_shared_reads(

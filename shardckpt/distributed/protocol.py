@@ -504,11 +504,18 @@ def _load(
         if share is not None:
             plan = share
             if verify_first:  # every rank keeps and verifies all its bytes; destinations are written after the vote
-                pending.use(_collective(lambda: fetch_shared(group, checkpoint, pending.plan, plan), group))
+                pending.use(
+                    _collective(
+                        lambda: fetch_shared(group, checkpoint, pending.plan, plan, budget=max_in_flight), group
+                    )
+                )
             else:
                 stats = pending.apply(
                     fetch=lambda finish: _collective(
-                        lambda: fetch_shared(group, checkpoint, pending.plan, plan, finish=finish), group
+                        lambda: fetch_shared(
+                            group, checkpoint, pending.plan, plan, budget=max_in_flight, finish=finish
+                        ),
+                        group,
                     )
                 )
                 stats = dataclasses.replace(stats, fetched_bytes=plan.read_bytes(group.rank))  # from storage

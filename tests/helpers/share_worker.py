@@ -8,12 +8,14 @@ full tensor so tests compare states bit for bit across meshes.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import math
 import os
 import sys
 from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -76,7 +78,8 @@ def nodes(args: dict[str, Any], rank: int) -> None:
 @contextlib.contextmanager
 def counting_links(args: dict[str, Any], rank: int) -> Iterator[list[int]]:
     """The (reader, consumer) pairs that handed bytes over through shared memory in the loads inside, and this
-    rank's choice (args["no_shm_rank"]: that rank declines shared memory, as SHARDCKPT_SHARE_MEMORY=0 makes it)."""
+    rank's choice (args["no_shm_rank"]: that rank declines shared memory, as SHARDCKPT_SHARE_MEMORY=0 makes it;
+    args["full_shm_rank"]: that rank's /dev/shm has no room for its region, so it only maps the others')."""
     pairs = [0]
     original = host_memory.HostLinks.build.__func__  # type: ignore[attr-defined]
 
@@ -87,8 +90,10 @@ def counting_links(args: dict[str, Any], rank: int) -> Iterator[list[int]]:
 
     knobs.SHARE_MEMORY = 0 if args.get("no_shm_rank") in (rank, "all") else 1
     host_memory.HostLinks.build = classmethod(build)  # type: ignore[method-assign, assignment]
+    full = mock.patch("os.posix_fallocate", side_effect=OSError(errno.ENOSPC, "No space left on device"))
     try:
-        yield pairs
+        with full if args.get("full_shm_rank") == rank else contextlib.nullcontext():
+            yield pairs
     finally:
         host_memory.HostLinks.build = classmethod(original)  # type: ignore[method-assign, assignment]
 
@@ -140,7 +145,7 @@ def scenario_ddp_load(args: dict[str, Any], rank: int, world: int) -> dict[str, 
     with counting_data_reads() as read, failing, counting_links(args, rank) as pairs:
         share = args["share_by_rank"][rank] if "share_by_rank" in args else args.get("share")
         try:
-            shardckpt.load(state, args["url"], share_reads=share)
+            shardckpt.load(state, args["url"], share_reads=share, max_in_flight=args.get("budget", 256 << 20))
         finally:
             left = leftovers()
             assert not left, left
@@ -175,13 +180,13 @@ def scenario_flat_load(args: dict[str, Any], rank: int, world: int) -> dict[str,
 
 
 def incremental(step: int) -> dict[str, torch.Tensor]:
-    """Six 48 KiB tensors (more than MAX_GAP: a load never reads through one it does not need); from step 2 on,
-    two of them changed."""
+    """Twelve 48 KiB tensors (more than MAX_GAP: a load never reads through one it does not need); from step 2 on,
+    every other one changed: the child stores six, and six separate ranges of its parent's file by reference."""
     generator = torch.Generator().manual_seed(11)
-    state = {f"layer{i}.weight": torch.randn(128, 96, generator=generator) for i in range(6)}
+    state = {f"layer{i:02d}.weight": torch.randn(128, 96, generator=generator) for i in range(12)}
     if step > 1:
-        state["layer1.weight"] += step
-        state["layer4.weight"] *= step
+        for i in range(1, 12, 2):
+            state[f"layer{i:02d}.weight"] += step
     return state
 
 
@@ -209,10 +214,11 @@ def scenario_incremental_save(args: dict[str, Any], rank: int, world: int) -> di
 
 
 def scenario_incremental_load(args: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
-    """Every rank loads the whole child: four of its six tensors are stored by reference in the parent's files."""
+    """Every rank loads the whole child: half of its tensors are stored by reference in the parent's file;
+    verify_first (every request kept until all are verified) with a small budget (many rounds)."""
     state = {"model": {k: torch.zeros_like(v) for k, v in incremental(2).items()}}
     with counting_own_and_referenced_reads() as read, counting_links(args, rank) as pairs:
-        shardckpt.load(state, args["url"], share_reads=True)
+        shardckpt.load(state, args["url"], share_reads=True, verify_first=True, max_in_flight=args["budget"])
     same = all(torch.equal(state["model"][k], v) for k, v in incremental(2).items())
     return {"equal": same, "read": read[0], "links": pairs[0]}
 

@@ -1,9 +1,11 @@
 """Collective loads that read each stored byte once per job: the ranks swap the byte ranges their plans need, one
-rank fetches each range (planner.share) and hands it to the others that need it (all_to_all over the group).
+rank fetches each range (planner.share) and hands it to the others that need it: through its shared-memory region
+to the ranks of its host (host_memory), by all_to_all over the group to the others.
 
 A peer's bytes are trusted no more than storage's: every rank verifies the block checksums of each of its own read
-requests once it is whole, whoever fetched its parts. Memory: a rank holds its requests' bytes (as a verify_first
-load does) plus, per exchange round, at most `budget` bytes fetched or received.
+requests once it is whole, whoever fetched its parts. Memory: a rank holds the requests still arriving (all of them
+for verify_first) plus at most `budget` bytes fetched or received: two rounds of half of it, one being read while
+the other is handed over and checked.
 """
 
 from __future__ import annotations
@@ -162,7 +164,9 @@ def fetch_shared(
     assembly = _Assembly(plan.requests)
     kept: list[tuple[ReadRequest, ByteArray]] = []
     failure: BaseException | None = None
-    rounds = list(share.rounds(budget))
+    # Half the budget a round: the next round's reads (into the other half of a region, or a buffer of their own)
+    # run while this round's bytes are still in use.
+    rounds = list(share.rounds(max(1, budget // 2)))
 
     def read_round(number: int) -> ByteArray:
         mine = [segment for segment in rounds[number] if segment.reader == rank]

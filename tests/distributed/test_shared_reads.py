@@ -40,7 +40,7 @@ def test_hsdp_loads_read_each_byte_once_on_the_same_and_resharded_meshes(tmp_pat
     assert sum(result["read"] for result in alone) > 1.5 * stored  # what the switch is compared against
 
 
-def test_replicated_plain_tensors_are_read_once_and_a_failing_reader_fails_every_rank(tmp_path) -> None:
+def test_replicated_plain_tensors_are_read_once_and_a_failing_or_dying_reader_fails_every_rank(tmp_path) -> None:
     url = str(tmp_path / "ddp")
     ok(run_ranks("ddp_save", 1, {"url": url}, worker=WORKER))
     # A budget of 64 KiB: several rounds, each reader filling one half of its region while the other is read.
@@ -63,6 +63,12 @@ def test_replicated_plain_tensors_are_read_once_and_a_failing_reader_fails_every
     assert all(r is not None and not r["ok"] for r in failed), failed
     for result in failed:
         assert "DistributedError" in result["error"] and "injected I/O error" in result["error"], result["error"]
+    # Rank 2 dies once it has fetched its share, before the round's vote: the others, waiting in that vote, raise.
+    results = run_ranks("ddp_load", 4, {"url": url, "share": True, "die_rank": 2}, worker=WORKER, timeout=90)
+    assert results[2] is None  # dead: no verdict
+    for result in results[:2] + results[3:]:
+        assert result is not None and not result["ok"], result
+        assert result["error"].startswith("DistributedError: a collective failed"), result["error"]
 
 
 def test_overlapping_flat_partitions_and_an_incremental_checkpoint_are_read_once(tmp_path) -> None:

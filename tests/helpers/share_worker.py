@@ -69,6 +69,18 @@ def unreadable_data() -> Iterator[None]:
         LocalStorage.pread_into = original  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def dying_in_the_exchange() -> Iterator[None]:
+    """This process dies (as a node does) once it has fetched its share of a shared read, before handing it over."""
+    from shardckpt.distributed import shared_reads
+
+    def die(*args: Any, **kwargs: Any) -> None:
+        os._exit(3)
+
+    with mock.patch.object(shared_reads, "any_rank", die):
+        yield
+
+
 def nodes(args: dict[str, Any], rank: int) -> None:
     """Simulate nodes of args["per_node"] ranks each (SHARDCKPT_NODE), as a multi-node launch would name them."""
     if args.get("per_node"):
@@ -142,6 +154,8 @@ def scenario_ddp_load(args: dict[str, Any], rank: int, world: int) -> dict[str, 
     nodes(args, rank)
     state = {"model": {k: torch.zeros_like(v) for k, v in replicated(3).items()}}
     failing = contextlib.nullcontext() if args.get("fail_rank") != rank else unreadable_data()
+    if args.get("die_rank") == rank:
+        failing = dying_in_the_exchange()
     with counting_data_reads() as read, failing, counting_links(args, rank) as pairs:
         share = args["share_by_rank"][rank] if "share_by_rank" in args else args.get("share")
         try:

@@ -164,9 +164,9 @@ def fetch_shared(
     assembly = _Assembly(plan.requests)
     kept: list[tuple[ReadRequest, ByteArray]] = []
     failure: BaseException | None = None
-    # Half the budget a round: the next round's reads (into the other half of a region, or a buffer of their own)
-    # run while this round's bytes are still in use.
-    rounds = list(share.rounds(max(1, budget // 2)))
+    # Half the budget a round (at most SHARE_ROUND): the next round's reads (into the other half of a region, or a
+    # buffer of their own) run while this round's bytes are still in use.
+    rounds = list(share.rounds(max(1, min(budget // 2, knobs.SHARE_ROUND))))
 
     def read_round(number: int) -> ByteArray:
         mine = [segment for segment in rounds[number] if segment.reader == rank]

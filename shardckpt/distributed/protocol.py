@@ -376,12 +376,13 @@ def load(
     Destinations of the stored dtype stay bit-exact. Costs host memory: each converted box is read into staging
     of the stored dtype first.
     share_reads: each stored byte that several ranks need (replicas: HSDP, DDP, replicated norms, plain tensors
-    every rank loads) is fetched by one of them and handed to the others through the group, so the job reads every
-    byte once; each rank still verifies every block it uses, and copies each read request out as soon as it is
-    whole (memory: the read budget per exchange round, plus requests still arriving). None (the default): share
-    when the group spans several nodes (SHARDCKPT_NODE, else torchrun's GROUP_RANK, names each rank's node), where
-    it saves the storage link; ranks on one node share a page cache and a disk, and handing bytes through the
-    group costs them more than reading (measured: benchmarks.shared_reads). True: always; False: never.
+    every rank loads) is fetched by one of them and handed to the others (through shared memory between ranks of
+    one host, through the group between hosts), so the job reads every byte once; each rank still verifies every
+    block it uses, and copies each read request out as soon as it is whole (memory: max_in_flight for the exchange,
+    plus requests still arriving). None (the default): share when the group spans several nodes (SHARDCKPT_NODE,
+    else torchrun's GROUP_RANK, names each rank's node), where it saves the storage link. True: also on one node.
+    Either way only when the ranks on their own would read over 5% of the bytes twice (SHARDCKPT_SHARE_MIN_SAVING);
+    False: never.
     """
     # A Stateful's state_dict() failing on one rank goes through the load's collectives like any other failure
     # of that rank, so that the other ranks raise with it instead of waiting for the group's timeout.

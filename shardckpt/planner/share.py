@@ -45,6 +45,16 @@ class SharePlan:
         """Whether two ranks need some byte: only then does sharing save a read."""
         return any(len(segment.consumers) > 1 for segment in self.segments)
 
+    @property
+    def repeated_bytes(self) -> int:
+        """Bytes the ranks would read more than once if each read its own: what sharing saves."""
+        return sum(segment.size * (len(segment.consumers) - 1) for segment in self.segments)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes some rank needs, each counted once: what a shared read fetches."""
+        return sum(segment.size for segment in self.segments)
+
     def read_bytes(self, rank: int) -> int:
         """Bytes `rank` fetches from storage."""
         return sum(s.size for s in self.segments if s.reader == rank)

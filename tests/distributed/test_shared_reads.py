@@ -35,6 +35,7 @@ def test_hsdp_loads_read_each_byte_once_on_the_same_and_resharded_meshes(tmp_pat
         assert all(result["digests"] == saved for result in loaded), mesh
         read = sum(result["read"] for result in loaded)
         assert read <= 1.05 * stored, (mesh, read, stored)  # every rank on its own: 2x on [2, 2], 4x on [4, 1]
+        assert sum(result["links"] for result in loaded) > 0  # one host: handed over in memory
     alone = ok(run_ranks("hsdp_load", 4, {"url": url, "mesh": [2, 2], "share": False}, worker=WORKER))
     assert all(result["digests"] == saved for result in alone)
     assert sum(result["read"] for result in alone) > 1.5 * stored  # what the switch is compared against

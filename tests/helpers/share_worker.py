@@ -133,11 +133,11 @@ def scenario_hsdp_load(args: dict[str, Any], rank: int, world: int) -> dict[str,
     optimizer.step()
     optimizer.zero_grad()
     msd, osd = get_state_dict(model, optimizer)
-    with counting_data_reads() as read:
+    with counting_data_reads() as read, counting_links(args, rank) as pairs:
         shardckpt.load({"model": msd, "optim": osd}, args["url"], share_reads=args.get("share"))
     set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
     dist.barrier()
-    return {"digests": digests(model, optimizer), "read": read[0]}
+    return {"digests": digests(model, optimizer), "read": read[0], "links": pairs[0]}
 
 
 def replicated(seed: int) -> dict[str, torch.Tensor]:

@@ -87,6 +87,14 @@ def test_ranks_that_share_nothing_fill_one_round_side_by_side() -> None:
     assert len(list(plan.rounds(100))) == 2
 
 
+def test_what_sharing_saves_is_the_bytes_ranks_would_read_twice() -> None:
+    # Three ranks whose ranges touch at their edges (a 2 -> 3 reshard read in whole blocks): 20 of 300 bytes twice.
+    plan = plan_shared_reads([[(0, 0, 110)], [(0, 100, 210)], [(0, 200, 300)]], chunk=1000)
+    assert (plan.total_bytes, plan.repeated_bytes) == (300, 20)
+    plan = plan_shared_reads([[(0, 0, 300)]] * 4, chunk=1000)  # DDP: every rank all of it
+    assert (plan.total_bytes, plan.repeated_bytes) == (300, 900)
+
+
 def test_bad_input_is_a_usage_error() -> None:
     with pytest.raises(ShardckptUsageError, match="chunk"):
         plan_shared_reads([[(0, 0, 1)]], chunk=0)

@@ -74,9 +74,9 @@ SHARE_MEMORY = int(_knob("SHARE_MEMORY", 1))
 # round's reads with the previous one's checks sooner, each costs one collective (HSDP 4x1, 128 MiB: 32 MiB rounds
 # 0.35 s vs 0.43-0.53 s in one round); the /dev/shm a reader holds is two rounds.
 SHARE_ROUND = int(_knob("SHARE_ROUND", 32 << 20))
-# A collective load shares its reads only when ranks reading on their own would read more than this fraction of the
-# bytes more than once (a reshard whose ranges touch at their edges reads on its own: it is faster, and reads few
-# bytes twice).
+# A collective load shares its reads only when ranks reading on their own would read more than (1 + this) times the
+# bytes they need together (a reshard whose ranges touch at their edges reads on its own: it is faster, and reads few
+# bytes twice; replicas read 2x and more).
 SHARE_MIN_SAVING = float(_knob("SHARE_MIN_SAVING", 0.05))
 SHARE_CHECKERS = int(_knob("SHARE_CHECKERS", 8))  # threads per rank verifying and copying out shared reads
 

@@ -101,6 +101,13 @@ def any_ranks(group: Group, flags: list[bool]) -> list[bool]:
     return [bool(v) for v in value.tolist()]
 
 
+def smallest(group: Group, value: int) -> int:
+    """The smallest of every rank's `value`, on every rank: one small collective."""
+    tensor = torch.tensor([value], dtype=torch.int64, device=group.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group.handle)
+    return int(tensor.item())
+
+
 def any_rank(group: Group, flag: bool) -> bool:
     """True on every rank when `flag` is true on any: one small collective."""
     value = torch.tensor([int(flag)], dtype=torch.int64, device=group.device)

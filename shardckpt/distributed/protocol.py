@@ -381,7 +381,7 @@ def load(
     block it uses, and copies each read request out as soon as it is whole (memory: max_in_flight for the exchange,
     plus requests still arriving). None (the default): share when the group spans several nodes (SHARDCKPT_NODE,
     else torchrun's GROUP_RANK, names each rank's node), where it saves the storage link. True: also on one node.
-    Either way only when the ranks on their own would read over 5% of the bytes twice (SHARDCKPT_SHARE_MIN_SAVING);
+    Either way only when the ranks on their own would read over 1.05x the bytes (SHARDCKPT_SHARE_MIN_SAVING=0.05);
     False: never.
     """
     # A Stateful's state_dict() failing on one rank goes through the load's collectives like any other failure

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from shardckpt import knobs
-from shardckpt.distributed.collectives import Group, all_gather_bytes, any_rank
+from shardckpt.distributed.collectives import Group, all_gather_bytes, any_rank, smallest
 from shardckpt.distributed.host_memory import HostLinks, host_key, links_for
 from shardckpt.errors import DistributedError, IntegrityError, TruncatedError
 from shardckpt.planner import ReadPlan, ReadRequest
@@ -72,8 +72,9 @@ def plan_exchange(
     share = plan_shared_reads(everyone, chunk=chunk, nodes=nodes, hosts=hosts)
     # Worth it only where the ranks would read much twice: a reshard whose ranges touch at their edges (2x2 -> 1x3:
     # 3% more bytes read alone) would route every byte through the exchange to save a few.
-    worth = share.repeated_bytes > knobs.SHARE_MIN_SAVING * share.total_bytes
-    return share if share.overlaps and worth else None
+    worth = share.overlaps and share.repeated_bytes > knobs.SHARE_MIN_SAVING * share.total_bytes
+    # Decided together: a rank whose SHARDCKPT_SHARE_MIN_SAVING differs would otherwise wait in an exchange alone.
+    return None if any_rank(group, not worth) else share
 
 
 class _Assembly:
@@ -170,7 +171,9 @@ def fetch_shared(
     failure: BaseException | None = None
     # Half the budget a round (at most SHARE_ROUND): the next round's reads (into the other half of a region, or a
     # buffer of their own) run while this round's bytes are still in use.
-    rounds = list(share.rounds(max(1, min(budget // 2, knobs.SHARE_ROUND))))
+    # The smallest of the ranks' choices: every rank must cut the same rounds (max_in_flight or SHARDCKPT_SHARE_ROUND
+    # may differ between ranks, and ranks that cut rounds apart would wait in different collectives).
+    rounds = list(share.rounds(smallest(group, max(1, min(budget // 2, knobs.SHARE_ROUND)))))
 
     def read_round(number: int) -> ByteArray:
         mine = [segment for segment in rounds[number] if segment.reader == rank]

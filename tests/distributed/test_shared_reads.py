@@ -51,7 +51,9 @@ def test_replicated_plain_tensors_are_read_once_and_a_failing_or_dying_reader_fa
     assert sum(result["links"] for result in loaded) == 4 * 3  # all on this host: every hand-over in memory
     # Rank 1 declines shared memory (SHARDCKPT_SHARE_MEMORY=0) and rank 2's /dev/shm is full: what they fetch goes
     # through gloo (rank 2 still maps the others' regions), the rest in memory, in the same rounds.
-    mixed_args = {"url": url, "share": True, "no_shm_rank": 1, "full_shm_rank": 2, "budget": 64 << 10}
+    # Their max_in_flight differ too (the smallest cuts the rounds for all).
+    mixed_args = {"url": url, "share": True, "no_shm_rank": 1, "full_shm_rank": 2}
+    mixed_args["budget_by_rank"] = [64 << 10, 256 << 20, 1 << 20, 256 << 20]
     mixed = ok(run_ranks("ddp_load", 4, mixed_args, worker=WORKER))
     assert all(result["equal"] for result in mixed)
     assert sum(result["read"] for result in mixed) <= 1.05 * data_bytes(url)
@@ -116,3 +118,8 @@ def test_ranks_that_disagree_on_share_reads_all_fail_at_once_instead_of_hanging(
     assert all(r is not None and not r["ok"] for r in failed), failed
     for result in failed:
         assert "DistributedError" in result["error"] and "share_reads differs" in result["error"], result["error"]
+    # A rank whose SHARDCKPT_SHARE_MIN_SAVING finds sharing not worth it: no rank shares, none waits for the others.
+    loaded = ok(run_ranks("ddp_load", 3, {"url": url, "share": True, "stingy_rank": 1}, worker=WORKER, timeout=90))
+    assert all(result["equal"] for result in loaded)
+    assert sum(result["links"] for result in loaded) == 0
+    assert sum(result["read"] for result in loaded) >= 3 * 6 * 96 * 80 * 4  # each rank all six tensors itself

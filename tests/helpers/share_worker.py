@@ -101,6 +101,7 @@ def counting_links(args: dict[str, Any], rank: int) -> Iterator[list[int]]:
         return links
 
     knobs.SHARE_MEMORY = 0 if args.get("no_shm_rank") in (rank, "all") else 1
+    knobs.SHARE_MIN_SAVING = 100.0 if args.get("stingy_rank") == rank else 0.05  # SHARDCKPT_SHARE_MIN_SAVING=100
     host_memory.HostLinks.build = classmethod(build)  # type: ignore[method-assign, assignment]
     full = mock.patch("os.posix_fallocate", side_effect=OSError(errno.ENOSPC, "No space left on device"))
     try:
@@ -159,7 +160,8 @@ def scenario_ddp_load(args: dict[str, Any], rank: int, world: int) -> dict[str, 
     with counting_data_reads() as read, failing, counting_links(args, rank) as pairs:
         share = args["share_by_rank"][rank] if "share_by_rank" in args else args.get("share")
         try:
-            shardckpt.load(state, args["url"], share_reads=share, max_in_flight=args.get("budget", 256 << 20))
+            budget = args["budget_by_rank"][rank] if "budget_by_rank" in args else args.get("budget", 256 << 20)
+            shardckpt.load(state, args["url"], share_reads=share, max_in_flight=budget)
         finally:
             left = leftovers()
             assert not left, left

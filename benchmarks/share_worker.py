@@ -46,25 +46,57 @@ def hsdp_state(args: dict[str, Any], fill: bool) -> dict[str, DTensor]:
     return state
 
 
+def ddp_state(args: dict[str, Any], fill: bool) -> dict[str, torch.Tensor]:
+    """The same tensors as plain (non-DTensor) tensors every rank holds whole, as DDP keeps them."""
+    rows = args["rows"]
+    return {
+        f"t{index:03d}": torch.randn(rows, 1024, generator=torch.Generator().manual_seed(index))
+        if fill
+        else torch.zeros(rows, 1024)
+        for index in range(args["tensors"])
+    }
+
+
 def scenario_save(args: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     state = hsdp_state(args, fill=True)
     shardckpt.save(state, args["url"], step=1, storage_options=args.get("options"))
     if args.get("dcp"):
         dcp.save(state, storage_writer=FileSystemWriter(args["dcp"]))
+    if args.get("ddp_url"):
+        replicated = ddp_state(args, fill=True)
+        shardckpt.save(replicated, args["ddp_url"], step=1, storage_options=args.get("options"))
+        if args.get("ddp_dcp"):
+            dcp.save(replicated, storage_writer=FileSystemWriter(args["ddp_dcp"]))
     dist.barrier()
     return {}
 
 
 def scenario_load(args: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    """The HSDP state on args["mesh"] (args["ddp"]: the DDP state instead) loaded every way: see measure()."""
+    if args.get("ddp"):
+        state: dict[str, Any] = ddp_state(args, fill=False)
+        url, dcp_dir = args["ddp_url"], args.get("ddp_dcp")
+    else:
+        state, url, dcp_dir = hsdp_state(args, fill=False), args["url"], args.get("dcp")
+    result = measure(args, rank, state, url, dcp_dir)
+    if args.get("ddp"):  # every rank loads every tensor: check one rank's values, bit for bit
+        expected = ddp_state(args, fill=True)
+        assert all(torch.equal(state[name], value) for name, value in expected.items()), "DDP load differs"
+    return result
+
+
+def measure(args: dict[str, Any], rank: int, state: dict[str, Any], url: str, dcp_dir: str | None) -> dict[str, Any]:
     """Each way of loading `repeats` times, taking turns, cold unless args["warm"]; per way: median seconds and this
     rank's bytes read (rchar: every read syscall, page cache or disk; for S3 the bytes the load fetched)."""
-    state = hsdp_state(args, fill=False)
+    options = args.get("options")
     ways = {
-        "shared": lambda: shardckpt.load(state, args["url"], share_reads=True, storage_options=args.get("options")),
-        "alone": lambda: shardckpt.load(state, args["url"], share_reads=False, storage_options=args.get("options")),
+        "shared": lambda: shardckpt.load(state, url, share_reads=True, storage_options=options),
+        "alone": lambda: shardckpt.load(state, url, share_reads=False, storage_options=options),
     }
-    if args.get("dcp"):
-        ways["dcp"] = lambda: dcp.load(state, storage_reader=FileSystemReader(args["dcp"]))
+    if dcp_dir:
+        ways["dcp"] = lambda: dcp.load(state, storage_reader=FileSystemReader(dcp_dir))
+    for run in ways.values():  # untimed, uncounted: lazy imports (their reads count in rchar), first allocations
+        run()
     seconds: dict[str, list[float]] = {way: [] for way in ways}
     read: dict[str, int] = {}
     for _ in range(args["repeats"]):

@@ -1,8 +1,8 @@
 """Shared reads (issue 27): an HSDP state (replicate 2 x shard 2, 4 gloo ranks) loaded on the same and on resharded
 meshes, with each stored byte read once per job (load's share_reads, the default over a group) vs every rank reading
 its own (share_reads=False) vs DCP; bytes read from storage over all ranks (rchar) as a ratio to the checkpoint's
-data bytes, and medians of the load times. --s3 adds the same loads from a SeaweedFS server (bytes: what the loads
-fetched).
+data bytes, and medians of the load times. "DDP 4 ranks": the same tensors as plain tensors every rank loads whole.
+--s3 adds the same-mesh and DDP loads from a SeaweedFS server (bytes: what the loads fetched).
 
     python -m benchmarks.shared_reads --size-mib 2048 --json benchmarks/shared_reads.json
 """
@@ -21,7 +21,7 @@ from tests.helpers.launch import run_ranks
 
 WORKER = Path(__file__).resolve().parent / "share_worker.py"
 SAVE_MESH = [2, 2]
-LOADS = {"2x2 -> 2x2": (4, [2, 2]), "2x2 -> 1x3": (3, [1, 3]), "2x2 -> 4x1": (4, [4, 1])}
+LOADS = {"2x2 -> 2x2": (4, [2, 2]), "2x2 -> 1x3": (3, [1, 3]), "2x2 -> 4x1": (4, [4, 1]), "DDP 4 ranks": (4, None)}
 
 
 def data_bytes(url: str) -> int:
@@ -29,13 +29,17 @@ def data_bytes(url: str) -> int:
     return sum(os.path.getsize(folder / name) for name in os.listdir(folder))
 
 
-def load_rows(common: dict, stored: int, loads: dict) -> dict[str, dict]:
+def load_rows(common: dict, stored: dict[str, int], loads: dict) -> dict[str, dict]:
+    """One row per load: bytes read over all ranks / the checkpoint's data bytes, and the slowest rank's median
+    seconds, per way (shared, alone, dcp). Mesh None: the DDP state (plain tensors every rank loads)."""
     rows = {}
     for name, (world, mesh) in loads.items():
-        ranks = values(run_ranks("load", world, {**common, "mesh": mesh}, worker=WORKER, timeout=1800))
+        what = {"mesh": [1, world], "ddp": True} if mesh is None else {"mesh": mesh}
+        ranks = values(run_ranks("load", world, {**common, **what}, worker=WORKER, timeout=1800))
+        size = stored["ddp" if mesh is None else "hsdp"]
         row: dict[str, float] = {}
         for way in ranks[0]:
-            row[f"{way}_read_ratio"] = sum(rank[way]["read"] for rank in ranks) / stored
+            row[f"{way}_read_ratio"] = sum(rank[way]["read"] for rank in ranks) / size
             row[f"{way}_seconds"] = max(rank[way]["seconds"] for rank in ranks)
         row["shared_vs_alone_time"] = row["shared_seconds"] / row["alone_seconds"]
         rows[name] = row
@@ -52,26 +56,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm", action="store_true", help="never drop the page cache")
     parser.add_argument("--s3", action="store_true", help="also load from a SeaweedFS server started here")
     parser.add_argument("--dir", help="scratch directory on the disk to measure")
+    parser.add_argument("--loads", default=",".join(LOADS), help=f"comma-separated, of: {', '.join(LOADS)}")
+    parser.add_argument("--no-dcp", action="store_true", help="leave DCP's loads out (a quicker run)")
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
     rows_per_tensor = max(12, round((args.size_mib << 20) / (args.tensors * 4096) / 12) * 12)
     scratch = tempfile.mkdtemp(prefix="shardckpt-share-", dir=args.dir)
     common = {"rows": rows_per_tensor, "tensors": args.tensors, "repeats": args.repeats, "warm": args.warm}
+    unknown = set(args.loads.split(",")) - set(LOADS)
+    if unknown:
+        parser.error(f"unknown loads {sorted(unknown)}")
+    loads = {name: LOADS[name] for name in args.loads.split(",")}
     report: dict[str, object] = {"machine": machine(), "size_mib": args.size_mib, "rows": {}}
     try:
-        local = {**common, "url": f"{scratch}/sc", "dcp": f"{scratch}/dcp"}
+        local = {**common, "url": f"{scratch}/sc", "ddp_url": f"{scratch}/ddp"}
+        if not args.no_dcp:
+            local.update({"dcp": f"{scratch}/dcp", "ddp_dcp": f"{scratch}/ddp-dcp"})
         values(run_ranks("save", 4, {**local, "mesh": SAVE_MESH}, worker=WORKER, timeout=1800))
-        stored = data_bytes(local["url"])
-        print(f"shared reads, local disk: {stored / 2**20:.0f} MiB of data, saved on a 2x2 HSDP mesh", flush=True)
-        report["rows"] = {"local": load_rows(local, stored, LOADS)}
+        stored = {"hsdp": data_bytes(local["url"]), "ddp": data_bytes(local["ddp_url"])}
+        report["stored_bytes"] = stored
+        print(
+            f"shared reads, local disk: {stored['hsdp'] / 2**20:.0f} MiB of data, saved on a 2x2 HSDP mesh", flush=True
+        )
+        report["rows"] = {"local": load_rows(local, stored, loads)}
         if args.s3:
             from benchmarks import seaweed
 
             with seaweed.running("shardckpt-share") as server:
-                remote = {**common, "url": "s3://shardckpt-share/sc", "options": server.storage_options()}
+                remote = {**common, "url": "s3://shardckpt-share/sc", "ddp_url": "s3://shardckpt-share/ddp"}
+                remote["options"] = server.storage_options()
                 values(run_ranks("save", 4, {**remote, "mesh": SAVE_MESH}, worker=WORKER, timeout=1800))
                 print("shared reads, S3 (SeaweedFS on this machine):", flush=True)
-                s3_loads = {"2x2 -> 2x2": LOADS["2x2 -> 2x2"]}
+                s3_loads = {name: loads[name] for name in ("2x2 -> 2x2", "DDP 4 ranks") if name in loads}
                 report["rows"]["s3"] = load_rows({**remote, "warm": True}, stored, s3_loads)  # type: ignore[index]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -72,6 +72,18 @@ MAX_REQUEST = int(_knob("MAX_REQUEST", 8 << 20))  # bytes per range request from
 RESIDENT_MAX_REQUEST = int(_knob("RESIDENT_MAX_REQUEST", 2 << 20))
 PREFETCH_AHEAD = int(_knob("PREFETCH_AHEAD", 16 << 20))  # how far ahead a jumping reader announces its ranges
 VERIFY_CHUNK = int(_knob("VERIFY_CHUNK", 64 << 20))  # bytes `verify` reads per request
+# 1 (default): in a shared read, ranks proved to share a host hand bytes over through the reader's /dev/shm region
+# (one memcpy, or none) rather than the process group's sockets; 0: always through the group.
+SHARE_MEMORY = int(_knob("SHARE_MEMORY", 1))
+# Bytes a rank fetches plus receives per round of a shared read (and max_in_flight / 2): smaller rounds overlap one
+# round's reads with the previous one's checks sooner, each costs one collective (HSDP 4x1, 128 MiB: 32 MiB rounds
+# 0.35 s vs 0.43-0.53 s in one round); the /dev/shm a reader holds is two rounds.
+SHARE_ROUND = int(_knob("SHARE_ROUND", 32 << 20))
+# A collective load shares its reads only when ranks reading on their own would read more than (1 + this) times the
+# bytes they need together (a reshard whose ranges touch at their edges reads on its own: it is faster, and reads few
+# bytes twice; replicas read 2x and more).
+SHARE_MIN_SAVING = float(_knob("SHARE_MIN_SAVING", 0.05))
+SHARE_CHECKERS = int(_knob("SHARE_CHECKERS", 8))  # threads per rank verifying and copying out shared reads
 
 # Object stores (storage/s3.py)
 S3_PART_SIZE = int(_knob("S3_PART_SIZE", 16 << 20))  # multipart upload part (S3's minimum is 5 MiB)

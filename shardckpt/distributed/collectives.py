@@ -66,6 +66,16 @@ def all_gather_bytes(group: Group, data: bytes) -> list[bytes]:
     return [bytes(buffer.cpu()[:size].numpy().tobytes()) for buffer, size in zip(buffers, sizes)]
 
 
+def all_gather_fixed(group: Group, data: bytes, size: int) -> list[bytes]:
+    """Every rank's `data` of at most `size` bytes (trailing zero bytes dropped): one collective."""
+    if len(data) > size:
+        raise ValueError(f"{len(data)} bytes do not fit a fixed gather of {size}")
+    mine = _to_tensor(data, size, group.device)
+    buffers = [torch.zeros(size, dtype=torch.uint8, device=group.device) for _ in range(group.size)]
+    dist.all_gather(buffers, mine, group=group.handle)
+    return [bytes(buffer.cpu().numpy().tobytes()).rstrip(b"\0") for buffer in buffers]
+
+
 # A broadcast carries its length and up to this many bytes in one collective; longer data takes a second one.
 INLINE_BYTES = 64 << 10
 
@@ -89,6 +99,13 @@ def any_ranks(group: Group, flags: list[bool]) -> list[bool]:
     value = torch.tensor([int(flag) for flag in flags], dtype=torch.int64, device=group.device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group.handle)
     return [bool(v) for v in value.tolist()]
+
+
+def smallest(group: Group, value: int) -> int:
+    """The smallest of every rank's `value`, on every rank: one small collective."""
+    tensor = torch.tensor([value], dtype=torch.int64, device=group.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group.handle)
+    return int(tensor.item())
 
 
 def any_rank(group: Group, flag: bool) -> bool:

@@ -383,12 +383,13 @@ def load(
     Destinations of the stored dtype stay bit-exact. Costs host memory: each converted box is read into staging
     of the stored dtype first.
     share_reads: each stored byte that several ranks need (replicas: HSDP, DDP, replicated norms, plain tensors
-    every rank loads) is fetched by one of them and handed to the others through the group, so the job reads every
-    byte once; each rank still verifies every block it uses, and copies each read request out as soon as it is
-    whole (memory: the read budget per exchange round, plus requests still arriving). None (the default): share
-    when the group spans several nodes (SHARDCKPT_NODE, else torchrun's GROUP_RANK, names each rank's node), where
-    it saves the storage link; ranks on one node share a page cache and a disk, and handing bytes through the
-    group costs them more than reading (measured: benchmarks.shared_reads). True: always; False: never.
+    every rank loads) is fetched by one of them and handed to the others (through shared memory between ranks of
+    one host, through the group between hosts), so the job reads every byte once; each rank still verifies every
+    block it uses, and copies each read request out as soon as it is whole (memory: max_in_flight for the exchange,
+    plus requests still arriving). None (the default): share when the group spans several nodes (SHARDCKPT_NODE,
+    else torchrun's GROUP_RANK, names each rank's node), where it saves the storage link. True: also on one node.
+    Either way only when the ranks on their own would read over 1.05x the bytes (SHARDCKPT_SHARE_MIN_SAVING=0.05);
+    False: never.
     """
     # A Stateful's state_dict() failing on one rank goes through the load's collectives like any other failure
     # of that rank, so that the other ranks raise with it instead of waiting for the group's timeout.
@@ -515,11 +516,18 @@ def _load(
         if share is not None:
             plan = share
             if verify_first:  # every rank keeps and verifies all its bytes; destinations are written after the vote
-                pending.use(_collective(lambda: fetch_shared(group, checkpoint, pending.plan, plan), group))
+                pending.use(
+                    _collective(
+                        lambda: fetch_shared(group, checkpoint, pending.plan, plan, budget=max_in_flight), group
+                    )
+                )
             else:
                 stats = pending.apply(
                     fetch=lambda finish: _collective(
-                        lambda: fetch_shared(group, checkpoint, pending.plan, plan, finish=finish), group
+                        lambda: fetch_shared(
+                            group, checkpoint, pending.plan, plan, budget=max_in_flight, finish=finish
+                        ),
+                        group,
                     )
                 )
                 stats = dataclasses.replace(stats, fetched_bytes=plan.read_bytes(group.rank))  # from storage

@@ -1,9 +1,11 @@
 """Collective loads that read each stored byte once per job: the ranks swap the byte ranges their plans need, one
-rank fetches each range (planner.share) and hands it to the others that need it (all_to_all over the group).
+rank fetches each range (planner.share) and hands it to the others that need it: through its shared-memory region
+to the ranks of its host (host_memory), by all_to_all over the group to the others.
 
 A peer's bytes are trusted no more than storage's: every rank verifies the block checksums of each of its own read
-requests once it is whole, whoever fetched its parts. Memory: a rank holds its requests' bytes (as a verify_first
-load does) plus, per exchange round, at most `budget` bytes fetched or received.
+requests once it is whole, whoever fetched its parts. Memory: a rank holds the requests still arriving (all of them
+for verify_first) plus at most `budget` bytes fetched or received: two rounds of half of it, one being read while
+the other is handed over and checked.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import bisect
 import functools
 import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import msgpack
 import numpy as np
@@ -19,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from shardckpt import knobs
-from shardckpt.distributed.collectives import Group, all_gather_bytes, any_rank
+from shardckpt.distributed.collectives import Group, all_gather_bytes, any_rank, smallest
+from shardckpt.distributed.host_memory import HostLinks, host_key, links_for
 from shardckpt.errors import DistributedError, IntegrityError, TruncatedError
 from shardckpt.planner import ReadPlan, ReadRequest
 from shardckpt.planner.share import Segment, SharePlan, plan_shared_reads
@@ -33,65 +37,112 @@ class PeerFailed(Exception):
 
 def node_ids(group: Group) -> list[int] | None:
     """Each rank's node, from SHARDCKPT_NODE or torchrun's GROUP_RANK (None when neither is set anywhere)."""
-    mine = os.environ.get("SHARDCKPT_NODE", os.environ.get("GROUP_RANK"))
+    return _nodes_and_hosts(group, with_hosts=False)[0]
+
+
+def _nodes_and_hosts(group: Group, *, with_hosts: bool) -> tuple[list[int] | None, list[str | None]]:
+    """node_ids, and each rank's host_key() (None everywhere unless with_hosts), in one collective."""
+    node = os.environ.get("SHARDCKPT_NODE", os.environ.get("GROUP_RANK"))
+    mine = [node, host_key() if with_hosts else None]
     known = [msgpack.unpackb(b) for b in all_gather_bytes(group, msgpack.packb(mine))]
-    if any(node is None for node in known):
-        return None
-    names = {name: index for index, name in enumerate(sorted(set(known)))}
-    return [names[node] for node in known]
+    hosts = [host if isinstance(host, str) else None for _, host in known]
+    if any(node is None for node, _ in known):
+        return None, hosts
+    names = {name: index for index, name in enumerate(sorted({node for node, _ in known}))}
+    return [names[node] for node, _ in known], hosts
 
 
 def plan_exchange(
-    group: Group, plan: ReadPlan, *, only_across_nodes: bool, chunk: int = knobs.MAX_REQUEST
+    group: Group,
+    plan: ReadPlan,
+    *,
+    only_across_nodes: bool,
+    chunk: int = knobs.MAX_REQUEST,
+    shared_memory: bool | None = None,
 ) -> SharePlan | None:
     """Every rank's needs, gathered, turned into the one plan every rank computes alike; None (on every rank)
-    when no two ranks need the same byte, or when only_across_nodes and the ranks do not span two nodes (then
-    nothing but the node names was exchanged)."""
-    nodes = node_ids(group)
+    when the ranks reading on their own would read at most SHARE_MIN_SAVING more bytes than once, or when
+    only_across_nodes and the ranks do not span two nodes (then nothing but the node names was exchanged).
+    shared_memory: also learn which ranks claim one host."""
+    nodes, hosts = _nodes_and_hosts(group, with_hosts=_shared_memory(shared_memory))
     if only_across_nodes and (nodes is None or len(set(nodes)) < 2):
         return None
     mine = [[request.file, request.start, request.end] for request in plan.requests]
     everyone = [[tuple(r) for r in msgpack.unpackb(b)] for b in all_gather_bytes(group, msgpack.packb(mine))]
-    share = plan_shared_reads(everyone, chunk=chunk, nodes=nodes)
-    return share if share.overlaps else None
+    share = plan_shared_reads(everyone, chunk=chunk, nodes=nodes, hosts=hosts)
+    # Worth it only where the ranks would read much twice: a reshard whose ranges touch at their edges (2x2 -> 1x3:
+    # 3% more bytes read alone) would route every byte through the exchange to save a few.
+    worth = share.overlaps and share.repeated_bytes > knobs.SHARE_MIN_SAVING * share.total_bytes
+    # Decided together: a rank whose SHARDCKPT_SHARE_MIN_SAVING differs would otherwise wait in an exchange alone.
+    return None if any_rank(group, not worth) else share
 
 
 class _Assembly:
-    """This rank's requests, each in a buffer of its own from its first byte to its use, and where a segment's bytes
-    land in them."""
+    """This rank's requests and the pieces of them each round brings (views of a reader's region, of what arrived,
+    or of what this rank fetched); a request that one round brings whole and in one run of memory is used where it
+    lies, the others are assembled in a buffer of their own."""
 
     def __init__(self, requests: Sequence[ReadRequest]) -> None:
         self.requests = requests
         self.slots: dict[int, ByteArray] = {}
         self.filled = [0] * len(requests)
-        self.complete: list[int] = []  # requests whole since the caller last took them
+        self.pieces: dict[int, list[tuple[int, int, ByteArray, int, bool]]] = {}  # this round's, per request
         self.by_file: dict[int, list[tuple[int, int, int]]] = {}  # file -> sorted (start, end, request number)
         for number, request in enumerate(requests):
             self.by_file.setdefault(request.file, []).append((request.start, request.end, number))
         for spans in self.by_file.values():
             spans.sort()
 
-    def place(self, segment: Segment, data: ByteArray) -> None:
-        """Copy a segment's bytes into every request of this rank that overlaps it."""
+    def place(self, segment: Segment, source: ByteArray, offset: int, transient: bool) -> None:
+        """A segment's bytes are source[offset : offset + size] (transient: overwritten after the next round)."""
         spans = self.by_file.get(segment.file, [])
         at = max(0, bisect.bisect_right(spans, (segment.start, float("inf"), 0)) - 1)
         for start, end, number in spans[at:]:
             if start >= segment.end:
                 break
             low, high = max(start, segment.start), min(end, segment.end)
-            if low >= high:
+            if low < high:
+                piece = (low, high, source, offset + low - segment.start, transient)
+                self.pieces.setdefault(number, []).append(piece)
+
+    def settle(self, keep: bool) -> list[tuple[int, ByteArray]]:
+        """The requests this round completed, with their bytes. keep: the caller keeps them past the round, so
+        none may be a view of a region that a later round overwrites."""
+        complete = []
+        for number, pieces in self.pieces.items():
+            size = self.requests[number].size
+            pieces.sort(key=lambda piece: piece[0])
+            whole = _one_run(pieces, self.requests[number].start, size)
+            if whole is not None and self.filled[number] == 0 and not (keep and pieces[0][4]):
+                self.filled[number] = size
+                complete.append((number, whole))
                 continue
             slot = self.slots.get(number)
             if slot is None:
-                slot = self.slots[number] = np.empty(end - start, dtype=np.uint8)
-            slot[low - start : high - start] = data[low - segment.start : high - segment.start]
-            self.filled[number] += high - low
-            if self.filled[number] == end - start:
-                self.complete.append(number)
-
-    def take_complete(self) -> list[int]:
-        complete, self.complete = self.complete, []
+                slot = self.slots[number] = np.empty(size, dtype=np.uint8)
+            base = self.requests[number].start
+            for low, high, source, offset, _ in pieces:
+                slot[low - base : high - base] = source[offset : offset + high - low]
+                self.filled[number] += high - low
+            if self.filled[number] == size:
+                complete.append((number, self.slots.pop(number)))
+        self.pieces = {}
         return complete
+
+
+def _one_run(pieces: list[tuple[int, int, ByteArray, int, bool]], start: int, size: int) -> ByteArray | None:
+    """The request's bytes as one view when its pieces cover it end to end, consecutive in one source."""
+    low, _, source, offset, _ = pieces[0]
+    if low != start:
+        return None
+    position, at = start, offset
+    for piece_low, piece_high, piece_source, piece_offset, _ in pieces:
+        if piece_low != position or piece_source is not source or piece_offset != at:
+            return None
+        position, at = piece_high, at + piece_high - piece_low
+    if position != start + size:
+        return None
+    return source[offset : offset + size]
 
 
 def fetch_shared(
@@ -102,6 +153,7 @@ def fetch_shared(
     *,
     budget: int = knobs.MAX_IN_FLIGHT,
     finish: Step | None = None,
+    shared_memory: bool | None = None,
 ) -> list[tuple[ReadRequest, ByteArray]]:
     """This rank's requests fetched through the exchange and verified.
 
@@ -110,29 +162,58 @@ def fetch_shared(
     it every request is kept and returned (what PendingRead.fetch() holds). Collective: every rank of the group
     calls it with the same `share`. A failure on any rank (a storage error, a short read, a checksum) makes every
     rank raise: the failing one its own error, the others PeerFailed.
+    shared_memory: ranks proved to share a host hand bytes over through the reader's /dev/shm region (host_memory)
+    instead of the group; the others (and all, when False) through the group. None: knobs.SHARE_MEMORY.
     """
     rank = group.rank
     assembly = _Assembly(plan.requests)
     kept: list[tuple[ReadRequest, ByteArray]] = []
     failure: BaseException | None = None
-    with checkpoint.worker_pool(len(plan.requests)) as pool:
-        for segments in share.rounds(budget):
-            mine = [segment for segment in segments if segment.reader == rank]
+    # Half the budget a round (at most SHARE_ROUND): the next round's reads (into the other half of a region, or a
+    # buffer of their own) run while this round's bytes are still in use.
+    # The smallest of the ranks' choices: every rank must cut the same rounds (max_in_flight or SHARDCKPT_SHARE_ROUND
+    # may differ between ranks, and ranks that cut rounds apart would wait in different collectives).
+    rounds = list(share.rounds(smallest(group, max(1, min(budget // 2, knobs.SHARE_ROUND)))))
+
+    def read_round(number: int) -> ByteArray:
+        mine = [segment for segment in rounds[number] if segment.reader == rank]
+        return _read(checkpoint, mine, links.region(rank, number))
+
+    with (
+        links_for(group, rounds, _shared_memory(shared_memory), share.hosts) as links,
+        ThreadPoolExecutor(max_workers=_checkers(len(plan.requests))) as pool,
+        ThreadPoolExecutor(max_workers=1) as reading,
+    ):
+        ahead = reading.submit(read_round, 0) if rounds else None
+        for number, segments in enumerate(rounds):
             error: BaseException | None = None
-            fetched: list[ByteArray] = []
+            fetched: ByteArray = np.empty(0, np.uint8)
             try:
-                fetched = _read(checkpoint, mine)
+                assert ahead is not None
+                fetched = ahead.result()
             except Exception as exc:
                 error = exc
+            # Also the moment every reader's region holds this round: consumers on its host read it after this.
             if any_rank(group, error is not None):
                 if error is not None:
                     raise error
                 raise PeerFailed("another rank failed to fetch its share of a shared read")
-            for segment, data in zip(mine, fetched):
-                if rank in segment.consumers:
-                    assembly.place(segment, data)
-            _exchange(group, segments, dict(zip(mine, fetched)), assembly)
-            ready = [(plan.requests[n], assembly.slots.pop(n)) for n in assembly.take_complete()]
+            # The next round's reads run while this one is handed over and checked: they go to the other half of a
+            # region (its consumers finished with it before this round's vote) or to a buffer of their own.
+            ahead = reading.submit(read_round, number + 1) if number + 1 < len(rounds) else None
+            own_region = links.region(rank, number) is not None
+            positions = _positions(segments)
+            for segment in segments:
+                if rank not in segment.consumers:
+                    continue
+                if segment.reader == rank:
+                    assembly.place(segment, fetched, positions[segment], own_region)
+                elif links.links(segment.reader, rank):
+                    region = links.region(segment.reader, number)
+                    assert region is not None
+                    assembly.place(segment, region, positions[segment], True)
+            _exchange(group, segments, fetched, positions, links, assembly)
+            ready = [(plan.requests[n], data) for n, data in assembly.settle(keep=finish is None)]
             if failure is None:
                 # A checksum failure is this rank's own: it still takes part in the rounds the others run and raises
                 # after them; what it copied before stays, as in an unshared load.
@@ -150,17 +231,40 @@ def fetch_shared(
     return kept
 
 
+def _checkers(jobs: int) -> int:
+    """Threads that verify and copy out: a thread per core (the reads run on a thread of their own and wait on the
+    storage, not a core; this thread only waits for a round), never more than the jobs."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, jobs, knobs.SHARE_CHECKERS))
+
+
+def _shared_memory(choice: bool | None) -> bool:
+    return bool(knobs.SHARE_MEMORY) if choice is None else choice
+
+
+def _positions(segments: Sequence[Segment]) -> dict[Segment, int]:
+    """Where each segment lies in its reader's bytes of the round: the reader's segments back to back, in order."""
+    used: dict[int, int] = {}
+    positions = {}
+    for segment in segments:
+        positions[segment] = used.get(segment.reader, 0)
+        used[segment.reader] = positions[segment] + segment.size
+    return positions
+
+
 def _check(checkpoint: Checkpoint, request: ReadRequest, data: ByteArray, finish: Step | None) -> None:
     checkpoint.verify(request, data)
     if finish is not None:
         finish(request, data)
 
 
-def _read(checkpoint: Checkpoint, segments: Sequence[Segment]) -> list[ByteArray]:
-    """The bytes of `segments` from storage (concurrently, as the backend reads best)."""
+def _read(checkpoint: Checkpoint, segments: Sequence[Segment], region: ByteArray | None) -> ByteArray:
+    """The bytes of `segments` from storage, back to back (in `region` when given), read concurrently as the
+    backend reads best."""
+    total = sum(segment.size for segment in segments)
     if not segments:
-        return []
-    buffer = np.empty(sum(segment.size for segment in segments), dtype=np.uint8)
+        return np.empty(0, np.uint8)
+    buffer = region[:total] if region is not None else np.empty(total, dtype=np.uint8)
     outs, position = [], 0
     for segment in segments:
         outs.append(buffer[position : position + segment.size])
@@ -172,28 +276,37 @@ def _read(checkpoint: Checkpoint, segments: Sequence[Segment]) -> list[ByteArray
         )
     except TruncatedError as exc:
         raise IntegrityError(f"{exc} (a shared read of {checkpoint.url})") from exc
-    return outs
+    return buffer
 
 
 def _exchange(
-    group: Group, segments: Sequence[Segment], fetched: dict[Segment, ByteArray], assembly: _Assembly
+    group: Group,
+    segments: Sequence[Segment],
+    fetched: ByteArray,
+    positions: dict[Segment, int],
+    links: HostLinks,
+    assembly: _Assembly,
 ) -> None:
-    """One all_to_all: each reader sends each segment it fetched to its other consumers, in segment order."""
+    """One all_to_all for what does not go through a shared region: each reader sends each segment it fetched to
+    its other consumers, in segment order."""
     rank, world = group.rank, group.size
     send_parts: list[list[ByteArray]] = [[] for _ in range(world)]
     receive: list[list[Segment]] = [[] for _ in range(world)]
+    anyone = False
     for segment in segments:
         for consumer in segment.consumers:
-            if consumer == segment.reader:
+            if consumer == segment.reader or links.links(segment.reader, consumer):
                 continue
+            anyone = True  # the same answer on every rank: all join the collective, or none
             if segment.reader == rank:
-                send_parts[consumer].append(fetched[segment])
+                at = positions[segment]
+                send_parts[consumer].append(fetched[at : at + segment.size])
             elif consumer == rank:
                 receive[segment.reader].append(segment)
+    if not anyone:
+        return
     send_sizes = [sum(part.size for part in parts) for parts in send_parts]
     receive_sizes = [sum(segment.size for segment in segments) for segments in receive]
-    if not _anyone_sends(segments):  # the same answer on every rank: all skip the collective, or none
-        return
     outgoing = np.concatenate([p for parts in send_parts for p in parts]) if any(send_sizes) else np.empty(0, np.uint8)
     send = torch.from_numpy(outgoing).to(group.device)
     incoming = torch.empty(sum(receive_sizes), dtype=torch.uint8, device=group.device)
@@ -202,10 +315,5 @@ def _exchange(
     position = 0
     for source in range(world):
         for segment in receive[source]:
-            assembly.place(segment, received[position : position + segment.size])
+            assembly.place(segment, received, position, False)
             position += segment.size
-
-
-def _anyone_sends(segments: Sequence[Segment]) -> bool:
-    """Whether any rank sends anything in this round: every rank must then join the all_to_all."""
-    return any(len(segment.consumers) > 1 for segment in segments)

@@ -36,46 +36,86 @@ class SharePlan:
 
     world: int
     segments: tuple[Segment, ...]  # ascending (file, start), disjoint
+    # Each rank's host as it claims it (None: unknown or no shared memory), when the planner was told: ranks that
+    # claim one host try to hand bytes over through shared memory (distributed/host_memory.py).
+    hosts: tuple[str | None, ...] | None = None
 
     @property
     def overlaps(self) -> bool:
         """Whether two ranks need some byte: only then does sharing save a read."""
         return any(len(segment.consumers) > 1 for segment in self.segments)
 
+    @property
+    def repeated_bytes(self) -> int:
+        """Bytes the ranks would read more than once if each read its own: what sharing saves."""
+        return sum(segment.size * (len(segment.consumers) - 1) for segment in self.segments)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes some rank needs, each counted once: what a shared read fetches."""
+        return sum(segment.size for segment in self.segments)
+
     def read_bytes(self, rank: int) -> int:
         """Bytes `rank` fetches from storage."""
         return sum(s.size for s in self.segments if s.reader == rank)
 
     def rounds(self, budget: int) -> Iterator[tuple[Segment, ...]]:
-        """The segments in consecutive groups in which no rank fetches plus receives more than `budget` bytes (a
-        larger segment alone): the memory one exchange holds in flight per rank."""
-        group: list[Segment] = []
-        load = [0] * self.world
+        """The segments in groups (each ascending) in which no rank fetches plus receives more than `budget` bytes
+        (a larger segment with nothing else of its ranks): the memory one exchange holds in flight per rank.
+        Each segment goes to the first group where all its ranks still have room, so ranks that share nothing fill
+        a group side by side: about (the busiest rank's bytes / budget) groups, not (the job's bytes / budget),
+        and each group is a collective of the whole job."""
+        groups: list[list[Segment]] = []
+        loads: dict[int, list[int]] = {}  # rank -> its bytes in each group so far
+        first_open: dict[int, int] = {}  # rank -> groups before this one are full to within a chunk for it
         for segment in self.segments:
             involved = {segment.reader, *segment.consumers}
-            if group and any(load[rank] + segment.size > budget for rank in involved):
-                yield tuple(group)
-                group, load = [], [0] * self.world
-            group.append(segment)
+            size = segment.size
+            number = min(first_open.get(rank, 0) for rank in involved)
+            while number < len(groups):
+                if all(_load(loads, rank, number) + size <= budget for rank in involved):
+                    break
+                number += 1
+            if number == len(groups):
+                groups.append([])
+            groups[number].append(segment)
             for rank in involved:
-                load[rank] += segment.size
-        if group:
+                per = loads.setdefault(rank, [])
+                per.extend([0] * (number + 1 - len(per)))
+                per[number] += size
+                while first_open.get(rank, 0) < len(per) and per[first_open.get(rank, 0)] + size > budget:
+                    first_open[rank] = first_open.get(rank, 0) + 1
+        for group in groups:
             yield tuple(group)
 
 
-def plan_shared_reads(needs: Sequence[Sequence[Range]], *, chunk: int, nodes: Sequence[int] | None = None) -> SharePlan:
+def _load(loads: dict[int, list[int]], rank: int, number: int) -> int:
+    per = loads.get(rank)
+    return per[number] if per is not None and number < len(per) else 0
+
+
+def plan_shared_reads(
+    needs: Sequence[Sequence[Range]],
+    *,
+    chunk: int,
+    nodes: Sequence[int] | None = None,
+    hosts: Sequence[str | None] | None = None,
+) -> SharePlan:
     """Assign every byte that some rank of `needs` (one list of ranges per rank) wants to one reader.
 
     The ranges of all ranks are cut into segments at every range boundary (and into pieces of at most `chunk`
     bytes, so one large tensor is spread over many readers); each segment is fetched by one of the ranks that
     need it: on the node (`nodes[rank]`, when known) where most of its consumers are, the one with the fewest
     bytes to fetch so far, ties to the lower rank. Deterministic: every rank computes the same plan.
+    hosts: each rank's host (see SharePlan.hosts), carried along for the exchange.
     """
     if chunk < 1:
         raise ShardckptUsageError(f"chunk must be at least 1 byte, got {chunk}")
     world = len(needs)
     if nodes is not None and len(nodes) != world:
         raise ShardckptUsageError(f"nodes names {len(nodes)} ranks, needs {world}")
+    if hosts is not None and len(hosts) != world:
+        raise ShardckptUsageError(f"hosts names {len(hosts)} ranks, needs {world}")
     events: dict[int, list[tuple[int, int, int]]] = {}  # file -> (position, +1/-1, rank)
     for rank, ranges in enumerate(needs):
         for file, start, end in ranges:
@@ -101,7 +141,7 @@ def plan_shared_reads(needs: Sequence[Sequence[Range]], *, chunk: int, nodes: Se
             else:
                 del active[rank]
             previous = position
-    return SharePlan(world, tuple(_merged(segments, chunk)))
+    return SharePlan(world, tuple(_merged(segments, chunk)), None if hosts is None else tuple(hosts))
 
 
 def _reader(consumers: tuple[int, ...], load: list[int], nodes: Sequence[int] | None) -> int:

@@ -36,17 +36,29 @@ def test_hsdp_loads_read_each_byte_once_on_the_same_and_resharded_meshes(tmp_pat
         assert all(result["digests"] == saved for result in loaded), mesh
         read = sum(result["read"] for result in loaded)
         assert read <= 1.05 * stored, (mesh, read, stored)  # every rank on its own: 2x on [2, 2], 4x on [4, 1]
+        assert sum(result["links"] for result in loaded) > 0  # one host: handed over in memory
     alone = ok(run_ranks("hsdp_load", 4, {"url": url, "mesh": [2, 2], "share": False}, worker=WORKER))
     assert all(result["digests"] == saved for result in alone)
     assert sum(result["read"] for result in alone) > 1.5 * stored  # what the switch is compared against
 
 
-def test_replicated_plain_tensors_are_read_once_and_a_failing_reader_fails_every_rank(tmp_path) -> None:
+def test_replicated_plain_tensors_are_read_once_and_a_failing_or_dying_reader_fails_every_rank(tmp_path) -> None:
     url = str(tmp_path / "ddp")
     ok(run_ranks("ddp_save", 1, {"url": url}, worker=WORKER))
-    loaded = ok(run_ranks("ddp_load", 4, {"url": url, "share": True}, worker=WORKER))
+    # A budget of 64 KiB: several rounds, each reader filling one half of its region while the other is read.
+    loaded = ok(run_ranks("ddp_load", 4, {"url": url, "share": True, "budget": 64 << 10}, worker=WORKER))
     assert all(result["equal"] for result in loaded)
     assert sum(result["read"] for result in loaded) <= 1.05 * data_bytes(url)
+    assert sum(result["links"] for result in loaded) == 4 * 3  # all on this host: every hand-over in memory
+    # Rank 1 declines shared memory (SHARDCKPT_SHARE_MEMORY=0) and rank 2's /dev/shm is full: what they fetch goes
+    # through gloo (rank 2 still maps the others' regions), the rest in memory, in the same rounds.
+    # Their max_in_flight differ too (the smallest cuts the rounds for all).
+    mixed_args = {"url": url, "share": True, "no_shm_rank": 1, "full_shm_rank": 2}
+    mixed_args["budget_by_rank"] = [64 << 10, 256 << 20, 1 << 20, 256 << 20]
+    mixed = ok(run_ranks("ddp_load", 4, mixed_args, worker=WORKER))
+    assert all(result["equal"] for result in mixed)
+    assert sum(result["read"] for result in mixed) <= 1.05 * data_bytes(url)
+    assert 0 < sum(result["links"] for result in mixed) < 4 * 3
     one_node = ok(run_ranks("ddp_load", 4, {"url": url}, worker=WORKER))  # the default on one node: each its own
     assert all(result["equal"] for result in one_node)
     assert sum(result["read"] for result in one_node) == 4 * sum(result["read"] for result in loaded)
@@ -55,6 +67,34 @@ def test_replicated_plain_tensors_are_read_once_and_a_failing_reader_fails_every
     assert all(r is not None and not r["ok"] for r in failed), failed
     for result in failed:
         assert "DistributedError" in result["error"] and "injected I/O error" in result["error"], result["error"]
+    # Rank 2 dies once it has fetched its share, before the round's vote: the others, waiting in that vote, raise.
+    results = run_ranks("ddp_load", 4, {"url": url, "share": True, "die_rank": 2}, worker=WORKER, timeout=90)
+    assert results[2] is None  # dead: no verdict
+    for result in results[:2] + results[3:]:
+        assert result is not None and not result["ok"], result
+        assert result["error"].startswith("DistributedError: a collective failed"), result["error"]
+
+
+def test_overlapping_flat_partitions_and_an_incremental_checkpoint_are_read_once(tmp_path) -> None:
+    # DeepSpeed-style flat partitions saved on 2 ranks, loaded on 3 whose ranges overlap by 3,000 elements each side
+    # (the shared bytes span pieces of several parameters); nothing is handed over in memory here (gloo only).
+    url = str(tmp_path / "flat")
+    ok(run_ranks("flat_save", 2, {"url": url}, worker=WORKER))
+    loaded = ok(run_ranks("flat_load", 3, {"url": url, "overlap": 3000, "no_shm_rank": "all"}, worker=WORKER))
+    assert all(result["equal"] for result in loaded)
+    assert sum(result["read"] for result in loaded) <= 1.05 * data_bytes(url)
+    assert sum(result["links"] for result in loaded) == 0
+    # An incremental checkpoint: six of its twelve tensors are stored by reference in its parent's data file.
+    parent, child = str(tmp_path / "root" / "step-1"), str(tmp_path / "root" / "step-2")
+    ok(run_ranks("incremental_save", 1, {"url": child, "parent": parent}, worker=WORKER))
+    assert data_bytes(child) < 0.6 * data_bytes(parent)  # the child's own file holds only the changed tensors
+    # verify_first keeps every request until all are verified, and a 48 KiB budget makes one round per segment:
+    # rank 1 reads six rounds in a row, refilling each half of its region that kept requests were handed over in.
+    loaded = ok(run_ranks("incremental_load", 2, {"url": child, "budget": 48 << 10}, worker=WORKER))
+    assert all(result["equal"] for result in loaded)
+    needed = 12 * 128 * 96 * 4
+    assert sum(result["read"] for result in loaded) <= 1.05 * needed  # alone: 2x
+    assert sum(result["links"] for result in loaded) > 0
 
 
 def test_a_flipped_bit_in_a_shared_range_is_caught_by_every_rank_that_uses_it(tmp_path) -> None:
@@ -79,6 +119,11 @@ def test_ranks_that_disagree_on_share_reads_all_fail_at_once_instead_of_hanging(
     assert all(r is not None and not r["ok"] for r in failed), failed
     for result in failed:
         assert "DistributedError" in result["error"] and "share_reads differs" in result["error"], result["error"]
+    # A rank whose SHARDCKPT_SHARE_MIN_SAVING finds sharing not worth it: no rank shares, none waits for the others.
+    loaded = ok(run_ranks("ddp_load", 3, {"url": url, "share": True, "stingy_rank": 1}, worker=WORKER, timeout=90))
+    assert all(result["equal"] for result in loaded)
+    assert sum(result["links"] for result in loaded) == 0
+    assert sum(result["read"] for result in loaded) >= 3 * 6 * 96 * 80 * 4  # each rank all six tensors itself
 
 
 def test_a_compressed_checkpoint_saved_by_2_ranks_loads_bit_exact_on_3_even_when_sharing_is_asked(tmp_path) -> None:

@@ -8,11 +8,14 @@ full tensor so tests compare states bit for bit across meshes.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
+import math
 import os
 import sys
 from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -25,6 +28,8 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # run as a script
 
 import shardckpt
+from shardckpt import knobs
+from shardckpt.distributed import host_memory
 from shardckpt.errors import StorageError
 from shardckpt.storage.local import LocalStorage
 from tests.helpers.dcp_backend_worker import counting_data_reads
@@ -64,10 +69,52 @@ def unreadable_data() -> Iterator[None]:
         LocalStorage.pread_into = original  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def dying_in_the_exchange() -> Iterator[None]:
+    """This process dies (as a node does) once it has fetched its share of a shared read, before handing it over."""
+    from shardckpt.distributed import shared_reads
+
+    def die(*args: Any, **kwargs: Any) -> None:
+        os._exit(3)
+
+    with mock.patch.object(shared_reads, "any_rank", die):
+        yield
+
+
 def nodes(args: dict[str, Any], rank: int) -> None:
     """Simulate nodes of args["per_node"] ranks each (SHARDCKPT_NODE), as a multi-node launch would name them."""
     if args.get("per_node"):
         os.environ["SHARDCKPT_NODE"] = f"node-{rank // args['per_node']}"
+
+
+@contextlib.contextmanager
+def counting_links(args: dict[str, Any], rank: int) -> Iterator[list[int]]:
+    """The (reader, consumer) pairs that handed bytes over through shared memory in the loads inside, and this
+    rank's choice (args["no_shm_rank"]: that rank declines shared memory, as SHARDCKPT_SHARE_MEMORY=0 makes it;
+    args["full_shm_rank"]: that rank's /dev/shm has no room for its region, so it only maps the others')."""
+    pairs = [0]
+    original = host_memory.HostLinks.build.__func__  # type: ignore[attr-defined]
+
+    def build(cls: type, *a: Any, **k: Any) -> host_memory.HostLinks:
+        links = original(cls, *a, **k)
+        pairs[0] += len(links.linked)
+        return links
+
+    knobs.SHARE_MEMORY = 0 if args.get("no_shm_rank") in (rank, "all") else 1
+    knobs.SHARE_MIN_SAVING = 100.0 if args.get("stingy_rank") == rank else 0.05  # SHARDCKPT_SHARE_MIN_SAVING=100
+    host_memory.HostLinks.build = classmethod(build)  # type: ignore[method-assign, assignment]
+    full = mock.patch("os.posix_fallocate", side_effect=OSError(errno.ENOSPC, "No space left on device"))
+    try:
+        with full if args.get("full_shm_rank") == rank else contextlib.nullcontext():
+            yield pairs
+    finally:
+        host_memory.HostLinks.build = classmethod(original)  # type: ignore[method-assign, assignment]
+
+
+def leftovers() -> list[str]:
+    """This process's files in /dev/shm (a shared read must leave none, whatever happened)."""
+    mine = f"{host_memory.PREFIX}{os.getpid()}-"
+    return [name for name in os.listdir(host_memory.SHM_DIR) if name.startswith(mine)]
 
 
 def scenario_hsdp_save(args: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
@@ -87,11 +134,11 @@ def scenario_hsdp_load(args: dict[str, Any], rank: int, world: int) -> dict[str,
     optimizer.step()
     optimizer.zero_grad()
     msd, osd = get_state_dict(model, optimizer)
-    with counting_data_reads() as read:
+    with counting_data_reads() as read, counting_links(args, rank) as pairs:
         shardckpt.load({"model": msd, "optim": osd}, args["url"], share_reads=args.get("share"))
     set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
     dist.barrier()
-    return {"digests": digests(model, optimizer), "read": read[0]}
+    return {"digests": digests(model, optimizer), "read": read[0], "links": pairs[0]}
 
 
 def replicated(seed: int) -> dict[str, torch.Tensor]:
@@ -108,11 +155,88 @@ def scenario_ddp_load(args: dict[str, Any], rank: int, world: int) -> dict[str, 
     nodes(args, rank)
     state = {"model": {k: torch.zeros_like(v) for k, v in replicated(3).items()}}
     failing = contextlib.nullcontext() if args.get("fail_rank") != rank else unreadable_data()
-    with counting_data_reads() as read, failing:
+    if args.get("die_rank") == rank:
+        failing = dying_in_the_exchange()
+    with counting_data_reads() as read, failing, counting_links(args, rank) as pairs:
         share = args["share_by_rank"][rank] if "share_by_rank" in args else args.get("share")
-        shardckpt.load(state, args["url"], share_reads=share)
+        try:
+            budget = args["budget_by_rank"][rank] if "budget_by_rank" in args else args.get("budget", 256 << 20)
+            shardckpt.load(state, args["url"], share_reads=share, max_in_flight=budget)
+        finally:
+            left = leftovers()
+            assert not left, left
     same = all(torch.equal(state["model"][k], v) for k, v in replicated(3).items())
-    return {"equal": same, "read": read[0]}
+    return {"equal": same, "read": read[0], "links": pairs[0]}
+
+
+FLAT = [("w0", (300, 70)), ("w1", (129,)), ("w2", (64, 90)), ("w3", (7, 5))]  # 27,764 fp32 elements
+
+
+def flat_values() -> torch.Tensor:
+    return torch.randn(sum(math.prod(shape) for _, shape in FLAT), generator=torch.Generator().manual_seed(5))
+
+
+def scenario_flat_save(args: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    """ZeRO-style flat partitions, one per rank, as DeepSpeed keeps fp32 master weights."""
+    flat, size = flat_values(), -(-sum(math.prod(shape) for _, shape in FLAT) // world)
+    lo, hi = rank * size, min((rank + 1) * size, flat.numel())
+    shardckpt.save({"zero": shardckpt.FlatPartition(flat[lo:hi].clone(), FLAT, lo)}, args["url"], step=1)
+    return {}
+
+
+def scenario_flat_load(args: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    """Flat partitions on another world size whose ranges overlap by args["overlap"] elements each side."""
+    flat = flat_values()
+    size = -(-flat.numel() // world)
+    lo, hi = max(0, rank * size - args["overlap"]), min(flat.numel(), (rank + 1) * size + args["overlap"])
+    part = shardckpt.FlatPartition(torch.zeros(hi - lo), FLAT, lo)
+    with counting_data_reads() as read, counting_links(args, rank) as pairs:
+        shardckpt.load({"zero": part}, args["url"], share_reads=True)
+    return {"equal": torch.equal(part.buffer, flat[lo:hi]), "read": read[0], "links": pairs[0]}
+
+
+def incremental(step: int) -> dict[str, torch.Tensor]:
+    """Twelve 48 KiB tensors (more than MAX_GAP: a load never reads through one it does not need); from step 2 on,
+    every other one changed: the child stores six, and six separate ranges of its parent's file by reference."""
+    generator = torch.Generator().manual_seed(11)
+    state = {f"layer{i:02d}.weight": torch.randn(128, 96, generator=generator) for i in range(12)}
+    if step > 1:
+        for i in range(1, 12, 2):
+            state[f"layer{i:02d}.weight"] += step
+    return state
+
+
+@contextlib.contextmanager
+def counting_own_and_referenced_reads() -> Iterator[list[int]]:
+    """counting_data_reads, with the data files of other checkpoints of the root (references: `step-1/data/...`)."""
+    original, count = LocalStorage.pread_into, [0]
+
+    def pread_into(self: LocalStorage, fd: int, path: str, start: int, out: memoryview) -> None:
+        if path.startswith("data/") or "/data/" in path:
+            count[0] += memoryview(out).nbytes
+        original(self, fd, path, start, out)
+
+    LocalStorage.pread_into = pread_into  # type: ignore[method-assign]
+    try:
+        yield count
+    finally:
+        LocalStorage.pread_into = original  # type: ignore[method-assign]
+
+
+def scenario_incremental_save(args: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    shardckpt.save({"model": incremental(1)}, args["parent"], step=1, piece_hashes=True)
+    shardckpt.save({"model": incremental(2)}, args["url"], step=2, parent=args["parent"])
+    return {}
+
+
+def scenario_incremental_load(args: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    """Every rank loads the whole child: half of its tensors are stored by reference in the parent's file;
+    verify_first (every request kept until all are verified) with a small budget (many rounds)."""
+    state = {"model": {k: torch.zeros_like(v) for k, v in incremental(2).items()}}
+    with counting_own_and_referenced_reads() as read, counting_links(args, rank) as pairs:
+        shardckpt.load(state, args["url"], share_reads=True, verify_first=True, max_in_flight=args["budget"])
+    same = all(torch.equal(state["model"][k], v) for k, v in incremental(2).items())
+    return {"equal": same, "read": read[0], "links": pairs[0]}
 
 
 if __name__ == "__main__":

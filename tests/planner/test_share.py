@@ -70,10 +70,29 @@ def test_private_ranges_stay_with_their_rank_and_overlaps_are_shared() -> None:
 def test_rounds_bound_what_a_rank_fetches_and_receives() -> None:
     plan = plan_shared_reads([[(0, 0, 100)]] * 3, chunk=10)
     rounds = list(plan.rounds(25))
-    assert [s for r in rounds for s in r] == list(plan.segments)
+    assert sorted((s for r in rounds for s in r), key=lambda s: (s.file, s.start)) == list(plan.segments)
     for group in rounds:
+        assert list(group) == sorted(group, key=lambda s: (s.file, s.start))
         for rank in range(3):
             assert sum(s.size for s in group if rank == s.reader or rank in s.consumers) <= 25
+
+
+def test_ranks_that_share_nothing_fill_one_round_side_by_side() -> None:
+    # HSDP at scale: replica pairs (r, r + 4) each read their own shard's file. Every round is a collective of the
+    # whole job, so a pair whose bytes fill a round must not close it for the pairs after it: two rounds here (each
+    # pair's 200 bytes in two of 100), not one more per pair (5 when rounds were cut in file order).
+    plan = plan_shared_reads([[(rank % 4, 0, 100)] for rank in range(8)], chunk=100)
+    assert len(list(plan.rounds(100))) == 1
+    plan = plan_shared_reads([[(rank % 4, 0, 200)] for rank in range(8)], chunk=100)
+    assert len(list(plan.rounds(100))) == 2
+
+
+def test_what_sharing_saves_is_the_bytes_ranks_would_read_twice() -> None:
+    # Three ranks whose ranges touch at their edges (a 2 -> 3 reshard read in whole blocks): 20 of 300 bytes twice.
+    plan = plan_shared_reads([[(0, 0, 110)], [(0, 100, 210)], [(0, 200, 300)]], chunk=1000)
+    assert (plan.total_bytes, plan.repeated_bytes) == (300, 20)
+    plan = plan_shared_reads([[(0, 0, 300)]] * 4, chunk=1000)  # DDP: every rank all of it
+    assert (plan.total_bytes, plan.repeated_bytes) == (300, 900)
 
 
 def test_bad_input_is_a_usage_error() -> None:

@@ -1,0 +1,198 @@
+"""Shared memory between the ranks of one host for shared reads: a reader fetches into a /dev/shm file that the
+consumers on its host map, so a hand-off is one memcpy (or none) instead of a trip through the group's sockets.
+
+Which ranks share memory is proved, not assumed: a consumer maps a reader's region only after opening the reader's
+randomly named file in its own /dev/shm at the agreed size (containers of one machine often have separate ones).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import secrets
+import socket
+from collections.abc import Iterator, Sequence
+
+import msgpack
+import numpy as np
+
+from shardckpt.distributed.collectives import Group, all_gather_bytes, all_gather_fixed
+from shardckpt.planner.share import Segment
+
+SHM_DIR = "/dev/shm"
+PREFIX = "shardckpt-share-"  # a file left by a rank killed in the few milliseconds before its peers map it
+
+
+def host_key() -> str | None:
+    """This host's identity as far as the kernel tells it (host name, boot, the /dev/shm mount), or None when
+    there is no writable /dev/shm; equal keys only make two ranks try, the file they open proves it."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as file:
+            boot = file.read().strip()
+        shm = os.stat(SHM_DIR)
+    except OSError:
+        return None
+    if not os.access(SHM_DIR, os.W_OK | os.X_OK):
+        return None
+    return f"{socket.gethostname()}|{boot}|{shm.st_dev}:{shm.st_ino}"
+
+
+class HostLinks:
+    """Which (reader, consumer) pairs hand bytes over through a reader's shared region, the same on every rank, and
+    this rank's view of each region it maps. Collective to build (three small all-gathers); `close` drops it."""
+
+    def __init__(self, rank: int, halves: dict[int, int]) -> None:
+        self.rank = rank
+        self.halves = halves  # reader -> bytes of one half of its region (one round's reads)
+        self.linked: set[tuple[int, int]] = set()  # (reader, consumer): consumer maps the reader's region
+        self.views: dict[int, np.ndarray] = {}  # reader -> its region, mapped here (our own: writable)
+
+    @classmethod
+    def build(
+        cls,
+        group: Group,
+        rounds: Sequence[Sequence[Segment]],
+        *,
+        enabled: bool = True,
+        hosts: Sequence[str | None] | None = None,
+    ) -> HostLinks:
+        """Create this rank's region when a consumer of its reads may share its host, map the regions of the
+        readers on this host, and agree on who reaches whom. Every rank takes part whatever `enabled` says (a rank
+        that does not take part would leave the others waiting): one that is not enabled maps and offers nothing.
+        hosts: every rank's host_key() when known already (SharePlan.hosts; else gathered here)."""
+        rank, world = group.rank, group.size
+        if hosts is None:
+            mine = host_key() if enabled else None
+            keys = [msgpack.unpackb(b) for b in all_gather_bytes(group, msgpack.packb(mine))]
+        else:
+            keys = list(hosts)  # what every rank was told alike: a rank not enabled only declines below
+        wanted: dict[int, set[int]] = {}  # reader -> consumers that may share its host
+        largest: dict[int, int] = {}
+        for segments in rounds:
+            fetched: dict[int, int] = {}
+            for segment in segments:
+                fetched[segment.reader] = fetched.get(segment.reader, 0) + segment.size
+                key = keys[segment.reader]
+                for consumer in segment.consumers:
+                    if consumer != segment.reader and key is not None and keys[consumer] == key:
+                        wanted.setdefault(segment.reader, set()).add(consumer)
+            for reader, size in fetched.items():
+                largest[reader] = max(largest.get(reader, 0), size)
+        # Two halves when there are several rounds: a reader fills one while its consumers still read the other.
+        copies = 2 if len(rounds) > 1 else 1
+        links = cls(rank, {reader: largest[reader] for reader in wanted})
+        if not wanted:  # the same on every rank: no two ranks that need the same bytes claim one host
+            return links
+        own: _Region | None = None
+        if rank in wanted and enabled:
+            own = _Region.create(copies * largest[rank])
+        try:
+            names = [
+                b.decode("ascii", "replace") for b in all_gather_fixed(group, (own.name if own else "").encode(), 64)
+            ]
+            if own is not None:
+                links.views[rank] = own.array
+            mapped = []
+            for reader, consumers in wanted.items():
+                name = names[reader]
+                if (
+                    enabled
+                    and rank in consumers
+                    and isinstance(name, str)
+                    and name.startswith(PREFIX)
+                    and "/" not in name
+                ):
+                    view = _attach(name, copies * largest[reader])
+                    if view is not None:
+                        links.views[reader] = view
+                        mapped.append(reader)
+            reached = [msgpack.unpackb(b) for b in all_gather_bytes(group, msgpack.packb(mapped))]
+        finally:
+            if own is not None:
+                own.unlink()  # every peer that maps it has opened it: nothing is left in /dev/shm from here on
+        for consumer, readers in enumerate(reached):
+            for reader in readers:
+                if 0 <= reader < world and reader in wanted and consumer in wanted[reader]:
+                    links.linked.add((reader, consumer))
+        for reader in list(links.views):
+            if reader != rank and (reader, rank) not in links.linked:
+                del links.views[reader]
+        if own is not None and not any(reader == rank for reader, _ in links.linked):
+            del links.views[rank]
+        return links
+
+    def region(self, reader: int, round_number: int) -> np.ndarray | None:
+        """The half of `reader`'s region that holds its reads of this round (None: not mapped here)."""
+        view = self.views.get(reader)
+        if view is None:
+            return None
+        half = self.halves[reader]
+        start = (round_number % 2) * half if view.size >= 2 * half else 0
+        return view[start : start + half]
+
+    def links(self, reader: int, consumer: int) -> bool:
+        return (reader, consumer) in self.linked
+
+    def close(self) -> None:
+        self.views.clear()  # the mappings go with the last array over them
+
+
+class _Region:
+    """A /dev/shm file of this rank, its pages allocated up front (a full tmpfs refuses here, never as a SIGBUS
+    on a later write), mapped read-write; unlinked once the peers have opened it."""
+
+    def __init__(self, name: str, array: np.ndarray) -> None:
+        self.name, self.array = name, array
+
+    @classmethod
+    def create(cls, size: int) -> _Region | None:
+        name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(12)}"
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError:
+            return None
+        try:
+            os.posix_fallocate(fd, 0, max(size, 1))
+            mapping = mmap.mmap(fd, max(size, 1), prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, ValueError):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            return None
+        finally:
+            os.close(fd)
+        return cls(name, np.frombuffer(mapping, dtype=np.uint8))
+
+    def unlink(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(SHM_DIR, self.name))
+
+
+def _attach(name: str, size: int) -> np.ndarray | None:
+    """A peer's region mapped read-only, or None when this /dev/shm has no such file of that size."""
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_size != max(size, 1):
+            return None
+        mapping = mmap.mmap(fd, max(size, 1), prot=mmap.PROT_READ)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    return np.frombuffer(mapping, dtype=np.uint8)
+
+
+@contextlib.contextmanager
+def links_for(
+    group: Group, rounds: Sequence[Sequence[Segment]], enabled: bool, hosts: Sequence[str | None] | None
+) -> Iterator[HostLinks]:
+    """HostLinks.build (collective on every rank, `enabled` or not); dropped on exit."""
+    links = HostLinks.build(group, rounds, enabled=enabled, hosts=hosts)
+    try:
+        yield links
+    finally:
+        links.close()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from shardckpt.catalog.chain import read_global_manifest
 from shardckpt.catalog.deletion import delete_objects, layout_objects
 from shardckpt.catalog.listing import list_root
-from shardckpt.catalog.retention import delete_checkpoint, retain
+from shardckpt.catalog.retention import delete_checkpoint
 from shardckpt.errors import NotFoundError, ShardckptError
 from shardckpt.format.layout import parse_data_path
 from shardckpt.storage import Storage
@@ -205,8 +205,29 @@ def prune_local(
             if all(time is not None and time < now - grace for time in times):
                 delete_objects(root, entry.name, objects)
                 deleted.append(entry.name)
-    for copy in inventory(root):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LocalTierWarning)  # a broken copy is reported by the restore that meets it
+        copies = inventory(root)
+    readable = {copy.name for copy in copies}
+    for copy in copies:
         if copy.job != job and copy.name not in keep_names and copy.created < now - grace:
             delete_checkpoint(root, copy.name)
             deleted.append(copy.name)
-    return deleted + retain(root, keep, keep=keep_names).deleted
+    # Retention counts this job's copies only: another job's newer steps must not push this one's out, nor this
+    # job's push out another's still in its grace period. A committed copy whose manifest does not read (no job
+    # known) goes as another job's does, once older than the grace period.
+    mine = {copy.name for copy in copies if copy.job == job}
+    ours = []  # oldest first, as retention orders them
+    for entry in list_root(root).committed():
+        if not entry.owned or entry.name in deleted or entry.marker is None:
+            continue
+        if entry.name not in readable and entry.name not in keep_names and entry.marker.created < now - grace:
+            delete_checkpoint(root, entry.name)
+            deleted.append(entry.name)
+        elif entry.name in mine:
+            ours.append(entry.name)
+    for name in ours[: max(0, len(ours) - keep)]:
+        if name not in keep_names:
+            delete_checkpoint(root, name)
+            deleted.append(name)
+    return deleted

@@ -145,3 +145,16 @@ def test_a_state_that_does_not_fit_the_local_checkpoint_raises_rather_than_start
     with pytest.raises(shardckpt.DistributedError, match="global shape"):
         manager(tmp_path).restore_latest(wrong)
     assert torch.equal(wrong["w"], torch.zeros(5, 4))
+
+
+def test_two_jobs_sharing_a_local_root_keep_their_own_newest_local_checkpoints(tmp_path) -> None:
+    # Job "a" holds local steps 9 and 10 (young: within the grace period); job "b" on the same local root runs to
+    # step 12. Retention counts each job's copies alone: b's higher steps never push a's out, nor a's b's.
+    run(tmp_path, range(1, 11), local_job="a", every_steps=100)
+    run(tmp_path, range(11, 13), local_job="b", every_steps=100)
+    run(tmp_path, range(3, 4), local_job="c", every_steps=100)  # a third job's lower step neither
+    copies = inventory(open_storage(str(tmp_path / "local")))
+    assert sorted((c.job, c.step) for c in copies) == [("a", 9), ("a", 10), ("b", 11), ("b", 12), ("c", 3)]
+    restored = state(0)
+    assert manager(tmp_path, local_job="a", every_steps=100).restore_latest(restored) == 10
+    assert all(torch.equal(restored[k], state(10)[k]) for k in restored)

@@ -11,9 +11,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from shardckpt import knobs
-from shardckpt.catalog.local_tier import Footprint, LocalTierWarning, footprint, prune_local
+from shardckpt.catalog.local_tier import Footprint, LocalTierWarning, footprint, inventory, prune_local
 from shardckpt.distributed.collectives import Group
-from shardckpt.distributed.protocol import _Solo
+from shardckpt.distributed.protocol import _all_gather, _pack, _Solo, _unpack
 from shardckpt.distributed.shared_reads import node_ids
 from shardckpt.distributed.tier_restore import LocalTierError, TierRestore, restore_local
 from shardckpt.distributed.tier_save import save_local
@@ -68,6 +68,17 @@ class LocalTier:
     def footprint(self, rank: int) -> Footprint:
         """What this rank's node's local tier takes now (its own ranks' files, replicas kept for peers, the rest)."""
         return footprint(self.storage, [r for r, node in enumerate(self.nodes) if node == self.nodes[rank]])
+
+    def held(self, group: Group | _Solo) -> list[str]:
+        """The names of this job's committed local checkpoints that any node holds (collective: each rank lists its
+        node's root, an unreadable root counting as empty)."""
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", LocalTierWarning)  # a restore reports broken copies
+                mine = [copy.name for copy in inventory(self.storage) if copy.job == self.job]
+        except ShardckptError:
+            mine = []
+        return sorted({name for raw in _all_gather(group, _pack(mine)) for name in _unpack(raw)})
 
     def due(self, step: int) -> bool:
         return step % self.every_steps == 0 and step != self.last_step

@@ -14,7 +14,7 @@ from shardckpt.catalog.deletion import delete_objects, layout_objects
 from shardckpt.catalog.listing import list_root
 from shardckpt.catalog.retention import delete_checkpoint
 from shardckpt.errors import NotFoundError, ShardckptError
-from shardckpt.format.layout import parse_data_path
+from shardckpt.format.layout import COMMITTED, parse_data_path
 from shardckpt.storage import Storage
 
 # The global manifest's metadata key naming the job a local copy belongs to (the Checkpointer's persistent root,
@@ -185,6 +185,19 @@ def choose(
         if best is None or (copy.step, copy.name) > (best.step, best.name):
             best = Choice(copy.name, copy.attempt, copy.step, {f: tuple(sorted(r)) for f, r in holders.items()}, key)
     return best, aside
+
+
+def discard_local(root: Storage, name: str) -> bool:
+    """Delete what a failed local save of this tier left in a node's root (its attempt only, COMMITTED first where
+    the node committed before another failed); whether anything was there."""
+    checkpoint = root.child(name)
+    try:
+        paths = [path for path, _ in layout_objects(checkpoint)]
+        committed = checkpoint.exists(COMMITTED)
+    except NotFoundError:
+        return False
+    delete_objects(root, name, [COMMITTED, *paths] if committed else paths)
+    return True
 
 
 def prune_local(

@@ -49,14 +49,18 @@ def save_local(
     job: str,
     peers: int,
     block_size: int,
+    started: list[str] | None = None,
 ) -> tuple[str, GlobalManifest]:
     """Save `state` into the local tier (`root`: this rank's node's local root; `nodes[rank]`: each rank's node);
-    collective. The checkpoint's name and its global manifest."""
+    collective. The checkpoint's name and its global manifest; `started` gets the name as soon as it is drawn (what
+    a failed save leaves to clean)."""
     partners = replica_partners(nodes, peers)
     error: BaseException | None = None
     opening = _pack({"attempt": layout.new_attempt()}) if group.rank == 0 else None
     attempt = _unpack(_broadcast(group, opening, 0))["attempt"]
     name = local_name(step, attempt)
+    if started is not None:
+        started.append(name)
     where = root.child(name)
     encoded = b""
     try:

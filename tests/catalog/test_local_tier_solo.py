@@ -158,3 +158,26 @@ def test_two_jobs_sharing_a_local_root_keep_their_own_newest_local_checkpoints(t
     restored = state(0)
     assert manager(tmp_path, local_job="a", every_steps=100).restore_latest(restored) == 10
     assert all(torch.equal(restored[k], state(10)[k]) for k in restored)
+
+
+def test_a_failed_local_save_leaves_nothing_behind_so_a_full_tmpfs_recovers(tmp_path, monkeypatch) -> None:
+    # tmpfs full mid-save: the failed attempt's partial files, kept for the grace period, would keep it full and
+    # fail every later local save (pruning runs only after a save that succeeds). The node deletes them at once.
+    from shardckpt.distributed import tier_save
+
+    saver = manager(tmp_path)
+    for step in (1, 2):
+        saver.maybe_save(step, state(step))
+    real = tier_save.build_manifest
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tier_save, "build_manifest", full)  # after the data file and local manifest are written
+    with pytest.warns(LocalTierWarning, match="local save of step 3 failed"):
+        saver.maybe_save(3, state(3))
+    assert sorted(name[:13] for name in os.listdir(tmp_path / "local")) == ["step-00000001", "step-00000002"]
+    monkeypatch.setattr(tier_save, "build_manifest", real)
+    saver.maybe_save(5, state(5))
+    saver.close()
+    assert local_steps(tmp_path) == [2, 5]

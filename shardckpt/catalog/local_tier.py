@@ -72,7 +72,11 @@ def inventory(root: Storage) -> list[LocalCopy]:
     """Every committed checkpoint directly under `root` (a node's local tier) that reads back; one that does not
     (a broken manifest) is left out with a LocalTierWarning."""
     copies = []
-    for entry in list_root(root).committed():
+    listing = list_root(root)
+    for entry in listing.entries:
+        if entry.error is not None and entry.alias_of is None:  # a COMMITTED that does not read: say why it is unused
+            warnings.warn(f"local tier {root.describe(entry.name)} left aside: {entry.error}", LocalTierWarning, 2)
+    for entry in listing.committed():
         if entry.marker is None:
             continue
         checkpoint = root.child(entry.name)

@@ -181,3 +181,15 @@ def test_a_failed_local_save_leaves_nothing_behind_so_a_full_tmpfs_recovers(tmp_
     saver.maybe_save(5, state(5))
     saver.close()
     assert local_steps(tmp_path) == [2, 5]
+
+
+def test_a_local_copy_whose_committed_does_not_read_is_left_aside_with_a_warning(tmp_path) -> None:
+    run(tmp_path, range(1, 7))
+    newest = tmp_path / "local" / sorted(os.listdir(tmp_path / "local"))[-1]
+    marker = newest / "COMMITTED"
+    marker.chmod(0o644)
+    marker.write_text("not a marker")  # the newest save resumes no more: the user must learn why
+    restored = state(0)
+    with pytest.warns(LocalTierWarning, match=f"{newest.name}.* left aside"):
+        assert manager(tmp_path).restore_latest(restored) == 5
+    assert all(torch.equal(restored[k], state(5)[k]) for k in restored)

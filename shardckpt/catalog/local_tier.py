@@ -179,6 +179,7 @@ def choose(
                 saves.setdefault(copy.key, {}).setdefault(file, set()).add(rank)
     aside = [f"another job's local checkpoint {name}" for name in sorted(others)]
     best: Choice | None = None
+    best_created = 0.0
     for key, copy in facts.items():
         holders = saves.get(key, {})
         if copy.step is None or len(holders) != copy.files or set(holders) != set(range(copy.files)):
@@ -186,8 +187,11 @@ def choose(
             continue
         if (newer_than is not None and copy.step <= newer_than) or key in exclude:
             continue
-        if best is None or (copy.step, copy.name) > (best.step, best.name):
+        # The newest order of SPEC 14 (step, then commit time, then name): of two saves of one step (a run resumed
+        # from an older checkpoint saved it again), the later one, never the one a coin toss of attempt ids picks.
+        if best is None or (copy.step, copy.created, copy.name) > (best.step, best_created, best.name):
             best = Choice(copy.name, copy.attempt, copy.step, {f: tuple(sorted(r)) for f, r in holders.items()}, key)
+            best_created = copy.created
     return best, aside
 
 

@@ -193,3 +193,20 @@ def test_a_local_copy_whose_committed_does_not_read_is_left_aside_with_a_warning
     with pytest.warns(LocalTierWarning, match=f"{newest.name}.* left aside"):
         assert manager(tmp_path).restore_latest(restored) == 5
     assert all(torch.equal(restored[k], state(5)[k]) for k in restored)
+
+
+def test_of_two_local_saves_of_one_step_a_restore_takes_the_later(tmp_path, monkeypatch) -> None:
+    # A run resumed from the persistent step 2 (its local tier out of reach at the time) trains step 3 again, with
+    # other data, and saves it locally beside the first run's step 3. The later save is the newest (SPEC 14's
+    # order: step, then commit time), whatever the random attempt ids say.
+    from shardckpt.format import layout
+
+    monkeypatch.setattr(layout, "new_attempt", lambda: "f" * 16)
+    run(tmp_path, range(1, 4), every_steps=2)  # persistent 2, local 1 and 3
+    monkeypatch.setattr(layout, "new_attempt", lambda: "0" * 16)
+    again = manager(tmp_path, every_steps=2)
+    again.maybe_save(3, {"w": state(3)["w"] + 100, "n": torch.tensor([3])})
+    again.close()
+    restored = state(0)
+    assert manager(tmp_path, every_steps=2).restore_latest(restored) == 3
+    assert torch.equal(restored["w"], state(3)["w"] + 100)

@@ -107,7 +107,9 @@ def save_local(
         raise DistributedError("local save", {0: message["error"]}) from error
     try:
         if group.rank == min(rank for rank, node in enumerate(nodes) if node == nodes[group.rank]):
-            commit_node(where, raws, attempt, message["manifest"], message["marker"])
+            mine = nodes[group.rank]
+            held = [r for r in range(group.size) if nodes[r] == mine or any(nodes[t] == mine for t in partners[r])]
+            commit_node(where, raws, attempt, message["manifest"], message["marker"], held)
     except Exception as exc:
         error = exc
     replies = [_unpack(reply) for reply in _all_gather(group, _pack({"error": _describe(error)} if error else {}))]

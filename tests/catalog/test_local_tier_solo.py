@@ -210,3 +210,28 @@ def test_of_two_local_saves_of_one_step_a_restore_takes_the_later(tmp_path, monk
     restored = state(0)
     assert manager(tmp_path, every_steps=2).restore_latest(restored) == 3
     assert torch.equal(restored["w"], state(3)["w"] + 100)
+
+
+def test_a_node_directory_wiped_mid_save_is_not_committed(tmp_path, monkeypatch) -> None:
+    # The node's directory goes (an operator's rm -rf, a tmpfs cleaner) after the ranks wrote and before the node
+    # commits: writing the manifests recreates it, and a COMMITTED there would report a save that cannot restore.
+    import shutil
+
+    from shardckpt.distributed import tier_save
+
+    saver = manager(tmp_path)
+    for step in (1, 2):
+        saver.maybe_save(step, state(step))
+    real = tier_save.build_manifest
+
+    def wiped(*args, **kwargs):
+        for name in os.listdir(tmp_path / "local"):
+            if name.startswith("step-00000003-"):
+                shutil.rmtree(tmp_path / "local" / name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tier_save, "build_manifest", wiped)
+    with pytest.warns(LocalTierWarning, match="local save of step 3 failed.*vanished"):
+        saver.maybe_save(3, state(3))
+    saver.close()
+    assert local_steps(tmp_path) == [1, 2]

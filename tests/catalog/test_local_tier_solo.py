@@ -148,16 +148,16 @@ def test_a_state_that_does_not_fit_the_local_checkpoint_raises_rather_than_start
 
 
 def test_two_jobs_sharing_a_local_root_keep_their_own_newest_local_checkpoints(tmp_path) -> None:
-    # Job "a" holds local steps 9 and 10 (young: within the grace period); job "b" on the same local root runs to
-    # step 12. Retention counts each job's copies alone: b's higher steps never push a's out, nor a's b's.
-    run(tmp_path, range(1, 11), local_job="a", every_steps=100)
-    run(tmp_path, range(11, 13), local_job="b", every_steps=100)
-    run(tmp_path, range(3, 4), local_job="c", every_steps=100)  # a third job's lower step neither
+    # Job "a" holds local steps 2 and 3 (young: within the grace period); job "b" on the same local root runs to
+    # step 5. Retention counts each job's copies alone: b's higher steps never push a's out, nor a's b's.
+    run(tmp_path, range(1, 4), local_job="a", every_steps=100)
+    run(tmp_path, range(4, 6), local_job="b", every_steps=100)
+    run(tmp_path, range(1, 2), local_job="c", every_steps=100)  # a third job's lower step neither
     copies = inventory(open_storage(str(tmp_path / "local")))
-    assert sorted((c.job, c.step) for c in copies) == [("a", 9), ("a", 10), ("b", 11), ("b", 12), ("c", 3)]
+    assert sorted((c.job, c.step) for c in copies) == [("a", 2), ("a", 3), ("b", 4), ("b", 5), ("c", 1)]
     restored = state(0)
-    assert manager(tmp_path, local_job="a", every_steps=100).restore_latest(restored) == 10
-    assert all(torch.equal(restored[k], state(10)[k]) for k in restored)
+    assert manager(tmp_path, local_job="a", every_steps=100).restore_latest(restored) == 3
+    assert all(torch.equal(restored[k], state(3)[k]) for k in restored)
 
 
 def test_a_failed_local_save_leaves_nothing_behind_so_a_full_tmpfs_recovers(tmp_path, monkeypatch) -> None:

@@ -11,9 +11,16 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from shardckpt import knobs
-from shardckpt.catalog.local_tier import Footprint, LocalTierWarning, footprint, prune_local
+from shardckpt.catalog.local_tier import (
+    Footprint,
+    LocalTierWarning,
+    discard_local,
+    footprint,
+    inventory,
+    prune_local,
+)
 from shardckpt.distributed.collectives import Group
-from shardckpt.distributed.protocol import _Solo
+from shardckpt.distributed.protocol import _all_gather, _pack, _Solo, _unpack
 from shardckpt.distributed.shared_reads import node_ids
 from shardckpt.distributed.tier_restore import LocalTierError, TierRestore, restore_local
 from shardckpt.distributed.tier_save import save_local
@@ -63,11 +70,23 @@ class LocalTier:
                 3,
             )
         self.last_step: int | None = None
+        self._failed: list[str] = []  # failed local saves whose files this node has still to delete
         self.last_restore: TierRestore | None = None
 
     def footprint(self, rank: int) -> Footprint:
         """What this rank's node's local tier takes now (its own ranks' files, replicas kept for peers, the rest)."""
         return footprint(self.storage, [r for r, node in enumerate(self.nodes) if node == self.nodes[rank]])
+
+    def held(self, group: Group | _Solo) -> list[str]:
+        """The names of this job's committed local checkpoints that any node holds (collective: each rank lists its
+        node's root, an unreadable root counting as empty)."""
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", LocalTierWarning)  # a restore reports broken copies
+                mine = [copy.name for copy in inventory(self.storage) if copy.job == self.job]
+        except ShardckptError:
+            mine = []
+        return sorted({name for raw in _all_gather(group, _pack(mine)) for name in _unpack(raw)})
 
     def due(self, step: int) -> bool:
         return step % self.every_steps == 0 and step != self.last_step
@@ -80,6 +99,8 @@ class LocalTier:
         A failed local save (tmpfs full, a rank's state) warns on every rank and returns None: training goes on
         with the local checkpoints it has and the persistent ones, which the failure does not touch."""
         self.last_step = step
+        started: list[str] = []
+        node_lead = group.rank == min(r for r, node in enumerate(self.nodes) if node == self.nodes[group.rank])
         try:
             name, _ = save_local(
                 state,
@@ -90,11 +111,16 @@ class LocalTier:
                 job=self.job,
                 peers=self.peers,
                 block_size=self.block_size,
+                started=started,
             )
         except ShardckptError as exc:
             warnings.warn(f"local save of step {step} failed, nothing of it used: {exc}", LocalTierWarning, 3)
+            self._failed.extend(started)
+            if node_lead:  # every rank has learned the failure: none writes into the attempt any more
+                self._discard_failed()
             return None
-        if group.rank == min(r for r, node in enumerate(self.nodes) if node == self.nodes[group.rank]):
+        if node_lead:
+            self._discard_failed()  # what an earlier failure could not delete
             try:
                 prune_local(
                     self.storage, self.keep, self.job, now=time.time(), grace=knobs.LOCAL_TIER_GRACE, keep_names=(name,)
@@ -102,6 +128,20 @@ class LocalTier:
             except Exception as exc:  # the save is committed: pruning costs space, not data (and no rank may stop)
                 warnings.warn(f"local tier {self.storage.url}: retention failed: {exc}", LocalTierWarning, 2)
         return name
+
+    def _discard_failed(self) -> None:
+        """(one rank per node) Delete this node's part of the failed local saves at once: left for the grace period,
+        a tmpfs that filled up once (the failed attempt's partial files on top of the kept checkpoints) would stay
+        full, failing every later local save, and take host memory from everything else on the node."""
+        for name in list(self._failed):
+            try:
+                discard_local(self.storage, name)
+            except Exception as exc:  # tried again after the next save
+                warnings.warn(
+                    f"local tier {self.storage.url}: cannot delete failed save {name}: {exc}", LocalTierWarning, 3
+                )
+            else:
+                self._failed.remove(name)
 
     def restore(
         self,

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from shardckpt.catalog.chain import read_global_manifest
 from shardckpt.catalog.deletion import delete_objects, layout_objects
 from shardckpt.catalog.listing import list_root
-from shardckpt.catalog.retention import delete_checkpoint, retain
+from shardckpt.catalog.retention import delete_checkpoint
 from shardckpt.errors import NotFoundError, ShardckptError
-from shardckpt.format.layout import parse_data_path
+from shardckpt.format.layout import COMMITTED, parse_data_path
 from shardckpt.storage import Storage
 
 # The global manifest's metadata key naming the job a local copy belongs to (the Checkpointer's persistent root,
@@ -72,7 +72,11 @@ def inventory(root: Storage) -> list[LocalCopy]:
     """Every committed checkpoint directly under `root` (a node's local tier) that reads back; one that does not
     (a broken manifest) is left out with a LocalTierWarning."""
     copies = []
-    for entry in list_root(root).committed():
+    listing = list_root(root)
+    for entry in listing.entries:
+        if entry.error is not None and entry.alias_of is None:  # a COMMITTED that does not read: say why it is unused
+            warnings.warn(f"local tier {root.describe(entry.name)} left aside: {entry.error}", LocalTierWarning, 2)
+    for entry in listing.committed():
         if entry.marker is None:
             continue
         checkpoint = root.child(entry.name)
@@ -175,6 +179,7 @@ def choose(
                 saves.setdefault(copy.key, {}).setdefault(file, set()).add(rank)
     aside = [f"another job's local checkpoint {name}" for name in sorted(others)]
     best: Choice | None = None
+    best_created = 0.0
     for key, copy in facts.items():
         holders = saves.get(key, {})
         if copy.step is None or len(holders) != copy.files or set(holders) != set(range(copy.files)):
@@ -182,9 +187,25 @@ def choose(
             continue
         if (newer_than is not None and copy.step <= newer_than) or key in exclude:
             continue
-        if best is None or (copy.step, copy.name) > (best.step, best.name):
+        # The newest order of SPEC 14 (step, then commit time, then name): of two saves of one step (a run resumed
+        # from an older checkpoint saved it again), the later one, never the one a coin toss of attempt ids picks.
+        if best is None or (copy.step, copy.created, copy.name) > (best.step, best_created, best.name):
             best = Choice(copy.name, copy.attempt, copy.step, {f: tuple(sorted(r)) for f, r in holders.items()}, key)
+            best_created = copy.created
     return best, aside
+
+
+def discard_local(root: Storage, name: str) -> bool:
+    """Delete what a failed local save of this tier left in a node's root (its attempt only, COMMITTED first where
+    the node committed before another failed); whether anything was there."""
+    checkpoint = root.child(name)
+    try:
+        paths = [path for path, _ in layout_objects(checkpoint)]
+        committed = checkpoint.exists(COMMITTED)
+    except NotFoundError:
+        return False
+    delete_objects(root, name, [COMMITTED, *paths] if committed else paths)
+    return True
 
 
 def prune_local(
@@ -205,8 +226,29 @@ def prune_local(
             if all(time is not None and time < now - grace for time in times):
                 delete_objects(root, entry.name, objects)
                 deleted.append(entry.name)
-    for copy in inventory(root):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LocalTierWarning)  # a broken copy is reported by the restore that meets it
+        copies = inventory(root)
+    readable = {copy.name for copy in copies}
+    for copy in copies:
         if copy.job != job and copy.name not in keep_names and copy.created < now - grace:
             delete_checkpoint(root, copy.name)
             deleted.append(copy.name)
-    return deleted + retain(root, keep, keep=keep_names).deleted
+    # Retention counts this job's copies only: another job's newer steps must not push this one's out, nor this
+    # job's push out another's still in its grace period. A committed copy whose manifest does not read (no job
+    # known) goes as another job's does, once older than the grace period.
+    mine = {copy.name for copy in copies if copy.job == job}
+    ours = []  # oldest first, as retention orders them
+    for entry in list_root(root).committed():
+        if not entry.owned or entry.name in deleted or entry.marker is None:
+            continue
+        if entry.name not in readable and entry.name not in keep_names and entry.marker.created < now - grace:
+            delete_checkpoint(root, entry.name)
+            deleted.append(entry.name)
+        elif entry.name in mine:
+            ours.append(entry.name)
+    for name in ours[: max(0, len(ours) - keep)]:
+        if name not in keep_names:
+            delete_checkpoint(root, name)
+            deleted.append(name)
+    return deleted

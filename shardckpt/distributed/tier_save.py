@@ -49,14 +49,18 @@ def save_local(
     job: str,
     peers: int,
     block_size: int,
+    started: list[str] | None = None,
 ) -> tuple[str, GlobalManifest]:
     """Save `state` into the local tier (`root`: this rank's node's local root; `nodes[rank]`: each rank's node);
-    collective. The checkpoint's name and its global manifest."""
+    collective. The checkpoint's name and its global manifest; `started` gets the name as soon as it is drawn (what
+    a failed save leaves to clean)."""
     partners = replica_partners(nodes, peers)
     error: BaseException | None = None
     opening = _pack({"attempt": layout.new_attempt()}) if group.rank == 0 else None
     attempt = _unpack(_broadcast(group, opening, 0))["attempt"]
     name = local_name(step, attempt)
+    if started is not None:
+        started.append(name)
     where = root.child(name)
     encoded = b""
     try:
@@ -103,7 +107,9 @@ def save_local(
         raise DistributedError("local save", {0: message["error"]}) from error
     try:
         if group.rank == min(rank for rank, node in enumerate(nodes) if node == nodes[group.rank]):
-            commit_node(where, raws, attempt, message["manifest"], message["marker"])
+            mine = nodes[group.rank]
+            held = [r for r in range(group.size) if nodes[r] == mine or any(nodes[t] == mine for t in partners[r])]
+            commit_node(where, raws, attempt, message["manifest"], message["marker"], held)
     except Exception as exc:
         error = exc
     replies = [_unpack(reply) for reply in _all_gather(group, _pack({"error": _describe(error)} if error else {}))]

@@ -143,6 +143,17 @@ class Trainer:
         whose higher steps stay the newest: a later --resume would pick them, not this run's.
         """
         existing = self.checkpointer.latest_url()
+        tier = self.checkpointer.tier
+        if existing is None and tier is not None:
+            # Local checkpoints of this job count as well: a later --resume would take their higher steps over this
+            # run's (and the tier's retention would keep them over this run's lower ones).
+            held = tier.held(self.checkpointer.group)
+            if held and not self.args.ignore_existing:
+                raise shardckpt.ShardckptUsageError(
+                    f"--local-root {self.args.local_root} already holds local checkpoints of this job "
+                    f"({', '.join(held)}); pass --resume to continue from the newest, or use a fresh --ckpt or "
+                    "--local-root"
+                )
         if existing is None:
             return
         if not self.args.ignore_existing:

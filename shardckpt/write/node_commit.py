@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from shardckpt.errors import AlreadyExistsError, CoverageError, FormatError, IntegrityError
+from shardckpt.errors import AlreadyExistsError, CoverageError, FormatError, IntegrityError, NotFoundError
 from shardckpt.format import layout, limits
 from shardckpt.format.local_manifest import decode_local_manifest
 from shardckpt.format.manifest import (
@@ -83,12 +83,30 @@ def build_manifest(
     return encoded, encode_commit_marker(marker)
 
 
-def commit_node(storage: Storage, raws: Sequence[bytes], attempt: str, manifest: bytes, marker: bytes) -> None:
+def commit_node(
+    storage: Storage, raws: Sequence[bytes], attempt: str, manifest: bytes, marker: bytes, held: Sequence[int] = ()
+) -> None:
     """(one rank per node) Write the local manifests this node's directory lacks, the global manifest, then
-    COMMITTED. A local manifest a rank of this node wrote already must hold the same bytes."""
+    COMMITTED, once the data files of the ranks in `held` (the node's own and those it keeps for peers) are there
+    whole. A local manifest a rank of this node wrote already must hold the same bytes."""
     for rank, raw in enumerate(raws):
         write_same(storage, layout.local_manifest_path(rank, attempt), raw, limits.MAX_LOCAL_MANIFEST_BYTES)
     write_same(storage, layout.global_manifest_path(attempt), manifest, limits.MAX_GLOBAL_MANIFEST_BYTES)
+    # The directory may have been wiped (or a file deleted) since the ranks wrote: writing the manifests above
+    # recreated it, and a COMMITTED over missing files would report a save that succeeded but cannot be restored.
+    for rank in held:
+        path = layout.data_path(rank, attempt)
+        expected = decode_local_manifest(raws[rank], storage.describe(layout.local_manifest_path(rank, attempt)))
+        try:
+            size = storage.size(path)
+        except NotFoundError as exc:
+            raise IntegrityError(
+                f"{storage.describe(path)} vanished before this node committed: not committed"
+            ) from exc
+        if size != expected.data_size:
+            raise IntegrityError(
+                f"{storage.describe(path)} holds {size} bytes, {expected.data_size} were written: not committed"
+            )
     try:
         storage.commit_marker(layout.COMMITTED, marker)
     except AlreadyExistsError:  # two "nodes" sharing one directory: the other committed this very save

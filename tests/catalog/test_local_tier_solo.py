@@ -145,3 +145,93 @@ def test_a_state_that_does_not_fit_the_local_checkpoint_raises_rather_than_start
     with pytest.raises(shardckpt.DistributedError, match="global shape"):
         manager(tmp_path).restore_latest(wrong)
     assert torch.equal(wrong["w"], torch.zeros(5, 4))
+
+
+def test_two_jobs_sharing_a_local_root_keep_their_own_newest_local_checkpoints(tmp_path) -> None:
+    # Job "a" holds local steps 2 and 3 (young: within the grace period); job "b" on the same local root runs to
+    # step 5. Retention counts each job's copies alone: b's higher steps never push a's out, nor a's b's.
+    run(tmp_path, range(1, 4), local_job="a", every_steps=100)
+    run(tmp_path, range(4, 6), local_job="b", every_steps=100)
+    run(tmp_path, range(1, 2), local_job="c", every_steps=100)  # a third job's lower step neither
+    copies = inventory(open_storage(str(tmp_path / "local")))
+    assert sorted((c.job, c.step) for c in copies) == [("a", 2), ("a", 3), ("b", 4), ("b", 5), ("c", 1)]
+    restored = state(0)
+    assert manager(tmp_path, local_job="a", every_steps=100).restore_latest(restored) == 3
+    assert all(torch.equal(restored[k], state(3)[k]) for k in restored)
+
+
+def test_a_failed_local_save_leaves_nothing_behind_so_a_full_tmpfs_recovers(tmp_path, monkeypatch) -> None:
+    # tmpfs full mid-save: the failed attempt's partial files, kept for the grace period, would keep it full and
+    # fail every later local save (pruning runs only after a save that succeeds). The node deletes them at once.
+    from shardckpt.distributed import tier_save
+
+    saver = manager(tmp_path)
+    for step in (1, 2):
+        saver.maybe_save(step, state(step))
+    real = tier_save.build_manifest
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tier_save, "build_manifest", full)  # after the data file and local manifest are written
+    with pytest.warns(LocalTierWarning, match="local save of step 3 failed"):
+        saver.maybe_save(3, state(3))
+    assert sorted(name[:13] for name in os.listdir(tmp_path / "local")) == ["step-00000001", "step-00000002"]
+    monkeypatch.setattr(tier_save, "build_manifest", real)
+    saver.maybe_save(5, state(5))
+    saver.close()
+    assert local_steps(tmp_path) == [2, 5]
+
+
+def test_a_local_copy_whose_committed_does_not_read_is_left_aside_with_a_warning(tmp_path) -> None:
+    run(tmp_path, range(1, 7))
+    newest = tmp_path / "local" / sorted(os.listdir(tmp_path / "local"))[-1]
+    marker = newest / "COMMITTED"
+    marker.chmod(0o644)
+    marker.write_text("not a marker")  # the newest save resumes no more: the user must learn why
+    restored = state(0)
+    with pytest.warns(LocalTierWarning, match=f"{newest.name}.* left aside"):
+        assert manager(tmp_path).restore_latest(restored) == 5
+    assert all(torch.equal(restored[k], state(5)[k]) for k in restored)
+
+
+def test_of_two_local_saves_of_one_step_a_restore_takes_the_later(tmp_path, monkeypatch) -> None:
+    # A run resumed from the persistent step 2 (its local tier out of reach at the time) trains step 3 again, with
+    # other data, and saves it locally beside the first run's step 3. The later save is the newest (SPEC 14's
+    # order: step, then commit time), whatever the random attempt ids say.
+    from shardckpt.format import layout
+
+    monkeypatch.setattr(layout, "new_attempt", lambda: "f" * 16)
+    run(tmp_path, range(1, 4), every_steps=2)  # persistent 2, local 1 and 3
+    monkeypatch.setattr(layout, "new_attempt", lambda: "0" * 16)
+    again = manager(tmp_path, every_steps=2)
+    again.maybe_save(3, {"w": state(3)["w"] + 100, "n": torch.tensor([3])})
+    again.close()
+    restored = state(0)
+    assert manager(tmp_path, every_steps=2).restore_latest(restored) == 3
+    assert torch.equal(restored["w"], state(3)["w"] + 100)
+
+
+def test_a_node_directory_wiped_mid_save_is_not_committed(tmp_path, monkeypatch) -> None:
+    # The node's directory goes (an operator's rm -rf, a tmpfs cleaner) after the ranks wrote and before the node
+    # commits: writing the manifests recreates it, and a COMMITTED there would report a save that cannot restore.
+    import shutil
+
+    from shardckpt.distributed import tier_save
+
+    saver = manager(tmp_path)
+    for step in (1, 2):
+        saver.maybe_save(step, state(step))
+    real = tier_save.build_manifest
+
+    def wiped(*args, **kwargs):
+        for name in os.listdir(tmp_path / "local"):
+            if name.startswith("step-00000003-"):
+                shutil.rmtree(tmp_path / "local" / name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tier_save, "build_manifest", wiped)
+    with pytest.warns(LocalTierWarning, match="local save of step 3 failed.*vanished"):
+        saver.maybe_save(3, state(3))
+    saver.close()
+    assert local_steps(tmp_path) == [1, 2]

@@ -65,3 +65,21 @@ def test_a_fresh_root_is_not_refused(tmp_path: Path) -> None:
     assert fresh.returncode == 0, fresh.stdout + fresh.stderr
     assert "WARNING" not in fresh.stdout
     assert shardckpt.latest(str(tmp_path / "fresh")) == str(tmp_path / "fresh" / "step-00000002")
+
+
+def test_a_new_run_beside_an_old_runs_local_checkpoints_is_refused(tmp_path: Path) -> None:
+    """The old run died before its first persistent save (every 500 steps, local every 25): only its local tier
+    holds its steps. A new run without --resume would train from scratch beside them, and a later --resume would
+    take the old run's higher local step over its own; refused, as an old persistent root is."""
+    root, local = tmp_path / "run", tmp_path / "local"
+    import torch
+
+    old = shardckpt.Checkpointer(str(root), every_steps=500, local_root=str(local), local_every_steps=1)
+    for step in (40, 41):
+        old.maybe_save(step, {"w": torch.full((4,), float(step))})
+    old.close()
+    before = sorted(os.listdir(local))
+    refused = _train(root, "--local-root", str(local), "--local-every", "1")
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert "already holds local checkpoints" in refused.stderr and "--resume" in refused.stderr, refused.stderr
+    assert sorted(os.listdir(local)) == before and shardckpt.latest(str(root)) is None

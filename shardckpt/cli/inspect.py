@@ -26,6 +26,7 @@ from shardckpt.cli.common import (
     to_json,
     when,
 )
+from shardckpt.cli.ls import local_node_text, ranks_text
 from shardckpt.cli.tables import Cell, Column, print_table, tree_rows
 from shardckpt.cli.text import line, styled
 from shardckpt.format import layout
@@ -100,6 +101,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
                 f"to {', '.join(sources)}"
             )
         )
+    if "local" in summary:
+        _print_local(console, summary["local"], summary["world_size"])
     missing = [parent["name"] for parent in summary.get("parents", ()) if not parent["present"]]
     if missing:
         console.print(
@@ -229,3 +232,14 @@ def _show_incomplete(summary: dict[str, Any], args: argparse.Namespace, console:
             console.print(line(f"attempt {attempt}: local manifests of ranks {sorted(ranks)}"))
         console.print(line(plural(data_files, "data file")))
     return EXIT_FAILED
+
+
+def _print_local(console: Console, local: dict[str, Any], world_size: int) -> None:
+    """A node's copy of a local-tier save: the job, which node, the ranks whose data files are here."""
+    if "error" in local:
+        console.print(styled(local["error"], "red"))
+        return
+    here = f"data files here: ranks {ranks_text(local['ranks_present'])} of {world_size}"
+    whole = "complete on this node alone" if local["complete_here"] else "not complete here (the rest is on peers)"
+    console.print(line("local tier copy of job ", (str(local["job"]), "bold"), f"; {here}, ", whole))
+    console.print(line(local_node_text(local).replace("of the newest local save ", "")))

@@ -45,7 +45,9 @@ def register(subparsers: Any) -> None:
         "names always whole (a long name folds; less useful columns go first); a pipe gets one record per line. "
         "Control characters in names show escaped (\\x1b), as in --json; "
         "--tree groups names by their dotted prefixes, --filter keeps the names that match, --json gives "
-        "everything whole. " + JSON_ENCODING_HELP,
+        "everything whole. A node's copy of a local-tier save (Checkpointer(local_root=...)) also shows its job, "
+        "which node it is, the ranks whose data files are here as the node's own and as replicas, and whether it is "
+        'complete on this node alone (--json: "local"). ' + JSON_ENCODING_HELP,
         "examples:\n"
         "  shardckpt inspect /ckpts/step-00001000\n"
         "  shardckpt inspect /ckpts/step-00001000 --tree\n"

@@ -28,8 +28,11 @@ def register(subparsers: Any) -> None:
         "files, from COMMITTED: `du` also counts manifests and leftovers), commit time, and the parents an "
         "incremental checkpoint stores pieces in (marked missing when ROOT lacks them: it cannot be loaded). A ROOT "
         "that does not exist is an error (exit 3, as for every command); one without checkpoints says what it is "
-        "instead.",
-        "examples:\n  shardckpt ls /ckpts\n"
+        "instead. ROOT may be a node's local tier (Checkpointer(local_root=...)): then a second table shows, for each "
+        "local checkpoint, its job, whether it is complete on this node alone, the ranks whose data files are here "
+        "as the node's own and as replicas kept for peers, and which node of the save this directory is (--json: "
+        '"local_tier": true and a "local" object per checkpoint).',
+        "examples:\n  shardckpt ls /ckpts\n  shardckpt ls /dev/shm/myjob      # a node's local tier\n"
         "  shardckpt ls s3://bucket/run --storage-option endpoint_url=http://127.0.0.1:8333",
     )
     command.add_argument("root", help="directory or URL that holds checkpoints")

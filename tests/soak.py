@@ -339,6 +339,9 @@ def run_soak(
             f"{cycle.source or 'persistent'} trained to {last}, killed {victim} after {cycle.kill_after:.2f} s; "
             f"committed now {sorted(_committed(root))}"
         )
+    if not Path(root).exists() and not report.committed_seen:
+        report.seconds = time.monotonic() - began  # local saves only (the local tier mode, short runs): no root
+        return report
     plan = gc(root, keep_last=keep_last, grace=0)
     if not plan.ok:
         report.failures.append(f"gc failed: {[a.error for a in plan.actions if a.error]}")

@@ -4,7 +4,9 @@ restore takes: the newest step of this job complete across the copies of the sur
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 import warnings
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -20,6 +22,19 @@ from shardckpt.storage import Storage
 # The global manifest's metadata key naming the job a local copy belongs to (the Checkpointer's persistent root,
 # unless given): a tier another job left on a node is never mixed into this one's restore.
 JOB_KEY = "shardckpt.tier.job"
+# The save's layout, for the tools (ops.local_tier): each rank's node (an index), its node's directory as
+# "host:realpath" (what tells `shardckpt ls` which node's directory it looks at), and the peers setting. A restore
+# never relies on them: it looks at what is there.
+NODES_KEY = "shardckpt.tier.nodes"
+HOMES_KEY = "shardckpt.tier.homes"
+PEERS_KEY = "shardckpt.tier.peers"
+
+
+def home(root: Storage) -> str:
+    """A node's local tier directory as recorded in a local save: this host's name and the directory's real path."""
+    return f"{socket.gethostname()}:{os.path.realpath(root.url)}"
+
+
 # A local save's name (distributed.tier_save.local_name): step, then attempt. Only such names are pruned uncommitted.
 LOCAL_NAME = re.compile(r"step-[0-9]{8,}-[0-9a-z]{1,64}")
 

@@ -26,6 +26,7 @@ from shardckpt.cli.common import (
     to_json,
     when,
 )
+from shardckpt.cli.ls import local_node_text, ranks_text
 from shardckpt.cli.tables import Cell, Column, print_table, tree_rows
 from shardckpt.cli.text import line, styled
 from shardckpt.format import layout
@@ -44,7 +45,9 @@ def register(subparsers: Any) -> None:
         "names always whole (a long name folds; less useful columns go first); a pipe gets one record per line. "
         "Control characters in names show escaped (\\x1b), as in --json; "
         "--tree groups names by their dotted prefixes, --filter keeps the names that match, --json gives "
-        "everything whole. " + JSON_ENCODING_HELP,
+        "everything whole. A node's copy of a local-tier save (Checkpointer(local_root=...)) also shows its job, "
+        "which node it is, the ranks whose data files are here as the node's own and as replicas, and whether it is "
+        'complete on this node alone (--json: "local"). ' + JSON_ENCODING_HELP,
         "examples:\n"
         "  shardckpt inspect /ckpts/step-00001000\n"
         "  shardckpt inspect /ckpts/step-00001000 --tree\n"
@@ -108,6 +111,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
                 f"to {', '.join(sources)}"
             )
         )
+    if "local" in summary:
+        _print_local(console, summary["local"], summary["world_size"])
     missing = [parent["name"] for parent in summary.get("parents", ()) if not parent["present"]]
     if missing:
         console.print(
@@ -242,3 +247,14 @@ def _show_incomplete(summary: dict[str, Any], args: argparse.Namespace, console:
             console.print(line(f"attempt {attempt}: local manifests of ranks {sorted(ranks)}"))
         console.print(line(plural(data_files, "data file")))
     return EXIT_FAILED
+
+
+def _print_local(console: Console, local: dict[str, Any], world_size: int) -> None:
+    """A node's copy of a local-tier save: the job, which node, the ranks whose data files are here."""
+    if "error" in local:
+        console.print(styled(local["error"], "red"))
+        return
+    here = f"data files here: ranks {ranks_text(local['ranks_present'])} of {world_size}"
+    whole = "complete on this node alone" if local["complete_here"] else "not complete here (the rest is on peers)"
+    console.print(line("local tier copy of job ", (str(local["job"]), "bold"), f"; {here}, ", whole))
+    console.print(line(local_node_text(local).replace("of the newest local save ", "")))

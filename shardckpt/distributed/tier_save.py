@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from shardckpt import knobs
-from shardckpt.catalog.local_tier import JOB_KEY
+from shardckpt.catalog.local_tier import HOMES_KEY, JOB_KEY, NODES_KEY, PEERS_KEY, home
 from shardckpt.distributed.collectives import Group
 from shardckpt.distributed.protocol import _all_gather, _any_rank, _broadcast, _pack, _Solo, _unpack
 from shardckpt.distributed.tier_restore import swap
@@ -82,7 +82,9 @@ def save_local(
         error = exc
     replies = [
         _unpack(reply)
-        for reply in _all_gather(group, _pack({"manifest": encoded} if error is None else {"error": _describe(error)}))
+        for reply in _all_gather(
+            group, _pack({"manifest": encoded, "home": home(root)} if error is None else {"error": _describe(error)})
+        )
     ]
     _raise_failures(replies, error)
     raws = [reply["manifest"] for reply in replies]
@@ -97,7 +99,10 @@ def save_local(
     built = None
     if group.rank == 0:
         try:
-            manifest_bytes, marker_bytes = build_manifest(where.url, raws, attempt, step, {JOB_KEY: job})
+            # The layout, for the tools only (ops.local_tier): each rank's node and its node's directory, and peers.
+            homes = [reply["home"] for reply in replies]
+            recorded = {JOB_KEY: job, NODES_KEY: list(nodes), HOMES_KEY: homes, PEERS_KEY: peers}
+            manifest_bytes, marker_bytes = build_manifest(where.url, raws, attempt, step, recorded)
             built = _pack({"manifest": manifest_bytes, "marker": marker_bytes})
         except Exception as exc:
             error = exc

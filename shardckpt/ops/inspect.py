@@ -16,6 +16,7 @@ from shardckpt.errors import ShardckptError
 from shardckpt.format import layout
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import TensorEntry
+from shardckpt.ops.local_tier import describe_copy, is_local_copy
 from shardckpt.storage import Storage, open_storage
 
 
@@ -70,7 +71,7 @@ def inspect_checkpoint(url: str | Storage, *, storage_options: dict[str, Any] | 
         for f in manifest.files
     ]
     logical = sum(f.extent for f in manifest.files)
-    return {
+    result: dict[str, Any] = {
         "url": storage.url,
         "status": "committed",
         "format_version": f"{manifest.version[0]}.{manifest.version[1]}",
@@ -109,6 +110,9 @@ def inspect_checkpoint(url: str | Storage, *, storage_options: dict[str, Any] | 
             for j, entry in enumerate(manifest.references)
         ],
     }
+    if is_local_copy(manifest):  # a node's copy of a local-tier save: what this node holds of it
+        result["local"] = describe_copy(storage, manifest)
+    return result
 
 
 def _committed_as(storage: Storage, attempt: str) -> bool:

@@ -7,10 +7,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardckpt.catalog.chain import DCP, DEEPSPEED, EMPTY, MAX_CHILDREN_LOOKED_AT, MISSING, does_not_exist, what_is
+from shardckpt.catalog.chain import (
+    DCP,
+    DEEPSPEED,
+    EMPTY,
+    MAX_CHILDREN_LOOKED_AT,
+    MISSING,
+    does_not_exist,
+    read_global_manifest,
+    what_is,
+)
 from shardckpt.catalog.listing import ALIAS, BROKEN, COMMITTED, INCOMPLETE, Listing, list_root
+from shardckpt.catalog.local_tier import LOCAL_NAME
 from shardckpt.errors import ShardckptError
 from shardckpt.format import layout
+from shardckpt.ops.local_tier import describe_copy, is_local_copy
 from shardckpt.storage import Storage
 
 
@@ -48,6 +59,8 @@ def list_checkpoints(root_url: str | Storage, *, storage_options: dict[str, Any]
 
     rows.sort(key=order)
     result: dict[str, Any] = {"root": listing.root.url, "checkpoints": rows}
+    if _local_tier(listing, rows):
+        result["local_tier"] = True
     if not rows:
         result["note"] = _why_empty(listing.root)
     else:
@@ -55,6 +68,33 @@ def list_checkpoints(root_url: str | Storage, *, storage_options: dict[str, Any]
         if foreign:
             result["note"] = f"{listing.root.url} also holds {foreign}"
     return result
+
+
+def _local_tier(listing: Listing, rows: list[dict[str, Any]]) -> bool:
+    """Whether the root is a node's local tier (its newest committed checkpoint is a local copy); if so, each
+    committed row gains "local": what ops.local_tier.describe_copy says. Roots of persistent checkpoints named
+    step-N (no attempt suffix) cost no read."""
+    committed = [row for row in rows if row["status"] == COMMITTED]
+    if not committed or not LOCAL_NAME.fullmatch(committed[-1]["name"]):
+        return False
+    found = False
+    for row in reversed(committed):
+        entry = listing.entry(row["name"])
+        assert entry is not None and entry.marker is not None
+        checkpoint = listing.root.child(row["name"])
+        try:
+            manifest = read_global_manifest(checkpoint, entry.marker)
+        except ShardckptError as exc:
+            if found:
+                row["local"] = {"error": str(exc)}
+            continue
+        if not is_local_copy(manifest):
+            if not found:
+                return False  # the newest readable one is a persistent checkpoint: not a local tier
+            continue
+        found = True
+        row["local"] = describe_copy(checkpoint, manifest)
+    return found
 
 
 def _holds(listing: Listing, name: str, attempt: str) -> bool:

@@ -29,3 +29,19 @@ def test_kills_during_incremental_saves_lose_nothing_they_reference(tmp_path) ->
     assert report.wrong_resumes == [] and report.not_exact == [] and report.not_close == [], summary
     assert report.cycles[1].resumed is not None and report.ok, summary
     assert len(report.referencing_seen) >= 2, summary  # the incremental saves did store pieces by reference
+
+
+def test_node_losses_resume_from_the_local_tier_exactly(tmp_path) -> None:
+    # Two simulated nodes of one rank (a torchrun agent each, a local tier directory each, peers=1): node loss
+    # while a local save is written (its agent and rank SIGKILLed, its directory wiped), then the restart on the
+    # survivor plus a new, empty node must resume from the newest local step, and bit-exactly.
+    report = run_soak(
+        str(tmp_path / "root"), cycles=2, layouts=[[1, 1]], modes=["after-step", "after-step"], local_tier=True, seed=3
+    )
+    summary = table(report)
+    assert [c.killed_node is not None for c in report.cycles] == [True, True], summary
+    assert report.failures == [] and report.lost == [], summary
+    assert report.wrong_resumes == [] and report.not_exact == [] and report.not_close == [], summary
+    resumed = report.cycles[1]
+    assert resumed.source is not None and resumed.source.startswith("local:"), summary  # step 1 or 2: local ones
+    assert report.exact == 1 and report.local_resumes == 1 and report.ok, summary

@@ -154,6 +154,19 @@ def test_manifests_list_the_feature_if_and_only_if_they_use_it(compressed) -> No
     assert "must_understand" not in marker  # COMMITTED describes no data file; the manifests carry the feature
 
 
+def test_a_commit_marker_that_lists_compression_is_refused(compressed) -> None:
+    """COMMITTED describes no data file, so it never uses `compression` (SPEC 4.1); a listing it does not use is
+    refused (SPEC 2) by open and by verify, never read past."""
+    url, _ = compressed
+    marker = json.loads(open(f"{url}/COMMITTED").read())
+    with open(f"{url}/COMMITTED", "w") as handle:
+        json.dump(dict(marker, must_understand=["compression"]), handle)
+    with pytest.raises(FormatError, match=r"COMMITTED: lists 'compression' in must_understand but describes no"):
+        shardckpt.open(url)
+    report = verify(url)
+    assert not report.ok and any("lists 'compression'" in problem.message for problem in report.problems)
+
+
 def test_uncompressed_saves_stay_format_1_0(tmp_path) -> None:
     url = str(tmp_path / "ck")
     save_sharded(_state(), url, 2)

@@ -130,6 +130,30 @@ def test_unknown_codec_is_a_usage_error_naming_the_valid_ones(tmp_path) -> None:
     assert not (tmp_path / "ck").exists() or not list((tmp_path / "ck").rglob("*.safetensors"))
 
 
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("compression_level", "3"),
+        ("compression_level", 23),
+        ("compression_level", True),
+        ("compression_level", 2.5),
+        ("compression_threads", -1),
+        ("compression_threads", 10**6),
+        ("compression_threads", "abc"),
+    ],
+)
+def test_bad_compression_options_are_usage_errors_before_any_write(tmp_path, option: str, value: object) -> None:
+    """A level zstd does not have, or a thread count no machine has (2T + 1 jobs are kept in flight), is refused by
+    name; a raw save ignores the compression options."""
+    url = str(tmp_path / "ck")
+    with pytest.raises(ShardckptUsageError, match=rf"{option} .*must be an integer in"):
+        shardckpt.ShardWriter(url, rank=0, world_size=1, compression="zstd", **{option: value})
+    assert not list(tmp_path.rglob("*.safetensors"))
+    writer = shardckpt.ShardWriter(url, rank=0, world_size=1, **{option: value})
+    writer.add("w", torch.ones(3))
+    writer.close()
+
+
 def test_manifests_list_the_feature_if_and_only_if_they_use_it(compressed) -> None:
     url, _ = compressed
     raw = open(glob.glob(f"{url}/ranks/00000-*")[0], "rb").read()

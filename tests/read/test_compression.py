@@ -7,6 +7,7 @@ import glob
 import json
 import warnings
 
+import crc32c
 import msgpack
 import numpy as np
 import pytest
@@ -189,6 +190,27 @@ def test_a_commit_marker_that_lists_compression_is_refused(compressed) -> None:
         shardckpt.open(url)
     report = verify(url)
     assert not report.ok and any("lists 'compression'" in problem.message for problem in report.problems)
+
+
+def test_a_global_logical_size_that_differs_from_the_local_one_is_named(compressed) -> None:
+    """SPEC 8 step 3 with 1.2's field: the error says which field differs and both values, not only that the local
+    manifest "does not describe" its file (the CRC chain above the global manifest is made to match)."""
+    url, _ = compressed
+    path = glob.glob(f"{url}/manifest-*")[0]
+    document = msgpack.unpackb(open(path, "rb").read())
+    logical = document["files"][1]["logical_size"]
+    document["files"][1]["logical_size"] = logical + 8
+    raw = msgpack.packb(document)
+    with open(path, "wb") as handle:
+        handle.write(raw)
+    marker = json.loads(open(f"{url}/COMMITTED").read())
+    with open(f"{url}/COMMITTED", "w") as handle:
+        json.dump(dict(marker, manifest_size=len(raw), manifest_crc32c=crc32c.crc32c(raw)), handle)
+    expected = (
+        rf"ranks/00001-\w+\.msgpack: does not describe .*logical_size {logical} \(global manifest: {logical + 8}\)"
+    )
+    with pytest.raises(FormatError, match=expected):
+        shardckpt.open(url).read("big")
 
 
 def test_uncompressed_saves_stay_format_1_0(tmp_path) -> None:

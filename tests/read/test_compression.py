@@ -313,3 +313,21 @@ def test_incremental_saves_reference_raw_pieces_and_rewrite_compressed_ones(tmp_
         checkpoint = shardckpt.open(str(root / name))
         assert all(torch.equal(checkpoint.read(key), value) for key, value in state2.items())
         assert verify(str(root / name)).ok
+
+
+def test_a_materialized_copy_of_a_compressed_checkpoint_stays_compressed(tmp_path) -> None:
+    """`copy --materialize` of a compressed child of a raw parent writes every piece, the referenced ones too,
+    compressed as the source's files are (before: a raw copy, larger than the source, format 1.1)."""
+    root = tmp_path / "run"
+    generator = torch.Generator().manual_seed(3)
+    state = {"frozen": (torch.randn(6000, generator=generator) * 0.02).to(torch.bfloat16), "trained": torch.randn(900)}
+    shardckpt.save(state, str(root / "step-1"), step=1, piece_hashes=True)
+    state2 = {"frozen": state["frozen"], "trained": state["trained"] + 1}
+    shardckpt.save(state2, str(root / "step-2"), step=2, parent=str(root / "step-1"), compression="zstd")
+    copy = str(tmp_path / "copies" / "step-2")
+    assert cli_main(["copy", str(root / "step-2"), copy, "--materialize", "-q"]) == 0
+    manifest = shardckpt.open(copy).manifest
+    assert manifest.version == (1, 2) and not manifest.references
+    assert all(f.logical_size is not None and f.data_size < 0.9 * f.logical_size for f in manifest.files)
+    assert all(torch.equal(shardckpt.open(copy).read(name), value) for name, value in state2.items())
+    assert verify(copy).ok

@@ -92,6 +92,13 @@ def _whole(name: str, value: object, low: int, high: int) -> int:
     return int(value)
 
 
+def _zero_one(tensor: torch.Tensor) -> torch.Tensor:
+    """A bool tensor whose bytes are 0x00 and 0x01 (SPEC 4: a writer stores no other BOOL byte): `tensor` itself, or,
+    for a bool view of other bytes (uint8 memory viewed as bool), a copy holding what torch takes them for (true)."""
+    raw = tensor.view(torch.uint8)
+    return raw.ne(0) if tensor.numel() and bool(raw.gt(1).any()) else tensor
+
+
 def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -294,6 +301,8 @@ class ShardWriter:
         if not isinstance(tensor, torch.Tensor):
             raise ShardckptUsageError(f"tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
         check_dense(name, tensor)
+        if tensor.dtype == torch.bool:
+            tensor = _zero_one(tensor)
         dtype = format_dtype(tensor.dtype)
         shape = tuple(tensor.shape) if global_shape is None else tuple(int(d) for d in global_shape)
         check_shape(shape, f"tensor {name!r}")

@@ -331,3 +331,20 @@ def test_a_materialized_copy_of_a_compressed_checkpoint_stays_compressed(tmp_pat
     assert all(f.logical_size is not None and f.data_size < 0.9 * f.logical_size for f in manifest.files)
     assert all(torch.equal(shardckpt.open(copy).read(name), value) for name, value in state2.items())
     assert verify(copy).ok
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_bool_view_of_other_bytes_is_stored_as_0_and_1(tmp_path, compression: str | None) -> None:
+    """SPEC 4: a writer stores no BOOL byte but 0x00 and 0x01. uint8 memory viewed as bool (bytes 2, 255) is stored
+    as the values torch shows, true, so verify passes and a load gives back 0/1 bytes (before: stored as they were,
+    a checkpoint that failed its own verify)."""
+    url = str(tmp_path / "ck")
+    odd = torch.tensor([0, 1, 2, 0, 255, 7] * 700, dtype=torch.uint8).view(torch.bool)
+    shardckpt.save(
+        {"m": odd, "s": torch.tensor(9, dtype=torch.uint8).view(torch.bool)}, url, step=1, compression=compression
+    )
+    assert verify(url).ok
+    checkpoint = shardckpt.open(url)
+    assert torch.equal(checkpoint.read("m").view(torch.uint8), odd.view(torch.uint8).ne(0).to(torch.uint8))
+    assert checkpoint.read("s").view(torch.uint8).item() == 1
+    assert odd.view(torch.uint8)[2] == 2  # the caller's tensor is left as it was

@@ -311,7 +311,9 @@ class StoredCheckpoint:
             )
         local = decode_local_manifest(raw, where)
         logical = None if local.compression is None else local.compression.logical_size
-        if (local.attempt, local.rank, local.world_size, local.data, local.data_size, local.block_size, logical) != (
+        fields = ("attempt", "rank", "world_size", "data", "data_size", "block_size", "logical_size")
+        here = (local.attempt, local.rank, local.world_size, local.data, local.data_size, local.block_size, logical)
+        there = (
             self.manifest.attempt,
             entry.rank,
             self.manifest.world_size,
@@ -319,8 +321,11 @@ class StoredCheckpoint:
             entry.data_size,
             self.manifest.block_size,
             entry.logical_size,
-        ):
-            raise FormatError(f"{where}: does not describe {entry.data} of attempt {self.manifest.attempt}")
+        )
+        if here != there:
+            # Name the fields: a compressed file whose logical_size disagrees looks like any other mismatch otherwise.
+            differ = ", ".join(f"{k} {a!r} (global manifest: {b!r})" for k, a, b in zip(fields, here, there) if a != b)
+            raise FormatError(f"{where}: does not describe {entry.data} of attempt {self.manifest.attempt}: {differ}")
         files = local.references.files if local.references is not None else ()
         check_local_references(files, self._references_of(entry.rank), entry.rank, where)
         # decode_local_manifest checked that pieces are in file order, packed, and that checksums count right.

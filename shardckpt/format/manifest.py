@@ -720,6 +720,8 @@ def decode_commit_marker(data: bytes, where: str = "COMMITTED") -> CommitMarker:
         raise FormatError(f"{where}: not a valid JSON commit marker ({exc})") from None
     fields = Fields(raw, where)
     version = check_header(fields, "committed")
+    # COMMITTED describes no data file, so it never uses compression (SPEC 4.1): listing it is refused (SPEC 2).
+    check_compression(fields, version, False)
     attempt = attempt_field(fields)
     manifest = fields.get("manifest", str)
     try:

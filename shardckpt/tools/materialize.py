@@ -54,6 +54,7 @@ def materialize(
             block_size=manifest.block_size,
             step=manifest.step,
             piece_hashes=True if manifest.references else None,  # a series' member stays a usable parent
+            compression=_codec(checkpoint, rank),
         )
         for rank in range(world)
     ]
@@ -67,6 +68,15 @@ def materialize(
     for writer in writers:
         writer.close()
     return commit(dst, world_size=world, attempt=attempt, step=manifest.step, metadata=manifest.metadata or None)
+
+
+def _codec(checkpoint: Checkpoint, rank: int) -> str | None:
+    """The codec of rank `rank`'s data file (None: raw), so that the copy of a compressed file stays compressed
+    (SPEC 4.1), pieces it held by reference included, and the copy of a raw one stays raw."""
+    if checkpoint.manifest.files[rank].logical_size is None:
+        return None
+    blocks = checkpoint.file_index(rank).blocks
+    return None if blocks is None else blocks.table.codec
 
 
 def _copy_tensor(checkpoint: Checkpoint, entry: TensorEntry, writers: list[ShardWriter]) -> None:

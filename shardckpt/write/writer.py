@@ -77,6 +77,28 @@ class WriteStats:
     hash_seconds: float = 0.0
 
 
+# zstd's levels (ZSTD_minCLevel()..ZSTD_maxCLevel()). The compressor keeps 2T + 1 jobs in flight, so a thread count
+# far beyond any machine's cores is a typo that would hold a whole rank's bytes at once, not a faster save.
+MIN_COMPRESSION_LEVEL, MAX_COMPRESSION_LEVEL = -(1 << 17), 22
+MAX_COMPRESSION_THREADS = 1024
+
+
+def _whole(name: str, value: object, low: int, high: int) -> int:
+    """A compression option (given, or its SHARDCKPT_ knob) as an int in low..high, else ShardckptUsageError."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not low <= value <= high:
+        raise ShardckptUsageError(
+            f"{name} (or SHARDCKPT_{name.upper()}) must be an integer in {low}..{high}, got {value!r}"
+        )
+    return int(value)
+
+
+def _zero_one(tensor: torch.Tensor) -> torch.Tensor:
+    """A bool tensor whose bytes are 0x00 and 0x01 (SPEC 4: a writer stores no other BOOL byte): `tensor` itself, or,
+    for a bool view of other bytes (uint8 memory viewed as bool), a copy holding what torch takes them for (true)."""
+    raw = tensor.view(torch.uint8)
+    return raw.ne(0) if tensor.numel() and bool(raw.gt(1).any()) else tensor
+
+
 def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -229,9 +251,13 @@ class ShardWriter:
         if not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE or block_size & (block_size - 1):
             raise ShardckptUsageError(f"block_size must be a power of two in {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE}")
         self.compression = check_codec(compression)
-        self.compression_level = knobs.COMPRESSION_LEVEL if compression_level is None else int(compression_level)
-        threads = knobs.COMPRESSION_THREADS if compression_threads is None else compression_threads
-        self.compression_threads = max(1, int(threads) or min(8, _cores()))
+        self.compression_level, self.compression_threads = knobs.COMPRESSION_LEVEL, 1
+        if self.compression is not None:  # unused otherwise: a raw save never fails over a compression knob
+            level = knobs.COMPRESSION_LEVEL if compression_level is None else compression_level
+            threads = knobs.COMPRESSION_THREADS if compression_threads is None else compression_threads
+            self.compression_level = _whole("compression_level", level, MIN_COMPRESSION_LEVEL, MAX_COMPRESSION_LEVEL)
+            threads = _whole("compression_threads", threads, 0, MAX_COMPRESSION_THREADS)
+            self.compression_threads = threads or min(8, _cores())
         self.storage = open_storage(url, storage_options)
         self.rank, self.world_size, self.block_size, self.step = rank, world_size, block_size, step
         self.write_threads = max(1, write_threads)
@@ -275,6 +301,8 @@ class ShardWriter:
         if not isinstance(tensor, torch.Tensor):
             raise ShardckptUsageError(f"tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
         check_dense(name, tensor)
+        if tensor.dtype == torch.bool:
+            tensor = _zero_one(tensor)
         dtype = format_dtype(tensor.dtype)
         shape = tuple(tensor.shape) if global_shape is None else tuple(int(d) for d in global_shape)
         check_shape(shape, f"tensor {name!r}")

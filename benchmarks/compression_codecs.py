@@ -120,7 +120,7 @@ def speed_rows(tensors: dict[str, torch.Tensor], limit: int = 32 << 20) -> dict[
     frames = [[merged.compress(group) for group in parts] for parts in grouped]
     reused = zstandard.ZstdDecompressor()
     return {
-        "encode: BlockEncoder.encode as merged": best_rate(lambda: [encoder.encode(b, "F32") for b in blocks], size),
+        "encode: BlockEncoder.encode": best_rate(lambda: [encoder.encode(b, "F32") for b in blocks], size),
         "encode part: rotate + group (numpy)": best_rate(lambda: [groups(b, 4) for b in blocks], size),
         "encode part: zstd of the groups, as merged": best_rate(
             lambda: [[merged.compress(g) for g in parts] for parts in grouped], size
@@ -128,9 +128,7 @@ def speed_rows(tensors: dict[str, torch.Tensor], limit: int = 32 << 20) -> dict[
         "encode part: zstd of the groups, hash_log 6": best_rate(
             lambda: [[lean.compress(g) for g in parts] for parts in grouped], size
         ),
-        "decode: decode_block as merged": best_rate(
-            lambda: [codec.decode_block(p, BLOCK_SIZE, "x") for p in packed], size
-        ),
+        "decode: decode_block": best_rate(lambda: [codec.decode_block(p, BLOCK_SIZE, "x") for p in packed], size),
         "decode part: a new decompressobj per group (as merged)": best_rate(
             lambda: [
                 [zstandard.ZstdDecompressor(max_window_size=1 << 27).decompressobj().decompress(f) for f in fs]
@@ -141,8 +139,9 @@ def speed_rows(tensors: dict[str, torch.Tensor], limit: int = 32 << 20) -> dict[
         "decode part: one reused ZstdDecompressor per thread": best_rate(
             lambda: [[reused.decompress(f) for f in fs] for fs in frames], size
         ),
-        "decode part: join as merged (stack, transpose, tobytes)": best_rate(
-            lambda: [codec._join(parts, codec.ROTATE, 4) for parts in grouped], size
+        "decode part: the codec's join into its destination": best_rate(
+            lambda: [codec._join_into(parts, codec.ROTATE, 4, np.empty(BLOCK_SIZE, np.uint8)) for parts in grouped],
+            size,
         ),
         "decode part: join into one preallocated array": best_rate(
             lambda: [join_into(parts, 4) for parts in grouped], size

@@ -175,7 +175,7 @@ def reshard_row(source: str, scratch: str, warm: bool, elements: int) -> dict[st
             "read_bytes": sum(rank[key]["read"] for rank in ranks),
             "read_ratio": sum(rank[key]["read"] for rank in ranks) / stored,
             "fetched_ratio": sum(fetched) / stored if None not in fetched else None,
-            # the load's own count: bytes it fetched from storage / bytes its plan needed
+            # the load's own count: bytes it fetched from storage (stored, compressed) / bytes its plan needed (logical)
             "fetched_over_needed": sum(fetched) / sum(needed) if None not in fetched + needed else None,
             "seconds": max(rank[key]["seconds"] for rank in ranks),
             "agree": all(rank[key]["agree"] for rank in ranks),
@@ -185,7 +185,7 @@ def reshard_row(source: str, scratch: str, warm: bool, elements: int) -> dict[st
         assert isinstance(cell, dict)
         print(
             f"  reshard 4 -> 3 ({way}): stored bytes read / stored bytes needed {cell['read_ratio']:.3f} (rchar), "
-            f"{cell['fetched_ratio']:.3f} (fetched; fetched / the plan's needed {cell['fetched_over_needed']:.3f}); "
+            f"{cell['fetched_ratio']:.3f} (fetched; / the plan's logical needed {cell['fetched_over_needed']:.3f}); "
             f"{cell['seconds']:.3f} s; values equal: {cell['agree']}",
             flush=True,
         )

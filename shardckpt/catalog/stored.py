@@ -18,7 +18,7 @@ from shardckpt.catalog.chain import read_commit_marker, read_opening
 from shardckpt.catalog.identity import home
 from shardckpt.errors import FormatError, IntegrityError, NotCommittedError, ShardckptError, ShardckptUsageError
 from shardckpt.format import limits
-from shardckpt.format.codec import BlockPlace, decode_block
+from shardckpt.format.codec import BlockDecoder, BlockPlace
 from shardckpt.format.compressed import BlockMap
 from shardckpt.format.local_manifest import LocalManifest, decode_local_manifest
 from shardckpt.format.manifest import CommitMarker, GlobalManifest, TensorEntry, crc32c_of
@@ -27,6 +27,9 @@ from shardckpt.format.whole import whole_pieces
 from shardckpt.planner import Box, VerifySpan, check_cover
 from shardckpt.planner.box import box_as_flat_range, linear_index
 from shardckpt.storage import Storage, open_storage
+
+# A block decoder per reading thread (a zstd context is not safe for concurrent use, and is costly to make per block).
+_DECODERS = threading.local()
 
 ByteArray = npt.NDArray[np.uint8]
 
@@ -458,6 +461,9 @@ class StoredCheckpoint:
         starts, sizes, crcs = blocks.starts, blocks.sizes, index.crcs
         logical_crcs = blocks.table.crc32c
         view = stored.data
+        decoder = getattr(_DECODERS, "decoder", None)
+        if decoder is None:
+            decoder = _DECODERS.decoder = BlockDecoder()
         for position, number, span in self._span_blocks(file, spans):
             lo = int(starts[position]) - stored_start
             data = view[lo : lo + int(sizes[position])]
@@ -469,16 +475,15 @@ class StoredCheckpoint:
                     f"(stored {int(crcs[position]):#010x}, read {actual:#010x})"
                 )
             size = min(block, span.piece_size - number * block)
-            logical = decode_block(data, size, place)
-            if isinstance(logical, memoryview):
-                logical = bytes(logical)  # stored raw: a view of `out` itself, copied before it is overwritten
-            if crc32c.crc32c(logical) != logical_crcs[position]:
+            at = span.piece_offset + number * block - start
+            # Straight into its place: decode_into reads all of `data` (which may lie in `out`) before writing.
+            logical = out[at : at + size]
+            decoder.decode_into(data, logical, place)
+            if crc32c.crc32c(logical.data) != logical_crcs[position]:
                 raise IntegrityError(
                     f"{place} of the piece at byte {span.piece_offset} decompresses to bytes that fail their "
                     f"checksum (expected {int(logical_crcs[position]):#010x})"
                 )
-            at = span.piece_offset + number * block - start
-            out[at : at + size] = np.frombuffer(logical, dtype=np.uint8)
 
     def _verify(self, file: int, span: VerifySpan, fetched: ByteArray, fetched_start: int) -> None:
         index = self.file_index(file)

@@ -16,7 +16,7 @@ import numpy.typing as npt
 from shardckpt import knobs
 from shardckpt.catalog.stored import FileIndex, ReferencedIndex, StoredCheckpoint, open_stored
 from shardckpt.errors import IntegrityError, ShardckptError
-from shardckpt.format.codec import BlockPlace, decode_block
+from shardckpt.format.codec import BlockDecoder, BlockPlace
 from shardckpt.format.columns import Int64Array
 from shardckpt.format.data_header import header_problems
 from shardckpt.format.local_manifest import LocalManifest, TensorSpec
@@ -272,6 +272,7 @@ def _check_compressed(
     bools = [spec.dtype == "BOOL" for spec in local.tensors]
     failed: set[int] = set()
     hasher = None
+    decoder = BlockDecoder()  # one zstd context for the file's blocks (this call runs on one thread)
     begin = 0
     while begin < len(start_list):
         end = max(begin + 1, int(np.searchsorted(ends, start_list[begin] + READ_CHUNK, side="right")))
@@ -298,7 +299,7 @@ def _check_compressed(
                     problem = f"{where} fails the checksum of its stored bytes"
                 else:
                     try:
-                        part = decode_block(stored, logical_sizes[b], BlockPlace(path, name, numbers[b]))
+                        part = decoder.decode(stored, logical_sizes[b], BlockPlace(path, name, numbers[b]))
                     except ShardckptError as exc:
                         part, problem = b"", f"{where}: {exc}"
                     if problem is None and crc32c.crc32c(part) != logical_crcs[b]:

@@ -55,6 +55,10 @@ class TensorInfo(NamedTuple):
 
 @dataclass(frozen=True)
 class ReadStats:
+    """What a read cost. needed_bytes is logical (the bytes the destinations hold, as if stored raw); fetched_bytes
+    is what storage sent: the stored (compressed) bytes of a compressed file's blocks, so it is what S3 bills and the
+    link carries, and may be smaller than needed_bytes (SPEC 4.1)."""
+
     needed_bytes: int
     fetched_bytes: int
     requests: int
@@ -325,6 +329,11 @@ class Checkpoint(StoredCheckpoint):
             return self.stored_range(request.file, request.verify)
         return request.start, request.end
 
+    def stored_bytes(self, plan: ReadPlan) -> int:
+        """The file bytes the plan's requests read from storage: its fetch_bytes, with the stored size of the blocks
+        behind each request of a compressed file in place of the request's logical size."""
+        return sum(end - start for start, end in map(self._stored, plan.requests))
+
     def read_request(self, reader: RangeReader, request: ReadRequest, slot: ByteArray) -> None:
         """Read one request's bytes into `slot` (request.size bytes) through `reader`; nothing is verified yet."""
         path = self.source(request.file)[1]
@@ -456,7 +465,8 @@ class PendingRead:
         for tensor, staging in self._fixups:
             tensor.copy_(staging)
         plan = self.plan
-        return ReadStats(plan.needed_bytes, plan.fetch_bytes, len(plan.requests), time.perf_counter() - self._began)
+        stored = self.checkpoint.stored_bytes(plan)
+        return ReadStats(plan.needed_bytes, stored, len(plan.requests), time.perf_counter() - self._began)
 
 
 def open_checkpoint(

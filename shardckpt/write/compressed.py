@@ -78,27 +78,22 @@ def write_compressed(
         handle.write(placeholder)
     local = threading.local()
 
-    def compress(job: tuple[memoryview, str]) -> tuple[list[Any], list[int], list[int], list[int]]:
-        chunk, dtype = job
+    def compress(job: list[tuple[memoryview, str]]) -> tuple[list[Any], list[int], list[int], list[int]]:
         encoder = getattr(local, "encoder", None)
         if encoder is None:
             encoder = local.encoder = BlockEncoder(level)
         blocks, stored_crcs, stored_sizes, logical_crcs = [], [], [], []
-        for at in range(0, len(chunk), block_size):
-            raw = chunk[at : at + block_size]
-            stored = encoder.encode(raw, dtype)
-            blocks.append(stored)
-            stored_crcs.append(crc32c.crc32c(stored))
-            stored_sizes.append(len(stored))
-            logical_crcs.append(crc32c.crc32c(raw))
+        for chunk, dtype in job:  # each piece's blocks start at its own first byte
+            for at in range(0, len(chunk), block_size):
+                raw = chunk[at : at + block_size]
+                stored = encoder.encode(raw, dtype)
+                blocks.append(stored)
+                stored_crcs.append(crc32c.crc32c(stored))
+                stored_sizes.append(len(stored))
+                logical_crcs.append(crc32c.crc32c(raw))
         return blocks, stored_crcs, stored_sizes, logical_crcs
 
-    chunk_size = max(HOT_CHUNK // block_size, 1) * block_size
-    jobs = [
-        (memoryview(source.data).cast("B")[at : at + chunk_size], source.dtype)
-        for source, size in zip(sources, sizes)
-        for at in range(0, size, chunk_size)
-    ]
+    jobs = _jobs(sources, sizes, max(HOT_CHUNK // block_size, 1) * block_size)
     stored_crcs: list[int] = []
     stored_sizes: list[int] = []
     logical_crcs: list[int] = []
@@ -143,6 +138,26 @@ def write_compressed(
         np.array(logical_crcs, dtype=np.uint32),
     )
     return Written(header_size + sum(stored_sizes), header, offsets, np.array(stored_crcs, dtype=np.uint32), table)
+
+
+def _jobs(sources: Sequence[Source], sizes: list[int], chunk_size: int) -> list[list[tuple[memoryview, str]]]:
+    """The pieces cut into compression jobs of about `chunk_size` logical bytes: a large piece in chunks, small pieces
+    batched together (a job per bias vector would cost a hand-off between threads per few KiB)."""
+    jobs: list[list[tuple[memoryview, str]]] = []
+    batch: list[tuple[memoryview, str]] = []
+    batched = 0
+    for source, size in zip(sources, sizes):
+        data = memoryview(source.data).cast("B")
+        for at in range(0, size, chunk_size):
+            part = data[at : at + chunk_size]
+            if batch and batched + len(part) > chunk_size:
+                jobs.append(batch)
+                batch, batched = [], 0
+            batch.append((part, source.dtype))
+            batched += len(part)
+    if batch:
+        jobs.append(batch)
+    return jobs
 
 
 def _per_piece(stored_sizes: list[int], sizes: list[int], block_size: int) -> list[int]:

@@ -14,7 +14,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardckpt.errors import IntegrityError, ShardckptUsageError
-from shardckpt.format.codec import CODECS, BlockEncoder, BlockPlace, check_codec, decode_block, plan_transform
+from shardckpt.format.codec import (
+    CODECS,
+    BlockDecoder,
+    BlockEncoder,
+    BlockPlace,
+    check_codec,
+    decode_block,
+    plan_transform,
+)
 from shardckpt.format.dtypes import DTYPE_SIZES
 
 ENCODER = BlockEncoder()
@@ -53,6 +61,18 @@ def test_byte_grouping_beats_plain_zstd_on_bf16() -> None:
         len(zstandard.ZstdCompressor(level=3).compress(data[i : i + 65536])) for i in range(0, len(data), 65536)
     )
     assert ours < 0.93 * plain, (ours, plain)
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F32", "F64", "I32", "U8"])
+def test_decode_into_a_buffer_that_holds_the_stored_bytes_at_its_end(dtype: str) -> None:
+    """The readers put a request's stored blocks at the end of its slot and decode into the slot from the start."""
+    data = _weights(dtype if dtype in ("BF16", "F32", "F64") else "F32", 8192, seed=4)[:20000]
+    for raw in (data, bytes(20000), np.random.default_rng(5).bytes(20000)):  # compressed, tiny, stored raw
+        stored = ENCODER.encode(raw, dtype)
+        slot = np.zeros(len(raw), dtype=np.uint8)
+        slot[len(raw) - len(stored) :] = np.frombuffer(stored, dtype=np.uint8)
+        BlockDecoder().decode_into(memoryview(slot)[len(raw) - len(stored) :], slot, WHERE)
+        assert slot.tobytes() == raw, dtype
 
 
 def test_odd_tail_and_empty() -> None:

@@ -271,6 +271,25 @@ def test_dcp_storage_writer_compresses_and_dcp_load_reads_it(tmp_path) -> None:
         shardckpt.dcp.StorageWriter(url, compression="gzip")
 
 
+def test_read_stats_count_the_stored_bytes_fetched_and_the_logical_bytes_needed(compressed) -> None:
+    """fetched_bytes is what storage sent (stored blocks), so a compressed load does not overstate S3 traffic;
+    needed_bytes stays logical. Both the ranged path (local) and the batched waves of object stores."""
+    url, state = compressed
+    stored = open_stored(url)
+    payload = sum(f.data_size - stored.file_index(n).local.header_size for n, f in enumerate(stored.manifest.files))
+    logical = sum(tensor.numel() * tensor.element_size() for tensor in state.values())
+    for batched in (False, True):
+        checkpoint = shardckpt.open(url)
+        checkpoint.data_storage.batched_reads = batched  # type: ignore[misc]
+        target = {name: torch.zeros_like(tensor) for name, tensor in state.items()}
+        stats = checkpoint.read_into([(name, Box((0,) * t.dim(), tuple(t.shape)), t) for name, t in target.items()])
+        assert all(torch.equal(target[name], state[name]) for name in state)
+        assert stats.needed_bytes == logical
+        assert stats.fetched_bytes == payload < 0.85 * logical, (stats, payload, logical)  # every stored block, once
+    target = {name: torch.zeros_like(tensor) for name, tensor in state.items()}
+    assert shardckpt.load(target, url).fetched_bytes == payload
+
+
 def test_a_sequential_backend_gets_the_final_header_first(tmp_path) -> None:
     """Object stores write sequentially: the writer holds the stored blocks and writes the real header first."""
     import uuid

@@ -82,6 +82,12 @@ MANIFEST_SETTLE = float(_knob("MANIFEST_SETTLE", 0.25))  # seconds a half-writte
 MANIFEST_WAIT = float(_knob("MANIFEST_WAIT", 5.0))  # seconds to wait for a concurrent committer's manifest
 DU_MAX_ENTRIES = int(_knob("DU_MAX_ENTRIES", 1_000_000))  # entries `du` looks at in one checkpoint (then says so)
 GC_GRACE = float(_knob("GC_GRACE", 3600.0))  # seconds: gc leaves anything younger (a save may be writing it)
+# Format 1.2's piece index (SPEC 11.1): a commit of this many tensors or more writes its manifest's tensor entries in
+# name-sorted blocks a loading rank range-reads in part (readers older than 1.2 cannot open it); fewer: one document.
+PIECE_INDEX_MIN_TENSORS = int(_knob("PIECE_INDEX_MIN_TENSORS", 1024))
+# Bytes per piece index block: a rank reads whole blocks, so small ones waste little on the tensors around its own
+# (a per-expert DeepSeek-V3 rank on 4,096 ranks needs ~1,000 scattered runs of names); each costs a fence entry.
+PIECE_INDEX_BLOCK = int(_knob("PIECE_INDEX_BLOCK", 4 << 10))
 
 # Streaming tools (tools/export.py, tools/diff.py)
 MEMORY_LIMIT = int(_knob("MEMORY_LIMIT", 1 << 30))  # bytes of tensor data export and diff hold at once

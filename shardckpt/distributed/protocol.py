@@ -430,7 +430,9 @@ def _load(
     if isinstance(group, _Solo):
         if failed is not None:
             raise failed
-        checkpoint = open_checkpoint(open_storage(url, storage_options), max_in_flight=max_in_flight, max_gap=max_gap)
+        checkpoint = open_checkpoint(
+            open_storage(url, storage_options), max_in_flight=max_in_flight, max_gap=max_gap, head_only=True
+        )
         pending, assign = _prepare_fill(checkpoint, state_dict, group.rank, strict, optional, cast)
         if verify_first:
             pending.fetch()
@@ -453,7 +455,7 @@ def _load(
             if local_error is not None:
                 raise local_error
             assert storage is not None
-            own = read_opening(storage)
+            own = read_opening(storage, head_only=True)  # a piece index's blocks: each rank reads its own
             opening = _pack({"marker": own.marker_raw, "manifest": own.manifest_raw})
         except Exception as exc:
             opening = _pack({"error": _describe(exc)})
@@ -470,7 +472,8 @@ def _load(
             marker, manifest = own.marker, own.manifest
         else:  # read once by the coordinator; every rank checks the bytes against the marker before trusting them
             marker = decode_commit_marker(message["marker"], storage.describe(layout.COMMITTED))
-            manifest = verify_global_manifest(message["manifest"], marker, storage.describe(marker.manifest))
+            where = storage.describe(marker.manifest)
+            manifest = verify_global_manifest(message["manifest"], marker, where, head_only=True)
         checkpoint = Checkpoint(storage, marker, manifest, max_in_flight=max_in_flight, max_gap=max_gap)
         prepared = pending, assign = _prepare_fill(checkpoint, state_dict, group.rank, strict, optional, cast)
     except Exception as exc:
@@ -549,11 +552,12 @@ def _prepare_fill(
     strict: every entry of the state dict must be in the checkpoint, except those named by `optional` (an entry
     name, or a prefix before a '.'), which are left as they are when the checkpoint lacks them.
     """
+    leaves = flatten(state_dict)
+    items = load_items(leaves)
+    checkpoint.need([name for name, _, _ in items])  # a piece index: the entries of these tensors only
     stored = checkpoint.manifest.tensor_index()
     saved_world = checkpoint.manifest.world_size
     shared, own = checkpoint.objects, checkpoint.rank_objects(rank)
-    leaves = flatten(state_dict)
-    items = load_items(leaves)
     missing = sorted({name for name, _, _ in items if name not in stored})
     # Per-rank values come from this rank's own; a rank the saving job did not have follows its PerRank's choice.
     sources = {}

@@ -27,7 +27,7 @@ from shardckpt.format.columns import (
     encode_u32_column,
 )
 from shardckpt.format.layout import data_path, validate_attempt
-from shardckpt.format.strict import NEWEST_VERSION, Fields
+from shardckpt.format.strict import Fields
 
 FEATURE = "references"  # the must_understand entry of every document that uses references
 HASH_ALG = "blake3-128"  # what this library writes (SPEC 6.3)
@@ -35,7 +35,7 @@ LEGACY_HASH_ALG = "blake2b-128"  # what the previous release wrote: still read, 
 HASH_ALGS = (HASH_ALG, LEGACY_HASH_ALG)  # closed: any other alg is refused
 HASH_BYTES = 16
 AUTO_THREADS = blake3.blake3.AUTO  # piece_hash(threads=...): BLAKE3's own pool, one thread per core
-FIRST_VERSION = NEWEST_VERSION  # the version that added references (SPEC 6.2)
+FIRST_VERSION = (1, 1)  # the version that added references (SPEC 6.2)
 
 _NAME = r"[0-9A-Za-z._-]{1,255}"
 _CHECKPOINT_NAME = re.compile(_NAME)

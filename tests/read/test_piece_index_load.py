@@ -1,0 +1,96 @@
+"""Loads of a checkpoint with a piece index (format 1.2, SPEC 11.1) read the metadata of the tensors they load only."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardckpt
+from shardckpt import knobs
+from shardckpt.errors import IntegrityError
+from shardckpt.storage import Storage, open_storage
+
+COUNT = 2000
+
+
+def _state() -> dict[str, torch.Tensor]:
+    return {f"model.layers.{i:04d}.weight": torch.full((2, 3), float(i)) for i in range(COUNT)}
+
+
+def _counting(url: str) -> tuple[Storage, Counter[str]]:
+    """A storage that counts the bytes read from each object (range reads; whole reads go through them)."""
+    storage = open_storage(url)
+    counts: Counter[str] = Counter()
+    read_range = storage.read_range
+
+    def counted(path: str, start: int, end: int) -> bytes:
+        data = read_range(path, start, end)
+        counts[path] += len(data)
+        return data
+
+    storage.read_range = counted  # type: ignore[method-assign]
+    return storage, counts
+
+
+@pytest.fixture
+def indexed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setattr(knobs, "PIECE_INDEX_MIN_TENSORS", 1000)
+    url = str(tmp_path / "ck")
+    shardckpt.save(_state(), url, step=1)
+    return url
+
+
+def _manifest(url: str) -> tuple[str, int]:
+    path = next(p.name for p in Path(url).iterdir() if p.name.startswith("manifest-"))
+    return path, (Path(url) / path).stat().st_size
+
+
+def test_a_load_of_one_tensor_of_many_reads_a_small_part_of_the_manifest(indexed: str) -> None:
+    name = "model.layers.1234.weight"
+    storage, counts = _counting(indexed)
+    wanted = {name: torch.zeros(2, 3)}
+    shardckpt.load(wanted, storage)
+    assert torch.equal(wanted[name], torch.full((2, 3), 1234.0))
+    path, size = _manifest(indexed)
+    # The head (files, objects, the fence of ~30 blocks) and one 4 KiB block, of a ~200 KiB manifest.
+    assert 0 < counts[path] < size / 10, (counts[path], size)
+    # Everything else still loads bit-exact, and open() reads the whole manifest (every tensor listed).
+    state = {key: torch.zeros(2, 3) for key in _state()}
+    shardckpt.load(state, indexed)
+    assert all(torch.equal(state[key], value) for key, value in _state().items())
+    assert len(shardckpt.open(indexed).tensors) == COUNT
+
+
+def test_a_corrupt_index_block_is_an_integrity_error_naming_it_and_verify_reports_it(indexed: str) -> None:
+    path, _ = _manifest(indexed)
+    opened = shardckpt.open(indexed)
+    head = opened.marker.head
+    index = opened.manifest.piece_index
+    assert head is not None and index is not None
+    number = index.blocks_for(["model.layers.1234.weight"])[0]
+    raw = bytearray((Path(indexed) / path).read_bytes())
+    raw[head[0] + index.offsets()[number] + 5] ^= 0x10
+    (Path(indexed) / path).write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError, match=rf"piece index block {number} \(tensors from "):
+        shardckpt.load({"model.layers.1234.weight": torch.zeros(2, 3)}, indexed)
+    with pytest.raises(IntegrityError, match="COMMITTED promises"):  # a whole read checks the whole object
+        shardckpt.open(indexed)
+    from shardckpt.ops.verify import verify
+
+    assert not verify(indexed).ok
+
+
+def test_names_the_index_does_not_hold_are_missing_as_before(indexed: str) -> None:
+    state: dict[str, Any] = {
+        "aaa": torch.zeros(1),
+        "model.layers.0007.weight": torch.zeros(2, 3),
+        "zzz": torch.zeros(1),
+    }
+    with pytest.raises(shardckpt.errors.ShardckptUsageError, match="lacks 2 entries"):
+        shardckpt.load(state, indexed)
+    shardckpt.load(state, indexed, strict=False)
+    assert torch.equal(state["model.layers.0007.weight"], torch.full((2, 3), 7.0))

@@ -13,6 +13,7 @@ import shardckpt
 from shardckpt import knobs
 from shardckpt.errors import IntegrityError
 from shardckpt.storage import Storage, open_storage
+from shardckpt.storage.local import LocalStorage
 
 COUNT = 2000
 
@@ -94,3 +95,30 @@ def test_names_the_index_does_not_hold_are_missing_as_before(indexed: str) -> No
         shardckpt.load(state, indexed)
     shardckpt.load(state, indexed, strict=False)
     assert torch.equal(state["model.layers.0007.weight"], torch.full((2, 3), 7.0))
+
+
+def test_an_incremental_save_reads_the_parents_index_blocks_of_its_own_tensors_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(knobs, "PIECE_INDEX_MIN_TENSORS", 1000)
+    shardckpt.save(_state(), str(tmp_path / "step-1"), step=1, piece_hashes=True)
+    counts: Counter[str] = Counter()
+    read_range = LocalStorage.read_range
+
+    def counted(self: LocalStorage, path: str, start: int, end: int) -> bytes:
+        data = read_range(self, path, start, end)
+        counts[f"{self.url}/{path}"] += len(data)
+        return data
+
+    monkeypatch.setattr(LocalStorage, "read_range", counted)
+    name = "model.layers.0042.weight"
+    manifest = shardckpt.save(
+        {name: torch.full((2, 3), 42.0)}, str(tmp_path / "step-2"), step=2, parent=str(tmp_path / "step-1")
+    )
+    assert manifest.references  # the unchanged piece is stored by reference to step-1's data file
+    path, size = _manifest(str(tmp_path / "step-1"))
+    read = sum(count for where, count in counts.items() if where.endswith(f"step-1/{path}"))
+    assert 0 < read < size / 10, (read, size)
+    wanted = {name: torch.zeros(2, 3)}
+    shardckpt.load(wanted, str(tmp_path / "step-2"))
+    assert torch.equal(wanted[name], torch.full((2, 3), 42.0))

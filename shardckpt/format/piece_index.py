@@ -136,7 +136,6 @@ def decode_piece_index(raw: object, where: str) -> PieceIndex:
         raise FormatError(f"{where}: unknown field {min(map(str, extra))!r}")
     tensors = fields.integer("tensors", 0, limits.MAX_INDEX_TENSORS)
     blocks = fields.integer("blocks", 0, min(tensors, limits.MAX_INDEX_BLOCKS))
-    first = _decode_names(fields.get("first", dict), f"{where}.first", blocks)
     size = decode_int_list(fields.get("size", dict), f"{where}.size", blocks)
     count = decode_int_list(fields.get("count", dict), f"{where}.count", blocks)
     column = fields.get("crc32c", dict)
@@ -154,15 +153,17 @@ def decode_piece_index(raw: object, where: str) -> PieceIndex:
         raise FormatError(f"{where}: the blocks hold {sum(count)} tensors, the field 'tensors' says {tensors}")
     if sum(size) > limits.MAX_GLOBAL_MANIFEST_BYTES:
         raise FormatError(f"{where}: the blocks total {sum(size)} bytes, over the manifest limit")
+    # Every first name is inside its block, so the names take fewer bytes than the blocks: a zlib bomb stops there.
+    first = _decode_names(fields.get("first", dict), f"{where}.first", blocks, sum(size))
     return PieceIndex(first, tuple(size), crcs, tuple(count))
 
 
-def _decode_names(column: dict[str, Any], where: str, expected: int) -> tuple[str, ...]:
+def _decode_names(column: dict[str, Any], where: str, expected: int, most: int) -> tuple[str, ...]:
     if column.get("enc") != _NAMES_ENC or column.get("n") != expected or type(column.get("data")) is not bytes:
         raise FormatError(f"{where}: must be {{'enc': {_NAMES_ENC!r}, 'n': {expected}, 'data': binary}}")
     if set(column) != {"enc", "n", "data"}:
         raise FormatError(f"{where}: a names column has exactly the fields enc, n, data")
-    bound = expected * (4 * limits.MAX_NAME_CHARS + 1)  # UTF-8 is at most 4 bytes a character
+    bound = min(most, expected * (4 * limits.MAX_NAME_CHARS + 1))  # UTF-8 is at most 4 bytes a character
     inflater = zlib.decompressobj()
     try:
         raw = inflater.decompress(column["data"], bound + 1)

@@ -108,7 +108,7 @@ def _version() -> str:
     from shardckpt.format.strict import FORMAT_VERSION, NEWEST_VERSION
 
     newest, plain = "{}.{}".format(*NEWEST_VERSION), "{}.{}".format(*FORMAT_VERSION)
-    return f"shardckpt {__version__} (checkpoint format {newest}: reads and writes {plain} and {newest})"
+    return f"shardckpt {__version__} (checkpoint format {newest}: reads and writes {plain} to {newest})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

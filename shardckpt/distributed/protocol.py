@@ -554,7 +554,9 @@ def _prepare_fill(
     """
     leaves = flatten(state_dict)
     items = load_items(leaves)
-    checkpoint.need([name for name, _, _ in items])  # a piece index: the entries of these tensors only
+    shapes = destination_shapes(leaves)
+    # A piece index: the entries of these tensors only (an empty destination has no item, still a shape to check).
+    checkpoint.need({name for name, _, _ in items} | {name for name, _, _ in shapes})
     stored = checkpoint.manifest.tensor_index()
     saved_world = checkpoint.manifest.world_size
     shared, own = checkpoint.objects, checkpoint.rank_objects(rank)
@@ -592,7 +594,7 @@ def _prepare_fill(
             + (" ..." if len(missing) > 10 else "")
             + optimizer_hint(state_dict)
         )
-    for name, shape, kind in destination_shapes(leaves):
+    for name, shape, kind in shapes:
         if name in stored and shape != tuple(stored[name].shape):
             raise ShardckptUsageError(
                 f"tensor {name!r}: the state dict's {kind} has global shape {list(shape)}, the checkpoint holds "

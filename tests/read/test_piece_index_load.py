@@ -12,6 +12,7 @@ import torch
 import shardckpt
 from shardckpt import knobs
 from shardckpt.errors import IntegrityError
+from shardckpt.statedict.flat import FlatPartition
 from shardckpt.storage import Storage, open_storage
 from shardckpt.storage.local import LocalStorage
 
@@ -122,3 +123,10 @@ def test_an_incremental_save_reads_the_parents_index_blocks_of_its_own_tensors_o
     wanted = {name: torch.zeros(2, 3)}
     shardckpt.load(wanted, str(tmp_path / "step-2"))
     assert torch.equal(wanted[name], torch.full((2, 3), 42.0))
+
+
+def test_an_empty_destination_of_another_shape_is_refused_as_from_a_whole_manifest(indexed: str) -> None:
+    """An empty destination asks for no bytes, yet its shape is checked against the entry: read for it too."""
+    with pytest.raises(shardckpt.errors.ShardckptUsageError, match=r"global shape \[0\].*shape \[2, 3\]"):
+        partition = FlatPartition(torch.zeros(0), [("model.layers.0007.weight", (0,))], 0)
+        shardckpt.load({"model.layers.0007.weight": partition}, indexed)

@@ -265,6 +265,7 @@ def index_phase(scratch: Path, model: str, world: int, ep: int, config: MoeConfi
     head_size = json.loads((scratch / "indexed.json").read_text())["head"]
     targets = [] if parent else load_targets(model, world, ep, config, None)
     names = saving_names(model, world, ep, config) if parent else [target.name for target in targets]
+    reset_peak_rss()
     before = current_rss()
     began = time.process_time()
     with open(scratch / "indexed.msgpack", "rb") as handle:
@@ -281,9 +282,12 @@ def index_phase(scratch: Path, model: str, world: int, ep: int, config: MoeConfi
             for number in range(begin, end):
                 blocks[number] = run[offsets[number] - at : offsets[number] - at + index.size[number]]
     manifest = decode_index_blocks(manifest, blocks, "indexed")
-    entries = manifest.tensor_index()
-    for name in dict.fromkeys(names):  # the pieces of its own tensors (a block's others stay undecoded, as in a load)
-        entries[name].pieces.arrays()
+    if parent:  # open_parent decodes the file column of every wanted tensor
+        entries = manifest.tensor_index()
+        for name in dict.fromkeys(names):
+            entries[name].pieces.arrays()
+    # A load's plan decodes the piece columns of its own tensors when it first uses them: counted in the plan, as a
+    # block's other entries stay undecoded.
     decode = time.process_time() - began
     plan_seconds, requests = 0.0, 0
     if not parent:
@@ -304,6 +308,12 @@ def index_phase(scratch: Path, model: str, world: int, ep: int, config: MoeConfi
         f"{prefix}_plan_requests": requests,
         f"{prefix}_rss_delta": peak_rss() - before,
     }
+
+
+def reset_peak_rss() -> None:
+    """Make VmHWM this process's resident memory now (Linux: 5 to /proc/self/clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
 
 
 def current_rss() -> int:
@@ -339,7 +349,6 @@ def measure(model: str, world: int, ep: int, config: MoeConfig, scratch: Path, d
         row.update(_child([*common, "--phase", "validate"]))
     row.update(_child([*common, "--phase", "plan"]))
     row.update(_child([*common, "--phase", "index"]))
-    row.update(_child([*common, "--phase", "parent"]))
     for name in ("locals.bin", "locals.npy", "global.msgpack", "indexed.msgpack", "indexed.json"):
         (scratch / name).unlink(missing_ok=True)
     return row
@@ -383,8 +392,11 @@ def main(argv: list[str] | None = None) -> int:
             result = validate_phase(scratch)
         elif args.phase == "direct":
             result = direct_phase(scratch, args.model[0], args.ranks[0], args.ep, config)
-        elif args.phase in ("index", "parent"):
-            result = index_phase(scratch, args.model[0], args.ranks[0], args.ep, config, args.phase == "parent")
+        elif args.phase == "index":  # one process for both: its peak is reset in between
+            result = index_phase(scratch, args.model[0], args.ranks[0], args.ep, config, False)
+            result.update(index_phase(scratch, args.model[0], args.ranks[0], args.ep, config, True))
+        elif args.phase == "parent":
+            result = index_phase(scratch, args.model[0], args.ranks[0], args.ep, config, True)
         else:
             result = plan_phase(scratch, args.model[0], args.ranks[0], args.ep, config)
         print(json.dumps(result))

@@ -87,7 +87,7 @@ GC_GRACE = float(_knob("GC_GRACE", 3600.0))  # seconds: gc leaves anything young
 PIECE_INDEX_MIN_TENSORS = int(_knob("PIECE_INDEX_MIN_TENSORS", 1024))
 # Bytes per piece index block: a rank reads whole blocks, so small ones waste little on the tensors around its own
 # (a per-expert DeepSeek-V3 rank on 4,096 ranks needs ~1,000 scattered runs of names); each costs a fence entry.
-PIECE_INDEX_BLOCK = int(_knob("PIECE_INDEX_BLOCK", 4 << 10))
+PIECE_INDEX_BLOCK = int(_knob("PIECE_INDEX_BLOCK", 2 << 10))
 
 # Streaming tools (tools/export.py, tools/diff.py)
 MEMORY_LIMIT = int(_knob("MEMORY_LIMIT", 1 << 30))  # bytes of tensor data export and diff hold at once

@@ -154,6 +154,12 @@ def read_opening(storage: Storage, *, head_only: bool = False) -> Opening:
     if marker_raw is None or marker is None:
         raise not_a_checkpoint(storage)
     if head_only and marker.head is not None:
+        # One stat: an object that grew or shrank is not the one COMMITTED sealed, even where the blocks read are.
+        size = storage.size(marker.manifest)
+        if size != marker.manifest_size:
+            raise IntegrityError(
+                f"{storage.describe(marker.manifest)}: {size} bytes, but COMMITTED promises {marker.manifest_size}"
+            )
         manifest_raw = storage.read_range(marker.manifest, 0, marker.head[0])
     else:
         manifest_raw = storage.read_small(marker.manifest, limits.MAX_GLOBAL_MANIFEST_BYTES)

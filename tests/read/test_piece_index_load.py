@@ -130,3 +130,12 @@ def test_an_empty_destination_of_another_shape_is_refused_as_from_a_whole_manife
     with pytest.raises(shardckpt.errors.ShardckptUsageError, match=r"global shape \[0\].*shape \[2, 3\]"):
         partition = FlatPartition(torch.zeros(0), [("model.layers.0007.weight", (0,))], 0)
         shardckpt.load({"model.layers.0007.weight": partition}, indexed)
+
+
+def test_a_manifest_that_grew_or_shrank_is_refused_by_a_load_that_reads_part_of_it(indexed: str) -> None:
+    path, _ = _manifest(indexed)
+    raw = (Path(indexed) / path).read_bytes()
+    for changed in (raw + b"\x00", raw[:-1]):  # the blocks a load reads are intact either way
+        (Path(indexed) / path).write_bytes(changed)
+        with pytest.raises(IntegrityError, match=f"{len(changed)} bytes, but COMMITTED promises {len(raw)}"):
+            shardckpt.load({"model.layers.0001.weight": torch.zeros(2, 3)}, indexed)

@@ -664,7 +664,7 @@ def decode_global_manifest(data: bytes, where: str = "manifest", *, head_only: b
     if len(raw_files) > limits.MAX_FILES:
         raise FormatError(f"{where}: {len(raw_files)} files exceed the limit of {limits.MAX_FILES}")
     files = tuple(_decode_file(item, f"{where} files[{i}]", world_size, attempt) for i, item in enumerate(raw_files))
-    if [f.rank for f in files] != list(range(world_size)):
+    if len(files) != world_size or [f.rank for f in files] != list(range(world_size)):
         raise FormatError(f"{where}: files must list one data file per rank, in rank order 0..{world_size - 1}")
     references = decode_global_references(fields, version, attempt, world_size)
     sizes = [f.data_size for f in files] + [entry.file.data_size for entry in references]

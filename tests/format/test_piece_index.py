@@ -32,7 +32,7 @@ NAMES = st.lists(
 ).map(sorted)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(names=NAMES, sizes=st.data(), block_bytes=st.integers(1, 200))
 def test_any_sorted_names_round_trip_and_lookups_find_exactly_their_blocks(
     names: list[str], sizes: st.DataObject, block_bytes: int

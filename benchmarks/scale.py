@@ -2,12 +2,15 @@
 
 Simulated (no tensor data): the local manifests every rank would send, then the coordinator's decode + merge +
 exact-cover validation, the global manifest, and one target rank's read plan for a W -> 3W/4 resharded load.
-The model is the one FIELD-NOTES uses for PyTorch DCP's figures, so the rows compare.
+The model is the one FIELD-NOTES uses for PyTorch DCP's figures, so the rows compare. With format 1.2's piece
+index (SPEC 11.1): its encode at commit, and what one loading rank (and one rank of an incremental save opening
+its parent) reads and decodes: the head and the blocks of its own tensors.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -30,7 +33,15 @@ from shardckpt.format.local_manifest import (
     decode_local_manifest,
     encode_local_manifest,
 )
-from shardckpt.format.manifest import FileEntry, GlobalManifest, decode_global_manifest, encode_global_manifest
+from shardckpt.format.manifest import (
+    FileEntry,
+    GlobalManifest,
+    decode_global_manifest,
+    decode_index_blocks,
+    encode_global_manifest,
+    manifest_head_size,
+)
+from shardckpt.format.piece_index import FIRST_VERSION as INDEX_VERSION
 from shardckpt.planner import Box, Target, plan_reads
 from shardckpt.write.merge import merge_tensors
 
@@ -124,7 +135,9 @@ def local_manifests(model: str, world: int, ep: int, config: MoeConfig) -> Itera
     yield from (state.local_manifest(mesh, rank, tables) for rank in range(world))
 
 
-def load_targets(model: str, world: int, ep: int, config: MoeConfig, manifest: GlobalManifest) -> list[Target]:
+def load_targets(
+    model: str, world: int, ep: int, config: MoeConfig, manifest: GlobalManifest | None = None
+) -> list[Target]:
     """What one rank of a job on 3W/4 ranks loads: FSDP Shard(0) over 3W/4 ranks; experts on EP/2 x 3W/(2 EP)."""
     target_world = world * 3 // 4
     rank = target_world // 2
@@ -133,7 +146,7 @@ def load_targets(model: str, world: int, ep: int, config: MoeConfig, manifest: G
         mesh = Mesh(target_world, max(ep // 2, 1))
         return [Target(name, Box(offsets, shape)) for name, offsets, shape in state.targets(mesh, rank)]
     targets = []
-    for entry in manifest.tensors:
+    for entry in tensor_specs():  # the manifest's tensors (a 1.2 rank knows them from its own state dict)
         if not entry.shape:
             targets.append(Target(entry.name, Box((), ())))
             continue
@@ -142,6 +155,32 @@ def load_targets(model: str, world: int, ep: int, config: MoeConfig, manifest: G
         hi = min(lo + chunk, entry.shape[0])
         targets.append(Target(entry.name, Box((lo,) + (0,) * (len(entry.shape) - 1), (hi - lo, *entry.shape[1:]))))
     return targets
+
+
+def saving_names(model: str, world: int, ep: int, config: MoeConfig) -> list[str]:
+    """The tensors one rank of an incremental save on the saving mesh holds, whose parent entries it opens."""
+    if model == "dense":
+        return [spec.name for spec in tensor_specs()]
+    state = moe_state(model, config)
+    declared, _, _, _ = state.boxes(Mesh(world, ep), world // 2)
+    return [state.specs[i].name for i in declared.tolist()]
+
+
+def write_indexed(scratch: Path, manifest: GlobalManifest) -> dict[str, Any]:
+    """The commit's encode of the manifest with a piece index, written beside the plain one."""
+    indexed = dataclasses.replace(manifest, version=INDEX_VERSION, index_block=max(1, knobs.PIECE_INDEX_BLOCK))
+    began = time.process_time()
+    encoded = encode_global_manifest(indexed)
+    seconds = time.process_time() - began
+    head = manifest_head_size(encoded)
+    (scratch / "indexed.msgpack").write_bytes(encoded)
+    (scratch / "indexed.json").write_text(json.dumps({"head": head}))
+    assert indexed.piece_index is None  # the encoder built the fence; the manifest object keeps none
+    return {
+        "index_manifest_bytes": len(encoded),
+        "index_head_bytes": head,
+        "index_encode_seconds": seconds,
+    }
 
 
 def validate_phase(scratch: Path) -> dict[str, float]:
@@ -165,7 +204,9 @@ def validate_phase(scratch: Path) -> dict[str, float]:
     encoded = encode_global_manifest(manifest)
     encode = time.process_time() - began
     (scratch / "global.msgpack").write_bytes(encoded)
+    indexed = write_indexed(scratch, manifest)
     return {
+        **indexed,
         "pieces": sum(entry.pieces.count for entry in tensors),
         "tensors": len(tensors),
         "local_manifest_bytes_each": len(raws[0]),
@@ -186,10 +227,12 @@ def direct_phase(scratch: Path, model: str, world: int, ep: int, config: MoeConf
     locals_ = [state.local(mesh, rank, tables) for rank in range(world)]
     tensors = merge_tensors(locals_)
     files = tuple(FileEntry(m.rank, m.data, m.data_size, f"ranks/{m.rank:05d}-scale.msgpack", 1, 0) for m in locals_)
-    encoded = encode_global_manifest(GlobalManifest("scale", world, BLOCK, files, tensors))
+    manifest = GlobalManifest("scale", world, BLOCK, files, tensors)
+    encoded = encode_global_manifest(manifest)
     (scratch / "global.msgpack").write_bytes(encoded)
     pieces = sum(entry.pieces.count for entry in tensors)
-    return {"pieces": pieces, "tensors": len(tensors), "global_manifest_bytes": len(encoded), "direct": True}
+    indexed = write_indexed(scratch, manifest)
+    return {"pieces": pieces, "tensors": len(tensors), "global_manifest_bytes": len(encoded), "direct": True, **indexed}
 
 
 def plan_phase(scratch: Path, model: str, world: int, ep: int, config: MoeConfig) -> dict[str, float]:
@@ -213,6 +256,70 @@ def plan_phase(scratch: Path, model: str, world: int, ep: int, config: MoeConfig
         "plan_fetch_ratio": plan.fetch_bytes / max(plan.needed_bytes, 1),
         "plan_peak_rss": peak_rss(),
     }
+
+
+def index_phase(scratch: Path, model: str, world: int, ep: int, config: MoeConfig, parent: bool) -> dict[str, Any]:
+    """One rank reading a manifest with a piece index as a load does (the resharded load's target rank) or as an
+    incremental save opening its parent does (`parent`: a rank of the saving mesh): the head (its size from
+    COMMITTED), then one range read per run of the blocks of its tensors; decode; for a load, plan."""
+    head_size = json.loads((scratch / "indexed.json").read_text())["head"]
+    targets = [] if parent else load_targets(model, world, ep, config, None)
+    names = saving_names(model, world, ep, config) if parent else [target.name for target in targets]
+    reset_peak_rss()
+    before = current_rss()
+    began = time.process_time()
+    with open(scratch / "indexed.msgpack", "rb") as handle:
+        head = handle.read(head_size)
+        manifest = decode_global_manifest(head, head_only=True)
+        assert manifest.piece_index is not None
+        index = manifest.piece_index
+        blocks: dict[int, bytes] = {}
+        offsets = index.offsets()
+        runs = index.runs(index.blocks_for(names))
+        for begin, end, at, size in runs:
+            handle.seek(head_size + at)
+            run = handle.read(size)
+            for number in range(begin, end):
+                blocks[number] = run[offsets[number] - at : offsets[number] - at + index.size[number]]
+    manifest = decode_index_blocks(manifest, blocks, "indexed")
+    if parent:  # open_parent decodes the file column of every wanted tensor
+        entries = manifest.tensor_index()
+        for name in dict.fromkeys(names):
+            entries[name].pieces.arrays()
+    # A load's plan decodes the piece columns of its own tensors when it first uses them: counted in the plan, as a
+    # block's other entries stay undecoded.
+    decode = time.process_time() - began
+    plan_seconds, requests = 0.0, 0
+    if not parent:
+        began = time.process_time()
+        plan = plan_reads(
+            manifest.tensor_index(), targets, block_size=BLOCK, max_gap=knobs.MAX_GAP, max_request=knobs.MAX_REQUEST
+        )
+        plan_seconds, requests = time.process_time() - began, len(plan.requests)
+    prefix = "parent" if parent else "index"
+    return {
+        f"{prefix}_bytes_read": head_size + sum(size for _, _, _, size in runs),
+        f"{prefix}_reads": 1 + len(runs),
+        f"{prefix}_blocks_read": len(blocks),
+        f"{prefix}_blocks": index.blocks,
+        f"{prefix}_tensors_decoded": len(manifest.tensors),
+        f"{prefix}_decode_seconds": decode,
+        f"{prefix}_plan_seconds": plan_seconds,
+        f"{prefix}_plan_requests": requests,
+        f"{prefix}_rss_delta": peak_rss() - before,
+    }
+
+
+def reset_peak_rss() -> None:
+    """Make VmHWM this process's resident memory now (Linux: 5 to /proc/self/clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+
+
+def current_rss() -> int:
+    """This process's resident memory now (VmRSS), bytes."""
+    with open("/proc/self/status") as handle:
+        return next(int(line.split()[1]) * 1024 for line in handle if line.startswith("VmRSS:"))
 
 
 def peak_rss() -> int:
@@ -241,7 +348,8 @@ def measure(model: str, world: int, ep: int, config: MoeConfig, scratch: Path, d
         row["prepare_seconds"] = time.perf_counter() - began
         row.update(_child([*common, "--phase", "validate"]))
     row.update(_child([*common, "--phase", "plan"]))
-    for name in ("locals.bin", "locals.npy", "global.msgpack"):
+    row.update(_child([*common, "--phase", "index"]))
+    for name in ("locals.bin", "locals.npy", "global.msgpack", "indexed.msgpack", "indexed.json"):
         (scratch / name).unlink(missing_ok=True)
     return row
 
@@ -275,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         help="per-expert rows on this many ranks or more skip the local-manifest codec and validation (for "
         "machines with less than ~10 GiB free: validation at 4,096 ranks peaks at 8.7 GiB); 0: none",
     )
-    parser.add_argument("--phase", choices=("validate", "plan", "direct"), help=argparse.SUPPRESS)
+    parser.add_argument("--phase", choices=("validate", "plan", "direct", "index", "parent"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     config = MoeConfig(layers=args.layers, dense_layers=min(args.dense_layers, args.layers), experts=args.experts)
     if args.phase:
@@ -284,6 +392,11 @@ def main(argv: list[str] | None = None) -> int:
             result = validate_phase(scratch)
         elif args.phase == "direct":
             result = direct_phase(scratch, args.model[0], args.ranks[0], args.ep, config)
+        elif args.phase == "index":  # one process for both: its peak is reset in between
+            result = index_phase(scratch, args.model[0], args.ranks[0], args.ep, config, False)
+            result.update(index_phase(scratch, args.model[0], args.ranks[0], args.ep, config, True))
+        elif args.phase == "parent":
+            result = index_phase(scratch, args.model[0], args.ranks[0], args.ep, config, True)
         else:
             result = plan_phase(scratch, args.model[0], args.ranks[0], args.ep, config)
         print(json.dumps(result))
@@ -308,6 +421,17 @@ def main(argv: list[str] | None = None) -> int:
                     f"{model:12} {world:6d} {row['pieces']:10d} {row['global_manifest_bytes'] / 2**20:8.2f}Mi "
                     f"{validation} {row['decode_seconds']:6.2f}s {row['plan_seconds']:11.2f}s "
                     f"{row['plan_peak_rss'] / 2**30:6.2f}Gi",
+                    flush=True,
+                )
+                print(
+                    f"{'':12} piece index: manifest {row['index_manifest_bytes'] / 2**20:.2f}Mi (head "
+                    f"{row['index_head_bytes'] / 2**20:.2f}Mi, encode {row['index_encode_seconds']:.2f}s); one loading "
+                    f"rank reads {row['index_bytes_read'] / 2**20:.2f}Mi in {row['index_reads']} reads "
+                    f"({row['index_blocks_read']} of {row['index_blocks']} blocks), decode "
+                    f"{row['index_decode_seconds']:.2f}s + plan {row['index_plan_seconds']:.2f}s, RSS "
+                    f"+{row['index_rss_delta'] / 2**20:.0f}Mi; a parent open reads "
+                    f"{row['parent_bytes_read'] / 2**20:.2f}Mi, decode {row['parent_decode_seconds']:.2f}s, RSS "
+                    f"+{row['parent_rss_delta'] / 2**20:.0f}Mi",
                     flush=True,
                 )
     if args.json:

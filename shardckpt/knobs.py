@@ -102,6 +102,12 @@ GC_GRACE = float(_knob("GC_GRACE", 3600.0))  # seconds: gc leaves anything young
 # Seconds: a local tier's save leaves another job's local checkpoints, and local saves that never committed, alone
 # while younger than this (another job may share the local root and be writing them); older ones it deletes.
 LOCAL_TIER_GRACE = float(_knob("LOCAL_TIER_GRACE", 600.0))
+# Format 1.2's piece index (SPEC 11.1): a commit of this many tensors or more writes its manifest's tensor entries in
+# name-sorted blocks a loading rank range-reads in part (readers older than 1.2 cannot open it); fewer: one document.
+PIECE_INDEX_MIN_TENSORS = int(_knob("PIECE_INDEX_MIN_TENSORS", 1024))
+# Bytes per piece index block: a rank reads whole blocks, so small ones waste little on the tensors around its own
+# (a per-expert DeepSeek-V3 rank on 4,096 ranks needs ~1,000 scattered runs of names); each costs a fence entry.
+PIECE_INDEX_BLOCK = int(_knob("PIECE_INDEX_BLOCK", 2 << 10))
 
 # Streaming tools (tools/export.py, tools/diff.py)
 MEMORY_LIMIT = int(_knob("MEMORY_LIMIT", 1 << 30))  # bytes of tensor data export and diff hold at once

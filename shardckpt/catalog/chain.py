@@ -25,6 +25,8 @@ from shardckpt.format.manifest import (
     crc32c_of,
     decode_commit_marker,
     decode_global_manifest,
+    decode_index_blocks,
+    manifest_head_size,
 )
 from shardckpt.format.references import check_committed_references
 from shardckpt.storage import Storage
@@ -75,14 +77,26 @@ def read_global_manifest(storage: Storage, marker: CommitMarker) -> GlobalManife
     return verify_global_manifest(raw, marker, storage.describe(marker.manifest))
 
 
-def verify_global_manifest(raw: bytes, marker: CommitMarker, where: str) -> GlobalManifest:
-    """Check manifest bytes (read here or received from a peer) against COMMITTED, then decode them."""
-    if len(raw) != marker.manifest_size or crc32c_of(raw) != marker.manifest_crc32c:
+def verify_global_manifest(raw: bytes, marker: CommitMarker, where: str, *, head_only: bool = False) -> GlobalManifest:
+    """Check manifest bytes (read here or received from a peer) against COMMITTED, then decode them.
+
+    head_only: `raw` is the head of a manifest with a piece index (SPEC 11.1), checked against the marker's head
+    size and CRC32C; the result is partial (read_index_entries adds tensors). A marker without a head: all of it."""
+    head_only = head_only and marker.head is not None
+    size, crc = marker.head if head_only and marker.head is not None else (marker.manifest_size, marker.manifest_crc32c)
+    what = "the head of " if head_only else ""
+    if len(raw) != size or crc32c_of(raw) != crc:
         raise IntegrityError(
-            f"{where}: {len(raw)} bytes with CRC32C {crc32c_of(raw):#010x}, but COMMITTED promises "
-            f"{marker.manifest_size} bytes with CRC32C {marker.manifest_crc32c:#010x}"
+            f"{where}: {what}{len(raw)} bytes with CRC32C {crc32c_of(raw):#010x}, but COMMITTED promises "
+            f"{size} bytes with CRC32C {crc:#010x}"
         )
-    manifest = decode_global_manifest(raw, where)
+    manifest = decode_global_manifest(raw, where, head_only=head_only)
+    if (manifest.piece_index is None) != (marker.head is None):
+        raise FormatError(f"{where}: COMMITTED and the manifest disagree on whether it has a piece index")
+    if marker.head is not None and not head_only:
+        head = manifest_head_size(raw, where)
+        if (head, crc32c_of(raw[:head])) != marker.head:
+            raise IntegrityError(f"{where}: its head is not the {marker.head[0]} bytes COMMITTED describes")
     if (manifest.attempt, manifest.world_size, manifest.step) != (marker.attempt, marker.world_size, marker.step):
         raise FormatError(
             f"{where}: attempt {manifest.attempt}, {manifest.world_size} ranks, step {manifest.step} disagree with "
@@ -102,8 +116,35 @@ class Opening:
     manifest: GlobalManifest
 
 
-def read_opening(storage: Storage) -> Opening:
-    """Read COMMITTED and the global manifest it points at, each once, and check them; NotCommittedError if none."""
+def read_index_entries(
+    storage: Storage, marker: CommitMarker, manifest: GlobalManifest, names: Collection[str]
+) -> GlobalManifest:
+    """A partial manifest (decoded from its head) with the entries of `names` it has added, read from the blocks
+    of its piece index that hold them, one range read per run of consecutive blocks (SPEC 11.1); others as given."""
+    index = manifest.piece_index
+    if index is None or not manifest.partial:
+        return manifest
+    have = manifest.tensor_index()
+    blocks = index.blocks_for(name for name in names if name not in have)
+    if not blocks or marker.head is None:
+        return manifest
+    runs = index.runs(blocks)
+    start = marker.head[0]
+    data = storage.read_ranges([(marker.manifest, start + at, start + at + size) for _, _, at, size in runs])
+    found: dict[int, bytes] = {}
+    offsets = index.offsets()
+    for (begin, end, at, size), run in zip(runs, data):
+        if len(run) != size:  # storage refuses short reads; a backend that did not would leave a block short here
+            raise IntegrityError(f"{storage.describe(marker.manifest)}: read {len(run)} of {size} bytes of the index")
+        for number in range(begin, end):
+            found[number] = run[offsets[number] - at : offsets[number] - at + index.size[number]]
+    return decode_index_blocks(manifest, found, storage.describe(marker.manifest))
+
+
+def read_opening(storage: Storage, *, head_only: bool = False) -> Opening:
+    """Read COMMITTED and the global manifest it points at, each once, and check them; NotCommittedError if none.
+
+    head_only: of a manifest with a piece index read only the head (a partial manifest: read_index_entries)."""
     try:
         found = read_marker(storage)
         marker_raw = None if found is None else found[1]
@@ -112,8 +153,18 @@ def read_opening(storage: Storage) -> Opening:
         raise StorageError(f"cannot read {storage.describe(layout.COMMITTED)}: {exc}") from exc
     if marker_raw is None or marker is None:
         raise not_a_checkpoint(storage)
-    manifest_raw = storage.read_small(marker.manifest, limits.MAX_GLOBAL_MANIFEST_BYTES)
-    manifest = verify_global_manifest(manifest_raw, marker, storage.describe(marker.manifest))
+    if head_only and marker.head is not None:
+        # One stat: an object that grew or shrank is not the one COMMITTED sealed, even where the blocks read are.
+        size = storage.size(marker.manifest)
+        if size != marker.manifest_size:
+            raise IntegrityError(
+                f"{storage.describe(marker.manifest)}: {size} bytes, but COMMITTED promises {marker.manifest_size}"
+            )
+        manifest_raw = storage.read_range(marker.manifest, 0, marker.head[0])
+    else:
+        manifest_raw = storage.read_small(marker.manifest, limits.MAX_GLOBAL_MANIFEST_BYTES)
+    where = storage.describe(marker.manifest)
+    manifest = verify_global_manifest(manifest_raw, marker, where, head_only=head_only)
     return Opening(marker_raw, marker, manifest_raw, manifest)
 
 

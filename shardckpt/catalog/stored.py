@@ -7,14 +7,14 @@ trust from COMMITTED to every block is written once.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import crc32c
 import numpy as np
 import numpy.typing as npt
 
-from shardckpt.catalog.chain import read_commit_marker, read_opening
+from shardckpt.catalog.chain import read_commit_marker, read_index_entries, read_opening
 from shardckpt.catalog.identity import home
 from shardckpt.errors import FormatError, IntegrityError, NotCommittedError, ShardckptError, ShardckptUsageError
 from shardckpt.format import limits
@@ -172,6 +172,12 @@ class StoredCheckpoint:
         self._sized: set[int] = set()
         self._lock = threading.Lock()
         self._positions: dict[tuple[int, str, int], int] = {}
+
+    def need(self, names: Collection[str]) -> None:
+        """Of a checkpoint opened from its manifest's head (a load: SPEC 11.1), read and check the piece index
+        entries of `names` it has; their blocks only. Nothing to do for a manifest read whole."""
+        if self.manifest.partial:
+            self.manifest = read_index_entries(self.storage, self.marker, self.manifest, names)
 
     # ------------------------------------------------------------------------------------- description
 

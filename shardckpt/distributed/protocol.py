@@ -438,7 +438,9 @@ def _load(
     if isinstance(group, _Solo):
         if failed is not None:
             raise failed
-        checkpoint = open_checkpoint(open_storage(url, storage_options), max_in_flight=max_in_flight, max_gap=max_gap)
+        checkpoint = open_checkpoint(
+            open_storage(url, storage_options), max_in_flight=max_in_flight, max_gap=max_gap, head_only=True
+        )
         pending, assign = _prepare_fill(checkpoint, state_dict, group.rank, strict, optional, cast)
         if verify_first:
             pending.fetch()
@@ -461,7 +463,7 @@ def _load(
             if local_error is not None:
                 raise local_error
             assert storage is not None
-            own = read_opening(storage)
+            own = read_opening(storage, head_only=True)  # a piece index's blocks: each rank reads its own
             opening = _pack({"marker": own.marker_raw, "manifest": own.manifest_raw})
         except Exception as exc:
             opening = _pack({"error": _describe(exc)})
@@ -478,7 +480,8 @@ def _load(
             marker, manifest = own.marker, own.manifest
         else:  # read once by the coordinator; every rank checks the bytes against the marker before trusting them
             marker = decode_commit_marker(message["marker"], storage.describe(layout.COMMITTED))
-            manifest = verify_global_manifest(message["manifest"], marker, storage.describe(marker.manifest))
+            where = storage.describe(marker.manifest)
+            manifest = verify_global_manifest(message["manifest"], marker, where, head_only=True)
         checkpoint = Checkpoint(storage, marker, manifest, max_in_flight=max_in_flight, max_gap=max_gap)
         prepared = pending, assign = _prepare_fill(checkpoint, state_dict, group.rank, strict, optional, cast)
     except Exception as exc:
@@ -568,11 +571,14 @@ def _prepare_fill(
     strict: every entry of the state dict must be in the checkpoint, except those named by `optional` (an entry
     name, or a prefix before a '.'), which are left as they are when the checkpoint lacks them.
     """
+    leaves = flatten(state_dict)
+    items = load_items(leaves)
+    shapes = destination_shapes(leaves)
+    # A piece index: the entries of these tensors only (an empty destination has no item, still a shape to check).
+    checkpoint.need({name for name, _, _ in items} | {name for name, _, _ in shapes})
     stored = checkpoint.manifest.tensor_index()
     saved_world = checkpoint.manifest.world_size
     shared, own = checkpoint.objects, checkpoint.rank_objects(rank)
-    leaves = flatten(state_dict)
-    items = load_items(leaves)
     missing = sorted({name for name, _, _ in items if name not in stored})
     # Per-rank values come from this rank's own; a rank the saving job did not have follows its PerRank's choice.
     sources = {}
@@ -607,7 +613,7 @@ def _prepare_fill(
             + (" ..." if len(missing) > 10 else "")
             + optimizer_hint(state_dict)
         )
-    for name, shape, kind in destination_shapes(leaves):
+    for name, shape, kind in shapes:
         if name in stored and shape != tuple(stored[name].shape):
             raise ShardckptUsageError(
                 f"tensor {name!r}: the state dict's {kind} has global shape {list(shape)}, the checkpoint holds "

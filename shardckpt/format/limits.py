@@ -24,3 +24,6 @@ MAX_MARKER_GENERATION = 10_000  # COMMITTED-<g> successor markers (SPEC 14.2): a
 MAX_HEADER_JSON_BYTES = 100_000_000  # a data file's safetensors header JSON (SPEC 4): what stock readers accept
 MAX_COVER_CORNERS = 1 << 26  # signed corner points an irregular (non-grid) box tiling's cover check may need
 MAX_CREATED_SECONDS = 253402300799.0  # 9999-12-31T23:59:59Z, the last second Python's datetime can show
+MAX_INDEX_TENSORS = 1 << 26  # tensor entries of one piece index (SPEC 11.1)
+MAX_INDEX_BLOCKS = 1 << 24  # blocks of one piece index
+MAX_INDEX_BLOCK_BYTES = MAX_GLOBAL_MANIFEST_BYTES  # one block: at least one entry, however many pieces it has

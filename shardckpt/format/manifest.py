@@ -5,14 +5,15 @@ Decoding checks every type, size, name, path and range before a value reaches th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import crc32c
+import msgpack
 import numpy as np
 
 from shardckpt.errors import CoverageError, FormatError
@@ -34,16 +35,30 @@ from shardckpt.format.compressed import check_feature as check_compression
 from shardckpt.format.dtypes import DTYPE_SIZES, itemsize
 from shardckpt.format.layout import (
     parse_data_path,
-    parse_global_manifest_path,
     parse_local_manifest_path,
 )
 from shardckpt.format.local_manifest import LAYOUTS, NAME_SEPARATOR
+from shardckpt.format.marker import CommitMarker as CommitMarker
+from shardckpt.format.marker import decode_commit_marker as decode_commit_marker
+from shardckpt.format.marker import encode_commit_marker as encode_commit_marker
+from shardckpt.format.piece_index import (
+    FEATURE as INDEX_FEATURE,
+)
+from shardckpt.format.piece_index import (
+    FIRST_VERSION as INDEX_VERSION,
+)
+from shardckpt.format.piece_index import (
+    PieceIndex,
+    build_index,
+    check_block,
+    check_block_names,
+    decode_piece_index,
+    encode_piece_index,
+)
 from shardckpt.format.references import (
     FEATURE,
     GlobalReference,
-    decode_committed_references,
     decode_global_references,
-    encode_committed_references,
     encode_global_references,
 )
 from shardckpt.format.strict import (
@@ -61,7 +76,7 @@ from shardckpt.format.strict import (
     decode_objects,
     unpack_manifest,
 )
-from shardckpt.format.values import check_depth, pack_value, strict_json
+from shardckpt.format.values import ROOT_ITEMS, check_depth, pack_value, unpack_value
 
 # (file, offset, start, length) of a few pieces as Python ints; start/length hold one list per piece.
 PieceLists = tuple[Sequence[int], Sequence[int], list[list[int]], list[list[int]]]
@@ -272,6 +287,11 @@ class GlobalManifest:
     metadata: dict[str, Any] = field(default_factory=dict)
     version: tuple[int, int] = FORMAT_VERSION
     references: tuple[GlobalReference, ...] = ()  # format 1.1: piece file index len(files) + j is references[j]
+    # Format 1.2 (SPEC 11.1): the fence of a manifest stored with a piece index. Decoded from a head alone (a
+    # loading rank), `tensors` holds only the entries of the blocks read so far (`partial`).
+    piece_index: PieceIndex | None = None
+    index_block: int = 0  # bytes per piece index block when encoded; 0: no piece index (unless piece_index)
+    partial: bool = False
 
     def tensor(self, name: str) -> TensorEntry | None:
         return self.tensor_index().get(name)
@@ -286,20 +306,6 @@ class GlobalManifest:
     @property
     def total_bytes(self) -> int:
         return sum(entry.data_size for entry in self.files)
-
-
-@dataclass(frozen=True)
-class CommitMarker:
-    attempt: str
-    manifest: str
-    manifest_size: int
-    manifest_crc32c: int
-    world_size: int
-    total_bytes: int
-    step: int | None = None
-    created: float = 0.0
-    version: tuple[int, int] = FORMAT_VERSION
-    references: tuple[tuple[str, str], ...] = ()  # format 1.1: (checkpoint, attempt) of every referenced one
 
 
 def _decode_piece_lists(raw: dict[str, Any], count: int, k: int, where: str) -> PieceLists:
@@ -602,19 +608,40 @@ def encode_global_manifest(manifest: GlobalManifest) -> bytes:
             }
             for f in manifest.files
         ],
-        "tensors": [_encode_tensor(entry) for entry in manifest.tensors],
+        "tensors": [],
         "objects": [{"name": o.name, "rank": o.rank, "value": o.value} for o in manifest.objects],
         "metadata": manifest.metadata,
     }
-    must = []
+    features = [FEATURE] if manifest.references else []
     if manifest.references:
-        must.append(FEATURE)
         document["references"] = encode_global_references(manifest.references)
     if any(f.logical_size is not None for f in manifest.files):
-        must.append(COMPRESSION)
-    if must:
-        document["must_understand"] = must
-    return pack_value(document)
+        features.append(COMPRESSION)
+    if manifest.piece_index is None and not manifest.index_block:
+        document["tensors"] = [_encode_tensor(entry) for entry in manifest.tensors]
+        if features:
+            document["must_understand"] = features
+        return pack_value(document)
+    if manifest.partial or manifest.version < INDEX_VERSION:
+        raise FormatError("a piece index is for whole manifests of format 1.2 or later (not one decoded in part)")
+    # SPEC 11.1: the entries in blocks sorted by name after the head; a decoded manifest keeps its own blocks.
+    entries = sorted(((e.name, pack_value(_encode_tensor(e))) for e in manifest.tensors), key=lambda pair: pair[0])
+    counts = manifest.piece_index.count if manifest.piece_index is not None else ()
+    region, index = build_index(entries, block_bytes=manifest.index_block, counts=counts)
+    document["must_understand"] = [*features, INDEX_FEATURE]
+    document["piece_index"] = encode_piece_index(index)
+    return pack_value(document) + region
+
+
+def manifest_head_size(data: bytes, where: str = "manifest") -> int:
+    """The byte length of the head document that starts `data` (all of it for a manifest without a piece index)."""
+    unpacker = msgpack.Unpacker(max_buffer_size=max(len(data), 1))
+    unpacker.feed(data)
+    try:
+        unpacker.skip()
+    except Exception as exc:  # OutOfData, StackError, ValueError: all mean one thing here
+        raise FormatError(f"{where}: not valid msgpack ({type(exc).__name__}: {exc})") from None
+    return int(unpacker.tell())
 
 
 def _encode_tensor(entry: TensorEntry) -> dict[str, Any]:
@@ -628,10 +655,19 @@ def _encode_tensor(entry: TensorEntry) -> dict[str, Any]:
 
 
 @gc_paused()
-def decode_global_manifest(data: bytes, where: str = "manifest") -> GlobalManifest:
-    """Strictly decode a global manifest. Piece columns are range-checked when first used."""
-    fields = unpack_manifest(data, where, limits.MAX_GLOBAL_MANIFEST_BYTES, shallow="tensors")
+def decode_global_manifest(data: bytes, where: str = "manifest", *, head_only: bool = False) -> GlobalManifest:
+    """Strictly decode a global manifest. Piece columns are range-checked when first used.
+
+    head_only: `data` is the head of a manifest with a piece index (SPEC 11.1) alone: the result is `partial`, with
+    no tensors until decode_index_blocks adds some."""
+    if len(data) > limits.MAX_GLOBAL_MANIFEST_BYTES:
+        raise FormatError(f"{where}: manifest is {len(data)} bytes, over the {limits.MAX_GLOBAL_MANIFEST_BYTES} limit")
+    head = data if head_only else data[: manifest_head_size(data, where)]
+    fields = unpack_manifest(head, where, limits.MAX_GLOBAL_MANIFEST_BYTES, shallow="tensors")
     version = check_header(fields, "global")
+    index = _piece_index_field(fields, version)
+    if index is None and (head_only or len(head) != len(data)):
+        raise FormatError(f"{where}: {len(data) - len(head)} bytes follow the manifest, which has no piece index")
     attempt = attempt_field(fields)
     world_size = fields.integer("world_size", 1, limits.MAX_WORLD_SIZE)
     block_size = block_size_field(fields)
@@ -639,19 +675,21 @@ def decode_global_manifest(data: bytes, where: str = "manifest") -> GlobalManife
     if len(raw_files) > limits.MAX_FILES:
         raise FormatError(f"{where}: {len(raw_files)} files exceed the limit of {limits.MAX_FILES}")
     files = tuple(_decode_file(item, f"{where} files[{i}]", world_size, attempt) for i, item in enumerate(raw_files))
-    if [f.rank for f in files] != list(range(world_size)):
+    if len(files) != world_size or [f.rank for f in files] != list(range(world_size)):
         raise FormatError(f"{where}: files must list one data file per rank, in rank order 0..{world_size - 1}")
     check_compression(fields, version, any(f.logical_size is not None for f in files))
     references = decode_global_references(fields, version, attempt, world_size)
     sizes = [f.extent for f in files] + [entry.file.data_size for entry in references]
     tensors = _decode_tensors(fields.get("tensors", list), where, sizes)
+    if index is not None and tensors:
+        raise FormatError(f"{where}: a manifest with a piece index keeps its tensors there; 'tensors' must be empty")
     metadata = fields.get("metadata", dict, optional=True) or {}
     objects = decode_objects(fields.get("objects", list, optional=True) or [], where, world_size)
     if objects:  # a load by name could not tell which one the state dict's key means (SPEC 7)
         clash = {o.name for o in objects} & {t.name for t in tensors}
         if clash:
             raise FormatError(f"{where}: {min(clash)!r} is the name of a tensor and of an object")
-    return GlobalManifest(
+    manifest = GlobalManifest(
         attempt=attempt,
         world_size=world_size,
         block_size=block_size,
@@ -663,7 +701,58 @@ def decode_global_manifest(data: bytes, where: str = "manifest") -> GlobalManife
         metadata=metadata,
         version=version,
         references=references,
+        piece_index=index,
+        partial=index is not None,
     )
+    if index is not None and not head_only:
+        if len(data) - len(head) != index.region_size:
+            raise FormatError(
+                f"{where}: {len(data) - len(head)} bytes follow the head, its piece index has {index.region_size}"
+            )
+        offsets = index.offsets()
+        blocks = {n: data[len(head) + offsets[n] : len(head) + offsets[n] + index.size[n]] for n in range(index.blocks)}
+        manifest = decode_index_blocks(manifest, blocks, where)
+    return manifest
+
+
+def _piece_index_field(fields: Fields, version: tuple[int, int]) -> PieceIndex | None:
+    """The fence, present if and only if must_understand lists "piece_index", and only from version 1.2."""
+    listed = INDEX_FEATURE in (fields.raw.get("must_understand") or ())
+    if listed != ("piece_index" in fields.raw):
+        raise FormatError(f"{fields.where}: 'piece_index' must be in must_understand if and only if the field is there")
+    if not listed:
+        return None
+    if version < INDEX_VERSION:
+        raise FormatError(f"{fields.where}: a piece index needs format 1.2 or later, got {version[0]}.{version[1]}")
+    return decode_piece_index(fields.raw["piece_index"], fields.where)
+
+
+@gc_paused()
+def decode_index_blocks(manifest: GlobalManifest, blocks: Mapping[int, bytes], where: str) -> GlobalManifest:
+    """`manifest` (decoded from its head) with the tensors of the piece index `blocks` (number -> bytes) added: each
+    size- and CRC32C-checked against the fence, then decoded strictly. All blocks: no longer partial."""
+    index = manifest.piece_index
+    assert index is not None
+    sizes = [f.extent for f in manifest.files] + [entry.file.data_size for entry in manifest.references]
+    known = {entry.name: entry for entry in manifest.tensors}
+    for number in sorted(blocks):
+        if not 0 <= number < index.blocks:
+            raise FormatError(f"{where}: the piece index has no block {number}")
+        data = blocks[number]
+        check_block(data, index, number, where)
+        at = f"{where} piece index block {number}"
+        raw = unpack_value(data, at, DOCUMENT_DEPTH + 1, shallow=ROOT_ITEMS)
+        if type(raw) is not list:
+            raise FormatError(f"{at}: expected an array of tensor entries, got {type(raw).__name__}")
+        entries = _decode_tensors(raw, at, sizes)
+        check_block_names([entry.name for entry in entries], index, number, where)
+        known.update((entry.name, entry) for entry in entries)
+    clash = {o.name for o in manifest.objects} & known.keys()
+    if clash:
+        raise FormatError(f"{where}: {min(clash)!r} is the name of a tensor and of an object")
+    whole = len(known) == index.tensors
+    tensors = tuple(sorted(known.values(), key=lambda entry: entry.name))
+    return dataclasses.replace(manifest, tensors=tensors, partial=not whole)
 
 
 def _decode_file(raw: object, where: str, world_size: int, attempt: str) -> FileEntry:
@@ -685,62 +774,6 @@ def _decode_file(raw: object, where: str, world_size: int, attempt: str) -> File
         index_size=fields.integer("index_size", 1, limits.MAX_LOCAL_MANIFEST_BYTES),
         index_crc32c=fields.integer("index_crc32c", 0, (1 << 32) - 1),
         logical_size=fields.integer("logical_size", 8, limits.MAX_EXTENT, optional=True),
-    )
-
-
-# -------------------------------------------------------------------------------------- commit marker
-
-
-def encode_commit_marker(marker: CommitMarker) -> bytes:
-    document = {
-        "format": FORMAT_NAME,
-        "kind": "committed",
-        "version": list(marker.version),
-        "attempt": marker.attempt,
-        "manifest": marker.manifest,
-        "manifest_size": marker.manifest_size,
-        "manifest_crc32c": marker.manifest_crc32c,
-        "world_size": marker.world_size,
-        "total_bytes": marker.total_bytes,
-        "step": marker.step,
-        "created": marker.created,
-    }
-    if marker.references:
-        document["must_understand"] = [FEATURE]
-        document["references"] = encode_committed_references(marker.references)
-    return (json.dumps(document, indent=1) + "\n").encode()
-
-
-def decode_commit_marker(data: bytes, where: str = "COMMITTED") -> CommitMarker:
-    if len(data) > limits.MAX_COMMIT_MARKER_BYTES:
-        raise FormatError(f"{where}: {len(data)} bytes, over the {limits.MAX_COMMIT_MARKER_BYTES} byte limit")
-    try:
-        raw = strict_json(data.decode("utf-8"), where)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as exc:
-        raise FormatError(f"{where}: not a valid JSON commit marker ({exc})") from None
-    fields = Fields(raw, where)
-    version = check_header(fields, "committed")
-    # COMMITTED describes no data file, so it never uses compression (SPEC 4.1): listing it is refused (SPEC 2).
-    check_compression(fields, version, False)
-    attempt = attempt_field(fields)
-    manifest = fields.get("manifest", str)
-    try:
-        manifest_attempt = parse_global_manifest_path(manifest)
-    except FormatError as exc:
-        raise FormatError(f"{where}: {exc}") from None
-    if manifest_attempt != attempt:
-        raise FormatError(f"{where}: manifest {manifest!r} does not belong to attempt {attempt}")
-    return CommitMarker(
-        attempt=attempt,
-        manifest=manifest,
-        manifest_size=fields.integer("manifest_size", 1, limits.MAX_GLOBAL_MANIFEST_BYTES),
-        manifest_crc32c=fields.integer("manifest_crc32c", 0, (1 << 32) - 1),
-        world_size=fields.integer("world_size", 1, limits.MAX_WORLD_SIZE),
-        total_bytes=fields.integer("total_bytes", 0, limits.MAX_EXTENT),
-        step=fields.integer("step", -(1 << 63), (1 << 63) - 1, optional=True),
-        created=created_field(fields),
-        version=version,
-        references=decode_committed_references(fields, version),
     )
 
 

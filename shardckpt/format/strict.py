@@ -16,10 +16,11 @@ from shardckpt.format.values import check_utf8, unpack_value
 
 FORMAT_NAME = "shardckpt"
 FORMAT_VERSION = (1, 0)  # what a save without references writes: every 1.x reader reads it
-NEWEST_VERSION = (1, 2)  # the newest minor this build reads and writes (SPEC 2.1)
+NEWEST_VERSION = (1, 2)  # the newest minor this build reads and writes (SPEC 2.1; 1.1 references, 1.2 below)
 # Feature names this reader understands when a writer lists them in "must_understand".
-# format 1.1: format/references.py; 1.2: format/compressed.py
-UNDERSTOOD_FEATURES: frozenset[str] = frozenset({"references", "compression"})
+# Format 1.1: "references" (format/references.py); 1.2: "compression" (format/compressed.py) and "piece_index"
+# (format/piece_index.py).
+UNDERSTOOD_FEATURES: frozenset[str] = frozenset({"references", "compression", "piece_index"})
 OBJECT_VALUE_LEVEL = 3
 DOCUMENT_DEPTH = -OBJECT_VALUE_LEVEL  # the depth a manifest's root map sits at (see unpack_manifest)
 

@@ -16,6 +16,7 @@ from shardckpt.errors import FormatError
 from shardckpt.format.limits import MAX_DEPTH, MAX_VALUE_ITEMS
 
 TUPLE_EXT = 1
+ROOT_ITEMS = "[]"  # unpack_value's shallow for a root array whose items the caller checks (piece index blocks)
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
 _EXT_FORMATS = frozenset({0xC7, 0xC8, 0xC9, 0xD4, 0xD5, 0xD6, 0xD7, 0xD8})  # msgpack ext 8/16/32, fixext 1..16
 _ARRAY_FORMATS = frozenset({*range(0x90, 0xA0), 0xDC, 0xDD})  # msgpack fixarray, array 16/32
@@ -153,7 +154,9 @@ def _unpack(data: bytes, where: str, depth: int, shallow: str | None, *, proving
             raise
         except Exception as exc:  # msgpack raises a zoo of types for bad input; all mean the same to a reader
             raise FormatError(f"{where}: not valid msgpack ({type(exc).__name__}: {exc})") from None
-    if shallow is not None and type(value) is dict and type(value.get(shallow)) is list:
+    if shallow == ROOT_ITEMS and type(value) is list:
+        _check_depth([], where, depth)
+    elif shallow is not None and type(value) is dict and type(value.get(shallow)) is list:
         _check_depth({key: [] if key == shallow else item for key, item in value.items()}, where, depth)
     else:
         _check_depth(value, where, depth)

@@ -476,10 +476,14 @@ def open_checkpoint(
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     max_gap: int = knobs.MAX_GAP,
     max_request: int | None = None,
+    head_only: bool = False,
 ) -> Checkpoint:
-    """Open the committed checkpoint at `url`; NotCommittedError if it has no COMMITTED marker."""
+    """Open the committed checkpoint at `url`; NotCommittedError if it has no COMMITTED marker.
+
+    head_only: of a manifest with a piece index (SPEC 11.1) read only the head; Checkpoint.need(names) then reads
+    the entries of the tensors a load wants (its other tensors are unknown to it)."""
     storage = open_storage(url, storage_options)
-    opening = read_opening(storage)
+    opening = read_opening(storage, head_only=head_only)
     checkpoint = Checkpoint(
         storage,
         opening.marker,

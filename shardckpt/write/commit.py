@@ -39,7 +39,9 @@ from shardckpt.format.manifest import (
     decode_global_manifest,
     encode_commit_marker,
     encode_global_manifest,
+    manifest_head_size,
 )
+from shardckpt.format.piece_index import FIRST_VERSION as INDEX_VERSION
 from shardckpt.format.references import FIRST_VERSION, GlobalReference, committed_references
 from shardckpt.format.strict import FORMAT_VERSION
 from shardckpt.storage import Storage, open_storage
@@ -59,6 +61,7 @@ def commit(
     storage_options: dict[str, Any] | None = None,
     root: Storage | None = None,
     supersede: bool = False,
+    piece_index: bool | None = None,
 ) -> GlobalManifest:
     """Validate the local manifests of one attempt and commit the checkpoint at `url` atomically.
 
@@ -75,6 +78,9 @@ def commit(
     supersede: where another attempt is committed already, commit this one as its successor (SPEC 14.2: the next
     COMMITTED-<g>, created only if absent) instead of raising CommitConflictError; the superseded attempt's files
     stay until a collector finds them older than its grace period.
+
+    piece_index: write the manifest with a piece index (format 1.2, SPEC 11.1: a loading rank reads the metadata of
+    its own tensors only); None: when the checkpoint has knobs.PIECE_INDEX_MIN_TENSORS tensors or more.
     """
     storage = open_storage(url, storage_options)
     committed = _existing_commit(storage, attempt, step, metadata, supersede)
@@ -92,6 +98,13 @@ def commit(
     if references:
         root = root if root is not None else open_storage(split_url(storage.url)[0], storage_options)
         check_referenced_files(root, [entry.file for entry in references], storage.url)
+    tensors = merge_tensors(locals_)
+    if piece_index is None:
+        piece_index = len(tensors) >= knobs.PIECE_INDEX_MIN_TENSORS
+    version = max(
+        FIRST_VERSION if references else FORMAT_VERSION,
+        COMPRESSED_VERSION if any(m.compression is not None for m in locals_) else FORMAT_VERSION,
+    )
     manifest = GlobalManifest(
         attempt=attempt,
         world_size=world_size,
@@ -108,16 +121,14 @@ def commit(
             )
             for m, raw in zip(locals_, local_manifests)
         ),
-        tensors=merge_tensors(locals_),
+        tensors=tensors,
         objects=merge_objects(locals_),
         step=step if step is not None else _agree(locals_, "step"),
         created=time.time(),
         metadata=dict(metadata or {}),
-        version=max(
-            FIRST_VERSION if references else FORMAT_VERSION,
-            COMPRESSED_VERSION if any(m.compression is not None for m in locals_) else FORMAT_VERSION,
-        ),
+        version=INDEX_VERSION if piece_index else version,
         references=references,
+        index_block=max(1, knobs.PIECE_INDEX_BLOCK) if piece_index else 0,
     )
     clash = {o.name for o in manifest.objects} & {t.name for t in manifest.tensors}
     if clash:  # a reader refuses the manifest (SPEC 7): commit nothing rather than a checkpoint nobody opens
@@ -182,6 +193,7 @@ def _create_marker(
         created=manifest.created,
         version=manifest.version,
         references=committed_references(manifest.references),
+        head=_head(manifest, encoded),
     )
     marker_bytes = encode_commit_marker(marker)
     name = _next_marker(storage) if supersede else layout.COMMITTED
@@ -198,6 +210,14 @@ def _create_marker(
         raise IntegrityError(f"{storage.describe(name)} does not hold the marker bytes just written")
     # The manifest just validated and written (its bytes read back equal): decoding them again would only cost.
     return manifest
+
+
+def _head(manifest: GlobalManifest, encoded: bytes) -> tuple[int, int] | None:
+    """(size, CRC32C) of the head of a manifest with a piece index, what a loading rank reads first (SPEC 11.1)."""
+    if manifest.piece_index is None and not manifest.index_block:
+        return None
+    size = manifest_head_size(encoded)
+    return size, crc32c_of(encoded[:size])
 
 
 def _next_marker(storage: Storage) -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shardckpt.catalog.chain import read_commit_marker, read_opening
+from shardckpt.catalog.chain import read_commit_marker, read_index_entries, read_opening
 from shardckpt.catalog.identity import home, same_place
 from shardckpt.errors import FormatError, IntegrityError, NotCommittedError, ShardckptUsageError
 from shardckpt.format import limits
@@ -85,11 +85,14 @@ def parent_of(url: str, parent: str, storage_options: dict[str, object] | None =
 
 def open_parent(root: Storage, name: str, tensors: Collection[str]) -> ParentPieces:
     """Open the committed checkpoint `name` of `root` (COMMITTED, global manifest, checked) and read the local
-    manifests of the ranks that hold pieces of `tensors` (each checked against the global manifest)."""
+    manifests of the ranks that hold pieces of `tensors` (each checked against the global manifest). Of a manifest
+    with a piece index only the head and the blocks of `tensors` are read."""
     storage = root.child(name)
-    opening = read_opening(storage)
-    manifest, attempt = opening.manifest, opening.marker.attempt
+    opening = read_opening(storage, head_only=True)
     wanted = set(tensors)
+    # A piece index (SPEC 11.1): the entries of these tensors only, from the blocks that hold them.
+    manifest = read_index_entries(storage, opening.marker, opening.manifest, wanted)
+    attempt = opening.marker.attempt
     ranks: set[int] = set()
     own_files = len(manifest.files)
     for entry in manifest.tensors:

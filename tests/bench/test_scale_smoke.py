@@ -29,6 +29,10 @@ def test_scale_benchmark_smoke(tmp_path) -> None:
     for row in rows.values():  # each committed (every tensor's cover checked) and planned a resharded load
         assert row["global_manifest_bytes"] > 0 and row["plan_requests"] > 0 and row["plan_fetch_ratio"] >= 1
         assert row["validation_peak_rss"] > 0 and row["plan_peak_rss"] > 0
+    for row in rows.values():  # format 1.2's piece index: a loading rank and a parent open read the head and blocks
+        assert row["index_head_bytes"] < row["index_bytes_read"] <= row["index_manifest_bytes"]
+        assert row["index_plan_requests"] > 0 and 0 < row["index_blocks_read"] <= row["index_blocks"]
+        assert row["index_head_bytes"] < row["parent_bytes_read"] <= row["index_manifest_bytes"]
     # 3 MoE layers x 8 experts x 3 matrices, each with AdamW state (x3) and a step: 288 tensors, 3 in a grouped layer
     assert rows["moe-experts"]["tensors"] - rows["moe-grouped"]["tensors"] == 3 * (8 - 1) * 3 * 4
 

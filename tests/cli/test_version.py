@@ -12,5 +12,6 @@ def test_version_names_the_newest_format(capsys: pytest.CaptureFixture[str]) -> 
         main(["--version"])
     assert exited.value.code == 0
     shown = capsys.readouterr().out
-    # Compressed saves write 1.2: a version line that says 1.0 sends users of 1.2 files to the wrong reader.
+    # Incremental saves write 1.1, compressed saves and saves of many tensors 1.2: a version line that says 1.0 sends
+    # their users to the wrong reader.
     assert "(checkpoint format 1.2: reads and writes 1.0 to 1.2)\n" in shown, shown

@@ -119,3 +119,15 @@ def test_fsdp2_state_saved_on_four_ranks_to_s3_loads_on_three(tmp_path, s3_env, 
         assert value[url]["mismatched"] == []
         assert value[url]["needed"] <= value[url]["fetched"]
     assert shardckpt.open(url).manifest.world_size == 4
+
+
+def test_a_checkpoint_with_a_piece_index_restores_on_another_world_size(tmp_path, monkeypatch) -> None:
+    """Format 1.2 (SPEC 11.1): the coordinator broadcasts the manifest's head, every rank range-reads its blocks."""
+    monkeypatch.setenv("SHARDCKPT_PIECE_INDEX_MIN_TENSORS", "0")
+    monkeypatch.setenv("SHARDCKPT_PIECE_INDEX_BLOCK", "200")  # several blocks even for this small model
+    url, reference = str(tmp_path / "ck"), str(tmp_path / "ref.safetensors")
+    _values(run_ranks("save", 2, {"url": url, "reference": reference}))
+    opened = shardckpt.open(url)
+    assert opened.manifest.piece_index is not None and opened.manifest.piece_index.blocks > 2
+    for value in _values(run_ranks("load", 3, {"urls": [url], "references": [reference]})):
+        assert value[url]["mismatched"] == [] and value[url]["epoch"] == 3

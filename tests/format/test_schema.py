@@ -80,3 +80,16 @@ def test_committed_schema_rejects_a_traversal(checkpoint: str) -> None:
     marker["manifest"] = "../manifest-abc.msgpack"
     with pytest.raises(jsonschema.ValidationError):
         _validator("committed.schema.json").validate(marker)
+
+
+def test_a_piece_index_head_and_its_marker_match_their_schemas() -> None:
+    """Format 1.2 (SPEC 11.1): the golden vector's head (the first msgpack document of its manifest) and COMMITTED."""
+    case = pathlib.Path(__file__).resolve().parents[2] / "spec" / "vectors" / "valid" / "piece_index_basic"
+    marker = json.loads((case / "COMMITTED").read_text())
+    _validator("committed.schema.json").validate(marker)
+    raw = (case / marker["manifest"]).read_bytes()[: marker["piece_index"]["head_size"]]
+    head = _jsonable(msgpack.unpackb(raw, raw=False, strict_map_key=False, ext_hook=msgpack.ExtType))
+    _validator("global-manifest.schema.json").validate(head)
+    head["piece_index"]["first"]["enc"] = "zlib"
+    with pytest.raises(jsonschema.ValidationError):
+        _validator("global-manifest.schema.json").validate(head)

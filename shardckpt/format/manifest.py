@@ -287,6 +287,14 @@ class GlobalManifest:
     def total_bytes(self) -> int:
         return sum(entry.data_size for entry in self.files)
 
+    @property
+    def compressed(self) -> bool:
+        """Whether a data file it describes or references is compressed (SPEC 4.1, 6.2): its pieces' ranges are
+        then stored blocks only the reader that decodes them can check."""
+        return any(f.logical_size is not None for f in self.files) or any(
+            e.file.logical_size is not None for e in self.references
+        )
+
 
 @dataclass(frozen=True)
 class CommitMarker:
@@ -610,7 +618,7 @@ def encode_global_manifest(manifest: GlobalManifest) -> bytes:
     if manifest.references:
         must.append(FEATURE)
         document["references"] = encode_global_references(manifest.references)
-    if any(f.logical_size is not None for f in manifest.files):
+    if manifest.compressed:
         must.append(COMPRESSION)
     if must:
         document["must_understand"] = must
@@ -641,9 +649,10 @@ def decode_global_manifest(data: bytes, where: str = "manifest") -> GlobalManife
     files = tuple(_decode_file(item, f"{where} files[{i}]", world_size, attempt) for i, item in enumerate(raw_files))
     if [f.rank for f in files] != list(range(world_size)):
         raise FormatError(f"{where}: files must list one data file per rank, in rank order 0..{world_size - 1}")
-    check_compression(fields, version, any(f.logical_size is not None for f in files))
     references = decode_global_references(fields, version, attempt, world_size)
-    sizes = [f.extent for f in files] + [entry.file.data_size for entry in references]
+    compressed = any(f.logical_size is not None for f in files)
+    check_compression(fields, version, compressed or any(e.file.logical_size is not None for e in references))
+    sizes = [f.extent for f in files] + [entry.file.extent for entry in references]
     tensors = _decode_tensors(fields.get("tensors", list), where, sizes)
     metadata = fields.get("metadata", dict, optional=True) or {}
     objects = decode_objects(fields.get("objects", list, optional=True) or [], where, world_size)

@@ -455,6 +455,10 @@ def _referenced_compression(
             f"({int(per_row[int(np.argmax(outside))])} bytes at {int(stored_offset[int(np.argmax(outside))])}) lie "
             f"outside {files[int(pieces.source[row])].path} of {int(sizes[int(np.argmax(outside))])} bytes"
         )
+    # Stored blocks lie in row order, as the rows' logical pieces do: a range read of consecutive rows is one range.
+    same = pieces.source[rows][1:] == pieces.source[rows][:-1]
+    if (same & (stored_offset[1:] < stored_offset[:-1] + per_row[:-1])).any():
+        raise FormatError(f"{fields.where}: the stored blocks of two rows of one file overlap or are out of order")
     return ReferencedCompression(stored_offset, stored, crcs)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import warnings
+import zlib
 
 import crc32c
 import msgpack
@@ -406,3 +407,23 @@ def test_a_bool_view_of_other_bytes_is_stored_as_0_and_1(tmp_path, compression: 
     assert torch.equal(checkpoint.read("m").view(torch.uint8), odd.view(torch.uint8).ne(0).to(torch.uint8))
     assert checkpoint.read("s").view(torch.uint8).item() == 1
     assert odd.view(torch.uint8)[2] == 2  # the caller's tensor is left as it was
+
+
+def test_stored_blocks_of_referenced_rows_out_of_order_are_a_format_error(tmp_path) -> None:
+    """referenced.compression (SPEC 6.2): one file's rows keep their stored blocks in row order, without overlap, so
+    a range read of consecutive rows is one stored range; overlapping stored_offsets are refused when decoded."""
+    root = tmp_path / "run"
+    generator = torch.Generator().manual_seed(8)
+    state = {k: (torch.randn(9000, generator=generator) * 0.02).to(torch.bfloat16) for k in ("a", "b")}
+    shardckpt.save(state, str(root / "step-1"), step=1, piece_hashes=True, compression="zstd")
+    shardckpt.save(state, str(root / "step-2"), step=2, parent=str(root / "step-1"))
+    (path,) = glob.glob(str(root / "step-2" / "ranks" / "*.msgpack"))
+    document = msgpack.unpackb(open(path, "rb").read(), raw=False, strict_map_key=False)
+    decode_local_manifest(msgpack.packb(document, use_bin_type=True))  # as written: valid
+    column = document["referenced"]["compression"]["stored_offset"]
+    offsets = np.cumsum(np.frombuffer(zlib.decompress(column["data"]), "<i8"))
+    assert offsets.size == 2
+    offsets[1] = offsets[0]  # the second row's blocks read as the first row's: in bounds, overlapping
+    column["data"] = zlib.compress(np.diff(offsets, prepend=0).astype("<i8").tobytes())
+    with pytest.raises(FormatError, match="overlap or are out of order"):
+        decode_local_manifest(msgpack.packb(document, use_bin_type=True))

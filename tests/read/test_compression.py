@@ -427,3 +427,24 @@ def test_stored_blocks_of_referenced_rows_out_of_order_are_a_format_error(tmp_pa
     column["data"] = zlib.compress(np.diff(offsets, prepend=0).astype("<i8").tobytes())
     with pytest.raises(FormatError, match="overlap or are out of order"):
         decode_local_manifest(msgpack.packb(document, use_bin_type=True))
+
+
+def test_a_damaged_compressed_holder_is_not_referenced_by_the_next_save(tmp_path) -> None:
+    """The holder check of an incremental save reads a compressed holder's stored blocks against their stored
+    CRC32Cs (SPEC 6.2): a flipped stored byte makes the save write that piece anew (and warn), the others stay
+    referenced, and the child loads bit-exact."""
+    root = tmp_path / "run"
+    generator = torch.Generator().manual_seed(9)
+    state = {k: (torch.randn(20000, generator=generator) * 0.02).to(torch.bfloat16) for k in ("a", "z")}
+    parent = shardckpt.save(state, str(root / "step-1"), step=1, piece_hashes=True, compression="zstd")
+    data = root / "step-1" / parent.files[0].data
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) - 60] ^= 0x01  # inside the last piece's stored blocks: "z" (pieces lie in name order)
+    data.chmod(0o644)
+    data.write_bytes(bytes(raw))
+    with pytest.warns(DamagedHolderWarning, match="stored block"):
+        child = shardckpt.save(state, str(root / "step-2"), step=2, parent=str(root / "step-1"))
+    checkpoint = shardckpt.open(str(root / "step-2"))
+    assert child.references and checkpoint.manifest.tensor("a").pieces.arrays()[0][0] == len(child.files)
+    assert checkpoint.manifest.tensor("z").pieces.arrays()[0][0] == 0  # written anew in the child's own file
+    assert all(torch.equal(checkpoint.read(key), value) for key, value in state.items())

@@ -18,11 +18,11 @@ from shardckpt.catalog.chain import read_commit_marker, read_index_entries, read
 from shardckpt.catalog.identity import home
 from shardckpt.errors import FormatError, IntegrityError, NotCommittedError, ShardckptError, ShardckptUsageError
 from shardckpt.format import limits
-from shardckpt.format.codec import BlockDecoder, BlockPlace
-from shardckpt.format.compressed import BlockMap
+from shardckpt.format.codec import CODECS, BlockDecoder, BlockPlace
+from shardckpt.format.compressed import BlockMap, LocalCompression
 from shardckpt.format.local_manifest import LocalManifest, decode_local_manifest
 from shardckpt.format.manifest import CommitMarker, GlobalManifest, TensorEntry, crc32c_of
-from shardckpt.format.references import GlobalReference, ReferencedPieces, check_local_references
+from shardckpt.format.references import GlobalReference, ReferencedPieces, check_local_references, compressed_rows
 from shardckpt.format.whole import whole_pieces
 from shardckpt.planner import Box, VerifySpan, check_cover
 from shardckpt.planner.box import box_as_flat_range, linear_index
@@ -135,7 +135,14 @@ class ReferencedIndex(FileIndex):
         self.rows = np.nonzero(pieces.source == source)[0]
         self.offsets, self.sizes, self.crcs = pieces.offset[self.rows], pieces.nbytes[self.rows], pieces.crc32c
         self.first_block = pieces.first_block
-        self.blocks = None  # a referenced file is stored raw (SPEC 4.1: compressed pieces are not referenced)
+        self.blocks = None
+        held = local.references.files[source]
+        if held.logical_size is not None and pieces.compression is not None:
+            # Format 1.2: the holder is compressed; `crcs` then covers the stored bytes (SPEC 6.2), as in 4.1.
+            rows = compressed_rows(pieces, local.references.files)
+            starts, sizes, logical = pieces.compression.block_map(pieces, rows, local.block_size)
+            table = LocalCompression(CODECS[0], held.logical_size, sizes.astype(np.uint32), logical)
+            self.blocks = BlockMap.of_blocks(table, starts)
         self._lists = None
 
     def _positions_by_offset(self) -> dict[int, int]:

@@ -489,8 +489,8 @@ def _load(
     share: SharePlan | None = None
     # A shared read hands ranks raw byte ranges of the files; a compressed file's ranges are stored blocks, which
     # only the reader that decodes them can check (SPEC 4.1), so such a load reads unshared. Every rank that got
-    # this far holds the same manifest, so all agree.
-    compressed = prepared is not None and any(f.logical_size is not None for f in prepared[0].checkpoint.manifest.files)
+    # this far holds the same manifest, so all agree. Pieces referenced in a compressed file count (SPEC 6.2).
+    compressed = prepared is not None and prepared[0].checkpoint.manifest.compressed
     # Every rank takes part in a shared read or none does: a rank that failed its checks stops them all here, and
     # a plan in which no two ranks need the same byte (FSDP on the mesh that saved) reads on its own, streaming.
     # The ranks must agree on share_reads: one that skipped the exchange would leave the others waiting in it.

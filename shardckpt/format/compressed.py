@@ -46,6 +46,14 @@ def uses_compression(fields: Fields) -> bool:
     return FEATURE in (fields.raw.get("must_understand") or ())
 
 
+def references_compressed(raw_references: object) -> bool:
+    """Whether a `references` array names a compressed file (an entry with `logical_size`, SPEC 6.2): the manifest
+    then uses the feature too. Read before the entries are decoded; they are validated there."""
+    return isinstance(raw_references, list) and any(
+        isinstance(item, dict) and item.get("logical_size") is not None for item in raw_references
+    )
+
+
 def check_feature(fields: Fields, version: tuple[int, int], used: bool) -> None:
     """SPEC 2: a manifest lists `compression` if and only if it describes a compressed file, from version 1.2."""
     if used != uses_compression(fields):
@@ -83,7 +91,7 @@ def decode_local_compression(
     """The local manifest's `compression` map (None when absent), every block's stored size checked against its
     logical size and the stored sizes against the data file's size."""
     raw = fields.raw.get("compression")
-    check_feature(fields, version, raw is not None)
+    check_feature(fields, version, raw is not None or references_compressed(fields.raw.get("references")))
     if raw is None:
         return None
     table = Fields(raw, f"{fields.where} compression")
@@ -117,6 +125,13 @@ class BlockMap:
         sizes = table.stored.astype(np.int64)
         self.starts: Int64Array = header_size + np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         self.sizes: Int64Array = sizes
+
+    @classmethod
+    def of_blocks(cls, table: LocalCompression, starts: Int64Array) -> BlockMap:
+        """A map of blocks stored at `starts` (a referenced file's rows, SPEC 6.2), not back to back from a header."""
+        blocks = cls(0, table)
+        blocks.starts = starts
+        return blocks
 
     def stored_range(self, first: int, last: int) -> tuple[int, int]:
         """File bytes [start, end) holding blocks first..last - 1 (file order, consecutive)."""

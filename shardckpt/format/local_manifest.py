@@ -189,6 +189,8 @@ def encode_local_manifest(manifest: LocalManifest) -> bytes:
             must.append(FEATURE)  # a 1.0 reader refuses it rather than miss pieces
     if manifest.compression is not None:
         document["compression"] = encode_local_compression(manifest.compression)
+    refs = manifest.references
+    if manifest.compression is not None or (refs is not None and any(f.logical_size is not None for f in refs.files)):
         must.append(COMPRESSION)  # a 1.1 reader refuses it rather than read compressed bytes as raw
     if must:
         document["must_understand"] = must

@@ -307,6 +307,14 @@ class GlobalManifest:
     def total_bytes(self) -> int:
         return sum(entry.data_size for entry in self.files)
 
+    @property
+    def compressed(self) -> bool:
+        """Whether a data file it describes or references is compressed (SPEC 4.1, 6.2): its pieces' ranges are
+        then stored blocks only the reader that decodes them can check."""
+        return any(f.logical_size is not None for f in self.files) or any(
+            e.file.logical_size is not None for e in self.references
+        )
+
 
 def _decode_piece_lists(raw: dict[str, Any], count: int, k: int, where: str) -> PieceLists:
     """_decode_piece_columns as Python lists, for a few pieces."""
@@ -615,7 +623,7 @@ def encode_global_manifest(manifest: GlobalManifest) -> bytes:
     features = [FEATURE] if manifest.references else []
     if manifest.references:
         document["references"] = encode_global_references(manifest.references)
-    if any(f.logical_size is not None for f in manifest.files):
+    if manifest.compressed:
         features.append(COMPRESSION)
     if manifest.piece_index is None and not manifest.index_block:
         document["tensors"] = [_encode_tensor(entry) for entry in manifest.tensors]
@@ -677,9 +685,10 @@ def decode_global_manifest(data: bytes, where: str = "manifest", *, head_only: b
     files = tuple(_decode_file(item, f"{where} files[{i}]", world_size, attempt) for i, item in enumerate(raw_files))
     if len(files) != world_size or [f.rank for f in files] != list(range(world_size)):
         raise FormatError(f"{where}: files must list one data file per rank, in rank order 0..{world_size - 1}")
-    check_compression(fields, version, any(f.logical_size is not None for f in files))
     references = decode_global_references(fields, version, attempt, world_size)
-    sizes = [f.extent for f in files] + [entry.file.data_size for entry in references]
+    compressed = any(f.logical_size is not None for f in files)
+    check_compression(fields, version, compressed or any(e.file.logical_size is not None for e in references))
+    sizes = [f.extent for f in files] + [entry.file.extent for entry in references]
     tensors = _decode_tensors(fields.get("tensors", list), where, sizes)
     if index is not None and tensors:
         raise FormatError(f"{where}: a manifest with a piece index keeps its tensors there; 'tensors' must be empty")
@@ -733,7 +742,7 @@ def decode_index_blocks(manifest: GlobalManifest, blocks: Mapping[int, bytes], w
     size- and CRC32C-checked against the fence, then decoded strictly. All blocks: no longer partial."""
     index = manifest.piece_index
     assert index is not None
-    sizes = [f.extent for f in manifest.files] + [entry.file.data_size for entry in manifest.references]
+    sizes = [f.extent for f in manifest.files] + [entry.file.extent for entry in manifest.references]
     known = {entry.name: entry for entry in manifest.tensors}
     for number in sorted(blocks):
         if not 0 <= number < index.blocks:

@@ -177,10 +177,21 @@ class ReferencedFile:
 
     target: ReferencePath
     data_size: int
+    logical_size: int | None = None  # format 1.2: the holder file is compressed; offsets address this extent
 
     @property
     def path(self) -> str:
         return self.target.path
+
+    @property
+    def extent(self) -> int:
+        """The byte range piece offsets in this file address: logical when compressed (SPEC 4.1)."""
+        return self.data_size if self.logical_size is None else self.logical_size
+
+    def entry(self) -> dict[str, Any]:
+        """The `references[j]` map (local manifests; the global one adds the rank)."""
+        extra = {} if self.logical_size is None else {"logical_size": self.logical_size}
+        return {"path": self.path, "data_size": self.data_size, **extra}
 
 
 @dataclass(frozen=True)
@@ -218,7 +229,11 @@ def _referenced_file(raw: object, where: str, own_attempt: str) -> ReferencedFil
         target = parse_reference_path(fields.get("path", str), own_attempt=own_attempt)
     except FormatError as exc:
         raise FormatError(f"{where}: {exc}") from None
-    return ReferencedFile(target, fields.integer("data_size", 8, limits.MAX_EXTENT))
+    data_size = fields.integer("data_size", 8, limits.MAX_EXTENT)
+    logical_size = fields.integer("logical_size", 8, limits.MAX_EXTENT, optional=True)
+    if logical_size is not None and logical_size < data_size:  # stored blocks are never larger than logical ones
+        raise FormatError(f"{where}: logical_size {logical_size} is below data_size {data_size}")
+    return ReferencedFile(target, data_size, logical_size)
 
 
 def _references_list(fields: Fields, version: tuple[int, int]) -> list[Any]:
@@ -278,7 +293,7 @@ def decode_committed_references(fields: Fields, version: tuple[int, int]) -> tup
 
 def encode_global_references(entries: Sequence[GlobalReference]) -> list[dict[str, Any]]:
     """The global manifest's `references` array (the inverse of decode_global_references)."""
-    return [{"rank": e.rank, "path": e.file.path, "data_size": e.file.data_size} for e in entries]
+    return [{"rank": e.rank, **e.file.entry()} for e in entries]
 
 
 def encode_committed_references(pairs: Sequence[tuple[str, str]]) -> list[dict[str, str]]:
@@ -298,6 +313,7 @@ class ReferencedPieces:
     """A local manifest's referenced piece table: rows in (source, offset) order; start/length piece-major."""
 
     __slots__ = (
+        "compression",
         "crc32c",
         "first_block",
         "hash",
@@ -324,7 +340,9 @@ class ReferencedPieces:
         k_of: Int64Array,
         size_of: Int64Array,
         block_size: int,
+        compression: ReferencedCompression | None = None,
     ) -> None:
+        self.compression = compression  # format 1.2: where the rows held by compressed files are stored
         self.tensor, self.source, self.offset, self.start, self.length = tensor, source, offset, start, length
         self.crc32c, self.hash = crc32c, digests
         self.k = k_of[tensor] if tensor.size else np.zeros(0, np.int64)
@@ -355,6 +373,104 @@ class ReferencedPieces:
 
 
 @dataclass(frozen=True, eq=False)
+class ReferencedCompression:
+    """`referenced.compression` (SPEC 6.2, format 1.2): the stored blocks of the rows whose source is compressed,
+    in row order. The table's `crc32c` then holds those rows' STORED checksums, as a compressed file's does (4.1)."""
+
+    stored_offset: Int64Array  # per compressed row: the file byte of its first stored block
+    stored: UInt32Array  # per block of those rows: its stored size, 1..its logical size
+    crc32c: UInt32Array  # per block of those rows: the CRC32C of its logical bytes
+
+    def block_map(
+        self, pieces: ReferencedPieces, compressed_rows: Int64Array, block_size: int
+    ) -> tuple[Int64Array, Int64Array, UInt32Array]:
+        """(stored start, stored size, logical CRC32C) per block of the whole table (zero for raw rows' blocks),
+        indexed as the table's `crc32c` column."""
+        total = int(pieces.crc32c.size)
+        starts, sizes = np.zeros(total, np.int64), np.zeros(total, np.int64)
+        logical = np.zeros(total, np.uint32)
+        blocks = -(-pieces.nbytes[compressed_rows] // block_size)
+        if not blocks.size:
+            return starts, sizes, logical
+        first = pieces.first_block[compressed_rows]
+        row_of_block = np.repeat(np.arange(blocks.size, dtype=np.int64), blocks)
+        begin = np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64)
+        positions = first[row_of_block] + np.arange(row_of_block.size, dtype=np.int64) - begin[row_of_block]
+        stored = self.stored.astype(np.int64)
+        within = np.cumsum(stored) - stored - np.concatenate([[0], np.cumsum(stored)])[begin][row_of_block]
+        starts[positions] = self.stored_offset[row_of_block] + within
+        sizes[positions] = stored
+        logical[positions] = self.crc32c
+        return starts, sizes, logical
+
+
+def encode_referenced_compression(table: ReferencedCompression) -> dict[str, Any]:
+    return {
+        "stored_offset": encode_int_column(table.stored_offset),
+        "stored": encode_u32_column(table.stored),
+        "crc32c": encode_u32_column(table.crc32c),
+    }
+
+
+def compressed_rows(pieces: ReferencedPieces, files: Sequence[ReferencedFile]) -> Int64Array:
+    """The rows of the table whose source file is compressed, in row order."""
+    flags = np.array([entry.logical_size is not None for entry in files], dtype=bool)
+    return np.nonzero(flags[pieces.source])[0].astype(np.int64) if pieces.count else np.zeros(0, np.int64)
+
+
+def _referenced_compression(
+    raw: object, where: str, pieces: ReferencedPieces, files: Sequence[ReferencedFile], block_size: int, names: Any
+) -> ReferencedCompression | None:
+    """Decode and bound `referenced.compression`: present exactly when a source is compressed (SPEC 6.2)."""
+    rows = compressed_rows(pieces, files)
+    if raw is None:
+        if rows.size:
+            raise FormatError(f"{where}: references a compressed file but has no 'compression' map")
+        return None
+    if not rows.size:
+        raise FormatError(f"{where}.compression: present, but no referenced file is compressed")
+    fields = Fields(raw, f"{where}.compression")
+    nbytes = pieces.nbytes[rows]
+    logical = _block_sizes(nbytes, block_size)
+    stored_offset = decode_int_column(fields.raw.get("stored_offset"), f"{fields.where}.stored_offset", int(rows.size))
+    stored = decode_u32_column(fields.raw.get("stored"), f"{fields.where}.stored", int(logical.size))
+    crcs = decode_u32_column(fields.raw.get("crc32c"), f"{fields.where}.crc32c", int(logical.size))
+    stored64 = stored.astype(np.int64)
+    bad = (stored64 < 1) | (stored64 > logical)
+    if bad.any():
+        block = int(np.argmax(bad))
+        raise FormatError(
+            f"{fields.where}: block {block} is stored in {int(stored64[block])} bytes, outside 1..its "
+            f"{int(logical[block])} logical bytes"
+        )
+    counts = -(-nbytes // block_size)
+    ends = np.cumsum(stored64)
+    per_row = ends[np.cumsum(counts) - 1] - np.concatenate([[0], ends])[np.cumsum(counts) - counts]
+    sizes = np.array([entry.data_size for entry in files], dtype=np.int64)[pieces.source[rows]]
+    outside = (stored_offset < 8) | (stored_offset > sizes) | (stored_offset + per_row > sizes)
+    if outside.any():
+        row = int(rows[int(np.argmax(outside))])
+        raise FormatError(
+            f"{fields.where}: the stored blocks of piece {row} of tensor {names[int(pieces.tensor[row])]!r} "
+            f"({int(per_row[int(np.argmax(outside))])} bytes at {int(stored_offset[int(np.argmax(outside))])}) lie "
+            f"outside {files[int(pieces.source[row])].path} of {int(sizes[int(np.argmax(outside))])} bytes"
+        )
+    # Stored blocks lie in row order, as the rows' logical pieces do: a range read of consecutive rows is one range.
+    same = pieces.source[rows][1:] == pieces.source[rows][:-1]
+    if (same & (stored_offset[1:] < stored_offset[:-1] + per_row[:-1])).any():
+        raise FormatError(f"{fields.where}: the stored blocks of two rows of one file overlap or are out of order")
+    return ReferencedCompression(stored_offset, stored, crcs)
+
+
+def _block_sizes(nbytes: Int64Array, block_size: int) -> Int64Array:
+    counts = -(-nbytes // block_size)
+    sizes = np.full(int(counts.sum()), block_size, dtype=np.int64)
+    if sizes.size:
+        sizes[np.cumsum(counts) - 1] = nbytes - (counts - 1) * block_size
+    return sizes
+
+
+@dataclass(frozen=True, eq=False)
 class LocalReferences:
     """What format 1.1 adds to a local manifest: piece hashes, referenced files and pieces (each may be absent);
     `hash_alg` is the algorithm of both its hash columns (SPEC 6.3: one per document)."""
@@ -375,7 +491,7 @@ def encode_local_references(references: LocalReferences) -> dict[str, Any]:
         )
     pieces = references.pieces
     if pieces is not None:
-        document["references"] = [{"path": f.path, "data_size": f.data_size} for f in references.files]
+        document["references"] = [f.entry() for f in references.files]
         document["referenced"] = {
             "count": pieces.count,
             "tensor": encode_int_column(pieces.tensor),
@@ -386,6 +502,8 @@ def encode_local_references(references: LocalReferences) -> dict[str, Any]:
             "crc32c": encode_u32_column(pieces.crc32c),
             "hash": encode_hash_column([pieces.digest(row) for row in range(pieces.count)], references.hash_alg),
         }
+        if pieces.compression is not None:
+            document["referenced"]["compression"] = encode_referenced_compression(pieces.compression)
     return document
 
 
@@ -477,7 +595,7 @@ def _referenced_pieces(
     pieces = ReferencedPieces(
         tensor, source, offset, start, length, crcs, digests, k_of=k_of, size_of=size_of, block_size=block_size
     )
-    sizes = np.array([entry.data_size for entry in files], dtype=np.int64)[source] if count else np.zeros(0, np.int64)
+    sizes = np.array([entry.extent for entry in files], dtype=np.int64)[source] if count else np.zeros(0, np.int64)
     # Each piece is < 2^62 bytes and offsets are checked against sizes < 2^62 first, so the sums cannot overflow.
     if count and ((offset < 8).any() or (offset > sizes).any() or (offset + pieces.nbytes > sizes).any()):
         row = int(np.argmax((offset < 8) | (offset > sizes) | (offset + pieces.nbytes > sizes)))
@@ -492,6 +610,7 @@ def _referenced_pieces(
     blocks = int((-(-pieces.nbytes // block_size)).sum())
     if crcs.size != blocks:
         raise FormatError(f"{where}: {crcs.size} checksums for {blocks} blocks of the referenced pieces")
+    pieces.compression = _referenced_compression(table.raw.get("compression"), where, pieces, files, block_size, names)
     return alg, pieces
 
 
@@ -499,8 +618,8 @@ def check_local_references(
     local: Sequence[ReferencedFile], global_entries: Sequence[GlobalReference], rank: int, where: str
 ) -> None:
     """A local manifest's referenced files must be the global manifest's entries of its rank, in order."""
-    expected = [(entry.file.path, entry.file.data_size) for entry in global_entries if entry.rank == rank]
-    found = [(entry.path, entry.data_size) for entry in local]
+    expected = [entry.file.entry() for entry in global_entries if entry.rank == rank]
+    found = [entry.entry() for entry in local]
     if found != expected:
         raise FormatError(f"{where}: references {found} differ from the global manifest's for rank {rank}: {expected}")
 

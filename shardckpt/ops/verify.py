@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import crc32c
@@ -15,9 +16,10 @@ import numpy.typing as npt
 
 from shardckpt import knobs
 from shardckpt.catalog.stored import FileIndex, ReferencedIndex, StoredCheckpoint, open_stored
-from shardckpt.errors import IntegrityError, ShardckptError
+from shardckpt.errors import FormatError, IntegrityError, ShardckptError
 from shardckpt.format.codec import BlockDecoder, BlockPlace
 from shardckpt.format.columns import Int64Array
+from shardckpt.format.compressed import BlockMap
 from shardckpt.format.data_header import header_problems
 from shardckpt.format.local_manifest import LocalManifest, TensorSpec
 from shardckpt.format.manifest import GlobalManifest, TensorEntry
@@ -127,6 +129,10 @@ def _verify_file(
         blocks = _Blocks(
             table.offset[rows], table.nbytes[rows], table.tensor[rows], table.first_block[rows], hashes, alg
         )
+        if index.blocks is not None:  # a compressed holder (SPEC 6.2): its stored blocks, as a compressed file's
+            rows_only = _rows_blocks(index, blocks, local.block_size)
+            _check_compressed(storage, data, path, local, rows_only, blocks, report, progress, problems_before)
+            return
     else:
         _check_header(storage, data, local, path, report)
         pieces = local.pieces
@@ -325,6 +331,19 @@ def _check_compressed(
         begin = end
 
 
+def _rows_blocks(index: ReferencedIndex, pieces: _Blocks, block_size: int) -> Any:
+    """The block map and stored checksums of one referenced file's rows only, in their order (the table's columns
+    hold every referenced file's blocks), shaped as _check_compressed reads a FileIndex."""
+    assert index.blocks is not None
+    counts = -(-pieces.nbytes // block_size)
+    begin = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    owner = np.repeat(np.arange(counts.size, dtype=np.int64), counts)
+    positions = pieces.first_block[owner] + np.arange(owner.size, dtype=np.int64) - begin[owner]
+    table = SimpleNamespace(crc32c=index.blocks.table.crc32c[positions])
+    blocks = SimpleNamespace(starts=index.blocks.starts[positions], sizes=index.blocks.sizes[positions], table=table)
+    return SimpleNamespace(crcs=index.crcs[positions], blocks=blocks)
+
+
 def _check_holder(
     checkpoint: StoredCheckpoint, file_number: int, index: ReferencedIndex, path: str, report: VerifyReport
 ) -> None:
@@ -364,8 +383,51 @@ def _check_holder(
         piece = _identity(index.local, table, row)
         try:
             check_target(piece, int(table.offset[row]), table.digest(row), stored, holder_referenced, path, **algs)
+            _check_stored_blocks(index, held, row, reference.file.logical_size, path)
         except ShardckptError as exc:
             report.problems.append(Problem(path, piece.name, str(exc)))
+
+
+def _check_stored_blocks(index: ReferencedIndex, held: LocalManifest, row: int, logical: int | None, path: str) -> None:
+    """A reference to a compressed holder (SPEC 6.2) carries the holder's stored blocks: their place, sizes and both
+    checksums must be the holder's own records, with the same block size; a raw reference needs a raw holder."""
+    name = index.local.tensors[int(index.table.tensor[row])].name
+    compression = held.compression
+    if (logical is None) != (compression is None):
+        raise IntegrityError(
+            f"{path}: tensor {name!r}: the reference says its holder is "
+            f"{'raw' if logical is None else 'compressed'}, the holder's local manifest says otherwise"
+        )
+    if compression is None or index.blocks is None:
+        return
+    if held.block_size != index.local.block_size or compression.logical_size != logical:
+        raise FormatError(
+            f"{path}: tensor {name!r}: a reference to a compressed holder needs the holder's block size and logical "
+            f"size (block size {index.local.block_size} vs the holder's {held.block_size}, logical size {logical} vs "
+            f"{compression.logical_size})"
+        )
+    table = index.table
+    offset = int(table.offset[row])
+    found = np.nonzero(held.pieces.offset == offset)[0]
+    if not found.size:
+        return  # check_target named it
+    blocks = -(-int(table.nbytes[row]) // held.block_size)
+    counts = -(-held.pieces.nbytes // held.block_size)
+    first = int(counts[: int(found[0])].sum())
+    mine = slice(int(table.first_block[row]), int(table.first_block[row]) + blocks)
+    theirs = slice(first, first + blocks)
+    held_map = BlockMap(held.header_size, compression)
+    same = (
+        np.array_equal(index.blocks.starts[mine], held_map.starts[theirs])
+        and np.array_equal(index.blocks.sizes[mine], held_map.sizes[theirs])
+        and np.array_equal(index.crcs[mine], held.crc32c[theirs])
+        and np.array_equal(index.blocks.table.crc32c[mine], compression.crc32c[theirs])
+    )
+    if not same:
+        raise IntegrityError(
+            f"{path}: tensor {name!r}: the stored blocks the reference records for the piece at byte {offset} "
+            "(places, sizes or checksums) differ from its holder's records"
+        )
 
 
 def _identity(local: LocalManifest, table: Any, row: int) -> PieceIdentity:

@@ -103,7 +103,7 @@ def commit(
         piece_index = len(tensors) >= knobs.PIECE_INDEX_MIN_TENSORS
     version = max(
         FIRST_VERSION if references else FORMAT_VERSION,
-        COMPRESSED_VERSION if any(m.compression is not None for m in locals_) else FORMAT_VERSION,
+        COMPRESSED_VERSION if _compressed(locals_, references) else FORMAT_VERSION,
     )
     manifest = GlobalManifest(
         attempt=attempt,
@@ -428,3 +428,8 @@ def _existing_manifest(storage: Storage, path: str) -> tuple[GlobalManifest, byt
             if now - settled >= MANIFEST_SETTLE or now >= deadline:
                 raise
             time.sleep(0.01)
+
+
+def _compressed(locals_: Sequence[LocalManifest], references: Sequence[GlobalReference]) -> bool:
+    """Whether the checkpoint describes a compressed data file: its own, or one it references (SPEC 4.1, 6.2)."""
+    return any(m.compression is not None for m in locals_) or any(e.file.logical_size is not None for e in references)

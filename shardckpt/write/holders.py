@@ -55,6 +55,9 @@ def damaged_holders(root: Storage, holders: Sequence[Holder]) -> dict[int, str]:
     record, or a read that failed (a holder file gone, shorter, unreadable). `root` holds the holder files."""
     segments = []  # (holder index, first block, path, start, end): block-aligned, at most MAX_REQUEST bytes each
     for index, holder in enumerate(holders):
+        if holder.stored is not None and holder.stored_offset is not None:
+            segments.extend(_stored_segments(index, holder))
+            continue
         step = max(holder.block_size, knobs.MAX_REQUEST // holder.block_size * holder.block_size)
         for begin in range(0, holder.nbytes, step):
             end = min(holder.nbytes, begin + step)
@@ -71,6 +74,22 @@ def damaged_holders(root: Storage, holders: Sequence[Holder]) -> dict[int, str]:
         _check_batch(root, holders, batch, damaged)
         batch, batch_bytes = ([segment], segment[4] - segment[3]) if segment is not None else ([], 0)
     return damaged
+
+
+def _stored_segments(index: int, holder: Holder) -> list[tuple[int, int, str, int, int]]:
+    """A compressed holder's stored blocks (SPEC 6.2) in segments of whole blocks, each at most MAX_REQUEST bytes
+    (or one block)."""
+    assert holder.stored is not None and holder.stored_offset is not None
+    sizes = [int(size) for size in holder.stored.tolist()]
+    segments = []
+    first, at, begin = 0, holder.stored_offset, holder.stored_offset
+    for number, size in enumerate(sizes):
+        if at > begin and at + size - begin > knobs.MAX_REQUEST:
+            segments.append((index, first, holder.file.path, begin, at))
+            first, begin = number, at
+        at += size
+    segments.append((index, first, holder.file.path, begin, at))
+    return segments
 
 
 def _check_batch(
@@ -104,6 +123,16 @@ def _read(root: Storage, path: str, start: int, end: int) -> bytes | ShardckptEr
 
 
 def _mismatch(holder: Holder, first: int, view: memoryview) -> str | None:
+    if holder.stored is not None:  # compressed: stored blocks of their own sizes, checked by their stored CRC32C
+        at = 0
+        for block in range(first, len(holder.stored)):
+            if at >= len(view):
+                break
+            size = int(holder.stored[block])
+            if crc32c.crc32c(view[at : at + size]) != int(holder.crc32c[block]):
+                return f"stored block {block} of the piece at byte {holder.offset} does not match its CRC32C"
+            at += size
+        return None
     size = holder.block_size
     for number, at in enumerate(range(0, len(view), size)):
         block = first + number

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -18,9 +18,17 @@ from shardckpt.catalog.chain import read_commit_marker, read_index_entries, read
 from shardckpt.catalog.identity import home, same_place
 from shardckpt.errors import FormatError, IntegrityError, NotCommittedError, ShardckptUsageError
 from shardckpt.format import limits
+from shardckpt.format.compressed import BlockMap
 from shardckpt.format.local_manifest import LocalManifest, decode_local_manifest
 from shardckpt.format.manifest import FileEntry, crc32c_of
-from shardckpt.format.references import HASH_ALG, HASH_BYTES, ReferencedFile, ReferencePath, check_checkpoint_name
+from shardckpt.format.references import (
+    HASH_ALG,
+    HASH_BYTES,
+    ReferencedFile,
+    ReferencePath,
+    check_checkpoint_name,
+    compressed_rows,
+)
 from shardckpt.storage import Storage, open_storage
 
 # What makes two pieces the same piece: name, dtype, global shape, layout, start, length.
@@ -37,6 +45,11 @@ class Holder:
     block_size: int
     crc32c: np.ndarray  # the piece's blocks of `block_size`, as the holder (or the parent's reference) records them
     digest: bytes
+    # Format 1.2, a compressed holder (SPEC 6.2): the file byte of the piece's first stored block, every block's
+    # stored size and logical CRC32C; `crc32c` then holds the STORED bytes' checksums.
+    stored_offset: int | None = None
+    stored: np.ndarray | None = None
+    logical_crc32c: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -117,7 +130,8 @@ def open_parent(root: Storage, name: str, tensors: Collection[str]) -> ParentPie
             resolved[spelled] = real
         if resolved[spelled] == spelled:
             return file
-        return ReferencedFile(ReferencePath(resolved[spelled], file.target.rank, file.target.attempt), file.data_size)
+        target = ReferencePath(resolved[spelled], file.target.rank, file.target.attempt)
+        return ReferencedFile(target, file.data_size, file.logical_size)
 
     unhashed = []
     other_alg: dict[str, list[int]] = {}
@@ -186,11 +200,14 @@ def _add_holders(
     refs = local.references
     specs = local.tensors
     pieces = local.pieces
-    # Pieces without a recorded hash are never referenced; nor, yet, pieces of a compressed file (SPEC 4.1: a
-    # reference carries raw block checksums, which a compressed holder does not have): they are written anew.
-    if refs is not None and refs.piece_hash is not None and local.compression is None:
-        own = ReferencedFile(ReferencePath(name, local.rank, local.attempt), local.data_size)
+    # Pieces without a recorded hash are never referenced: they are written anew. A compressed file's pieces are
+    # referenced with their stored blocks' places, sizes and both checksums (SPEC 6.2, format 1.2).
+    if refs is not None and refs.piece_hash is not None:
+        compression = local.compression
+        logical = None if compression is None else compression.logical_size
+        own = ReferencedFile(ReferencePath(name, local.rank, local.attempt), local.data_size, logical)
         first = _first_blocks(pieces.nbytes, block)
+        starts = None if compression is None else BlockMap(local.header_size, compression).starts
         for row in range(pieces.count):
             spec = specs[int(pieces.tensor[row])]
             if spec.name not in wanted:
@@ -201,11 +218,19 @@ def _add_holders(
             nbytes = int(pieces.nbytes[row])
             blocks = -(-nbytes // block)
             digest = refs.piece_hash[HASH_BYTES * row : HASH_BYTES * (row + 1)]
-            crcs = local.crc32c[int(first[row]) : int(first[row]) + blocks]
-            holders[key] = Holder(own, int(pieces.offset[row]), nbytes, block, crcs, digest)
+            lo, hi = int(first[row]), int(first[row]) + blocks
+            crcs = local.crc32c[lo:hi]
+            holder = Holder(own, int(pieces.offset[row]), nbytes, block, crcs, digest)
+            if compression is not None and starts is not None:
+                holder = replace(holder, stored_offset=int(starts[lo]), stored=compression.stored[lo:hi],
+                                 logical_crc32c=compression.crc32c[lo:hi])  # fmt: skip
+            holders[key] = holder
     table = None if refs is None else refs.pieces
     if table is None or refs is None:
         return
+    mapped = None
+    if table.compression is not None:
+        mapped = table.compression.block_map(table, compressed_rows(table, refs.files), block)
     for row in range(table.count):
         spec = specs[int(table.tensor[row])]
         if spec.name not in wanted:
@@ -217,7 +242,12 @@ def _add_holders(
         # The parent's own reference: the new one names the same holder (SPEC 6.2 "No chains").
         file = real(refs.files[int(table.source[row])])
         key = (spec.name, spec.dtype, spec.shape, spec.layout, start, length)
-        holders[key] = Holder(file, int(table.offset[row]), nbytes, block, crcs, table.digest(row))
+        holder = Holder(file, int(table.offset[row]), nbytes, block, crcs, table.digest(row))
+        if file.logical_size is not None and mapped is not None:  # the same stored blocks, carried forward
+            lo, hi = first_block, first_block + len(crcs)
+            holder = replace(holder, stored_offset=int(mapped[0][lo]), stored=mapped[1][lo:hi].astype(np.uint32),
+                             logical_crc32c=mapped[2][lo:hi])  # fmt: skip
+        holders[key] = holder
 
 
 def _ints(values: np.ndarray) -> tuple[int, ...]:

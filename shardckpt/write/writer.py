@@ -33,7 +33,14 @@ from shardckpt.format.compressed import LocalCompression
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.limits import MAX_BLOCK_SIZE, MAX_LOCAL_MANIFEST_BYTES, MIN_BLOCK_SIZE
 from shardckpt.format.local_manifest import LocalManifest, LocalPieces, TensorSpec, encode_local_manifest
-from shardckpt.format.references import AUTO_THREADS, FIRST_VERSION, LocalReferences, ReferencedPieces, piece_hash
+from shardckpt.format.references import (
+    AUTO_THREADS,
+    FIRST_VERSION,
+    LocalReferences,
+    ReferencedCompression,
+    ReferencedPieces,
+    piece_hash,
+)
 from shardckpt.format.strict import FORMAT_VERSION, ObjectEntry, check_name, check_shape
 from shardckpt.format.values import check_plain
 from shardckpt.storage import Storage, open_storage
@@ -50,6 +57,10 @@ HOT_CHUNK = knobs.HOT_CHUNK
 DEFAULT_HASH_THREADS = knobs.HASH_THREADS
 HASH_IN_FLIGHT = knobs.HASH_IN_FLIGHT  # bytes of copies made for hashing, not yet hashed
 HASH_SPLIT_MIN = knobs.HASH_SPLIT_MIN  # a piece this large is split over BLAKE3's own threads
+
+
+def _references_compressed(references: LocalReferences | None) -> bool:
+    return references is not None and any(f.logical_size is not None for f in references.files)
 
 
 class _Piece(NamedTuple):  # a tuple: a MoE rank adds 100,000+ of them
@@ -416,7 +427,7 @@ class ShardWriter:
             step=self.step,
             version=max(
                 FORMAT_VERSION if references is None else FIRST_VERSION,
-                FORMAT_VERSION if compressed is None else COMPRESSED_VERSION,
+                FORMAT_VERSION if compressed is None and not _references_compressed(references) else COMPRESSED_VERSION,
             ),
             references=references,
             compression=compressed,
@@ -496,7 +507,9 @@ class ShardWriter:
         for piece, digest in zip(self._pieces, hashes):
             info = self._tensors[piece.name]
             holder = parent.holders.get((piece.name, info.dtype, info.shape, info.layout, piece.start, piece.length))
-            if holder is not None and holder.nbytes == piece.nbytes and holder.digest == digest:
+            # A compressed holder's blocks are referenced as stored, so only with this save's block size (SPEC 6.2).
+            same_blocks = holder is None or holder.stored_offset is None or holder.block_size == self.block_size
+            if holder is not None and holder.nbytes == piece.nbytes and holder.digest == digest and same_blocks:
                 referenced.append((piece, holder, digest))
             else:
                 written.append(piece)
@@ -574,6 +587,13 @@ class ShardWriter:
             size_of=np.array([itemsize(spec.dtype) for spec in specs], dtype=np.int64),
             block_size=self.block_size,
         )
+        compressed = [holder for _, holder, _ in rows if holder.stored_offset is not None]
+        if compressed:  # rows in row order, each with its holder's stored blocks (SPEC 6.2, format 1.2)
+            table.compression = ReferencedCompression(
+                np.array([holder.stored_offset for holder in compressed], dtype=np.int64),
+                np.concatenate([np.asarray(holder.stored, np.uint32) for holder in compressed]),
+                np.concatenate([np.asarray(holder.logical_crc32c, np.uint32) for holder in compressed]),
+            )
         return LocalReferences(digests, tuple(files[path] for path in paths), table)
 
     def _carried_crcs(self, piece: _Piece, holder: Holder) -> np.ndarray:

@@ -29,6 +29,7 @@ from generate import (
     expect,
     invalid,
     local_file,
+    make_column,
     unpack,
     write_json,
 )
@@ -238,7 +239,169 @@ def _corrupt_frame(root: Path) -> dict[str, Any]:
     )
 
 
+# ------------------------------------------------------------------ references to compressed holders (SPEC 6.2)
+
+REF_CASE = "reference_to_compressed"
+REF_ATTEMPTS = {"step-1": "golden1", "step-2": "golden2"}
+
+
+def _reference_root(root: Path, big: bool) -> dict[str, Any]:
+    """A root of step-1 (compressed, 1 rank, piece hashes) and step-2 (raw, written by the library with step-1 as its
+    parent): step-2 stores 'w' (and, with `big`, the 3-block 'v') by reference to step-1's compressed file and
+    writes 'm' itself. Returns the tensors."""
+    from generate import describe_tensor, pinned_clock
+
+    from shardckpt.storage import open_storage
+    from shardckpt.write.parent import open_parent
+
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    generator = torch.Generator().manual_seed(29)
+    tensors = {"w": (torch.randn(1500, generator=generator) * 0.02).to(torch.bfloat16)}
+    if big:
+        tensors["v"] = (torch.randn(6000, generator=generator) * 0.02).to(torch.bfloat16)
+    m = torch.randn(64, generator=generator)
+    for step, name in ((1, "step-1"), (2, "step-2")):
+        parent = open_parent(open_storage(str(root)), "step-1", list(tensors)) if step == 2 else None
+        writer = shardckpt.ShardWriter(
+            str(root / name),
+            rank=0,
+            world_size=1,
+            attempt=REF_ATTEMPTS[name],
+            block_size=BLOCK,
+            step=step,
+            compression="zstd" if step == 1 else None,
+            piece_hashes=True,
+            parent=parent,
+        )
+        for key, value in tensors.items():
+            writer.add(key, value)
+        writer.add("m", m + step)
+        writer.close()
+        with pinned_clock():
+            shardckpt.commit(str(root / name), world_size=1, attempt=REF_ATTEMPTS[name])
+    described = {key: describe_tensor(value) for key, value in tensors.items()}
+    described["m"] = describe_tensor(m + 2)
+    return described
+
+
+def valid_reference_to_compressed() -> None:
+    from generate import VALID
+
+    root = VALID / REF_CASE
+    described = _reference_root(root, big=True)
+    write_json(
+        root / "description.json",
+        {
+            "description": "format 1.2: a root of step-1 (compressed) and step-2 (raw), in which 'w' (one block) and "
+            "'v' (three blocks) are stored by reference to step-1's compressed file: step-2's references[0] carries "
+            "logical_size and its referenced table a compression map (stored_offset, stored sizes, logical CRC32Cs; "
+            "its crc32c column holds the stored CRC32Cs). Opening step-2 reads and decodes step-1's stored blocks.",
+            "checkpoint": "step-2",
+            "world_size": 1,
+            "step": 2,
+            "attempt": REF_ATTEMPTS["step-2"],
+            "block_size": BLOCK,
+            "tensors": described,
+            "objects": {},
+            "rank_objects": {"0": {}},
+            "data_files": {"data/00000-golden2.safetensors": ["m"]},
+        },
+    )
+
+
+def _reference_invalid(name: str, big: bool, expected: dict[str, Any], edit: Any) -> None:
+    from generate_references import edit_child
+
+    root = INVALID / name
+    _reference_root(root, big)
+    edit_child(root, edit_local=edit[0], edit_global=edit[1])
+    write_json(root / "expected_error.json", {**expected, "checkpoint": "step-2", "source": REF_CASE})
+    print(f"invalid/{name}: {expected['operation']} -> {expected['error']}")
+
+
+def invalid_references() -> None:
+    local = "ranks/00000-golden2.msgpack"
+    _reference_invalid(
+        "reference_compressed_not_listed",
+        True,
+        expect(
+            "FormatError",
+            "read",
+            "SPEC.md §6.2 (compressed holders): a local manifest that references a compressed file uses "
+            "'compression' and MUST list it in must_understand",
+            "step-2's local manifest references step-1's compressed file but lists only 'references'",
+            [local, "compression"],
+            [local],
+        ),
+        (lambda d: d.update(must_understand=["references"]), None),
+    )
+
+    def out_of_range(document: dict[str, Any]) -> None:
+        table = document["referenced"]["compression"]["stored_offset"]
+        values = column_values(table)
+        values[-1] = document["references"][0]["data_size"] - 1
+        table.update(make_column(values))
+
+    _reference_invalid(
+        "reference_compressed_stored_out_of_range",
+        True,
+        expect(
+            "FormatError",
+            "read",
+            "SPEC.md §6.2 (compressed holders): stored_offset + sum(stored) <= data_size of the referenced file",
+            "the last referenced row's stored_offset is one byte before the end of step-1's data file",
+            [local, "stored blocks", "outside"],
+            [local],
+        ),
+        (out_of_range, None),
+    )
+
+    def block_size(document: dict[str, Any]) -> None:
+        document["block_size"] = 2 * BLOCK
+
+    _reference_invalid(
+        "reference_compressed_block_size_differs",
+        False,
+        expect(
+            "FormatError",
+            "verify",
+            "SPEC.md §6.2 (compressed holders): a reference's blocks are of the referencing manifest's block_size, "
+            "which MUST equal the holder's",
+            "step-2 says block_size 8192 (its pieces are one block either way), step-1's compressed file has 4096",
+            [],
+            ["block size"],
+        ),
+        (block_size, block_size),
+    )
+
+    def stored_crc(document: dict[str, Any]) -> None:
+        _edit_u32(document["referenced"]["crc32c"], 0, int.from_bytes(document["referenced"]["crc32c"]["data"][:4],
+                                                                       "little") ^ 1)  # fmt: skip
+
+    _reference_invalid(
+        "reference_compressed_stored_crc_wrong",
+        True,
+        expect(
+            "IntegrityError",
+            "read",
+            "SPEC.md §6.2, §4.1: a referenced row's stored blocks are checked against the stored CRC32C it carries",
+            "the stored CRC32C of the first referenced block has one bit flipped",
+            ["step-1/data/00000-golden1.safetensors", "block 0"],
+            ["step-1"],
+        ),
+        (stored_crc, None),
+    )
+
+
 def main() -> None:
+    if sys.argv[1:] == ["references"]:  # the 6.2 cases only: the vectors above keep their bytes
+        torch.use_deterministic_algorithms(True)
+        valid_reference_to_compressed()
+        print(f"valid/{REF_CASE}")
+        invalid_references()
+        return
     torch.use_deterministic_algorithms(True)
     valid_compressed_blocks()
     print(f"valid/{CASE}")

@@ -133,3 +133,16 @@ def test_a_compressed_checkpoint_saved_by_2_ranks_loads_bit_exact_on_3_even_when
     assert shardckpt.open(url).manifest.files[1].logical_size is not None
     loaded = ok(run_ranks("ddp_load", 3, {"url": url, "share": True}, worker=WORKER))
     assert all(result["equal"] for result in loaded), loaded
+
+
+def test_a_raw_child_referencing_a_compressed_parent_loads_bit_exact_on_3_ranks_unshared(tmp_path) -> None:
+    """A raw 2-rank child stores every piece by reference to its compressed parent (SPEC 6.2, format 1.2); a 3-rank
+    load asked to share reads it unshared, as a compressed file (before: pieces written anew, nothing referenced)."""
+    parent, child = str(tmp_path / "run" / "step-1"), str(tmp_path / "run" / "step-2")
+    ok(run_ranks("ddp_save", 2, {"url": parent, "compression": "zstd", "piece_hashes": True}, worker=WORKER))
+    ok(run_ranks("ddp_save", 2, {"url": child, "parent": parent, "step": 2}, worker=WORKER))
+    manifest = shardckpt.open(child).manifest
+    assert manifest.references and all(entry.file.logical_size is not None for entry in manifest.references)
+    assert manifest.version == (1, 2) and manifest.total_bytes < 2048  # headers only: every piece is referenced
+    loaded = ok(run_ranks("ddp_load", 3, {"url": child, "share": True}, worker=WORKER))
+    assert all(result["equal"] for result in loaded), loaded

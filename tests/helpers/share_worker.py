@@ -147,7 +147,14 @@ def replicated(seed: int) -> dict[str, torch.Tensor]:
 
 
 def scenario_ddp_save(args: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
-    shardckpt.save({"model": replicated(3)}, args["url"], step=1, compression=args.get("compression"))
+    shardckpt.save(
+        {"model": replicated(3)},
+        args["url"],
+        step=args.get("step", 1),
+        compression=args.get("compression"),
+        parent=args.get("parent"),
+        piece_hashes=args.get("piece_hashes"),
+    )
     return {}
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import warnings
+import zlib
 
 import crc32c
 import msgpack
@@ -313,9 +314,10 @@ def test_s3_save_and_batched_load_of_a_compressed_checkpoint(s3_url: str) -> Non
     assert verify(url).ok
 
 
-def test_incremental_saves_reference_raw_pieces_and_rewrite_compressed_ones(tmp_path) -> None:
-    """A compressed child references its raw parent's unchanged pieces; a compressed parent's pieces carry no raw
-    block checksums, so its child writes them again (SPEC 4.1, References)."""
+def test_incremental_saves_reference_raw_and_compressed_parents_pieces(tmp_path) -> None:
+    """A compressed child references its raw parent's unchanged pieces, and a compressed parent's pieces are
+    referenced too, by a compressed or a raw child, with their stored blocks (SPEC 6.2, format 1.2; before: a
+    compressed parent's pieces were written anew)."""
     root = tmp_path / "run"
     state = {"frozen": torch.randn(5000), "trained": torch.randn(3000)}
     shardckpt.save(state, str(root / "step-1"), step=1, piece_hashes=True)
@@ -323,15 +325,53 @@ def test_incremental_saves_reference_raw_pieces_and_rewrite_compressed_ones(tmp_
     child = shardckpt.save(state2, str(root / "step-2"), step=2, parent=str(root / "step-1"), compression="zstd")
     assert [r.file.target.checkpoint for r in child.references] == ["step-1"] and child.version == (1, 2)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", DamagedHolderWarning)  # never taken for a damaged holder, never referenced
+        warnings.simplefilter("error", DamagedHolderWarning)  # never taken for a damaged holder
         grandchild = shardckpt.save(
             state2, str(root / "step-3"), step=3, parent=str(root / "step-2"), compression="zstd"
         )
-    assert [r.file.target.checkpoint for r in grandchild.references] == ["step-1"]  # "trained" written anew
-    for name in ("step-2", "step-3"):
+        raw = shardckpt.save(state2, str(root / "step-4"), step=4, parent=str(root / "step-3"))
+    for manifest in (grandchild, raw):
+        assert [r.file.target.checkpoint for r in manifest.references] == ["step-1", "step-2"]  # the holders
+        assert manifest.references[1].file.logical_size is not None and manifest.version == (1, 2)
+        assert manifest.total_bytes < 1024  # "trained" referenced in step-2's compressed file, not written again
+    for name in ("step-2", "step-3", "step-4"):
         checkpoint = shardckpt.open(str(root / name))
         assert all(torch.equal(checkpoint.read(key), value) for key, value in state2.items())
         assert verify(str(root / name)).ok
+
+
+def test_a_flipped_byte_in_a_compressed_holder_is_an_integrity_error_naming_the_tensor(tmp_path) -> None:
+    """A referenced piece's stored blocks are checked like the holder's own (SPEC 6.2): a flipped stored byte in
+    the compressed parent fails the child's load and verify naming the tensor, never a decompressor crash."""
+    root = tmp_path / "run"
+    generator = torch.Generator().manual_seed(4)
+    state = {"frozen": (torch.randn(40000, generator=generator) * 0.02).to(torch.bfloat16)}
+    parent = shardckpt.save(state, str(root / "step-1"), step=1, piece_hashes=True, compression="zstd")
+    shardckpt.save(state, str(root / "step-2"), step=2, parent=str(root / "step-1"))
+    data = root / "step-1" / parent.files[0].data
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) - 100] ^= 0x10
+    data.chmod(0o644)
+    data.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError, match="frozen"):
+        shardckpt.open(str(root / "step-2")).read("frozen")
+    report = verify(str(root / "step-2"))
+    assert not report.ok and any(problem.tensor == "frozen" for problem in report.problems), report.problems
+
+
+def test_checkpointer_incremental_compressed_saves_reference_their_parents(tmp_path) -> None:
+    """Checkpointer(incremental=True, compression="zstd"): an unchanged state's next save writes no piece again."""
+    root = str(tmp_path / "run")
+    generator = torch.Generator().manual_seed(6)
+    state = {"w": (torch.randn(30000, generator=generator) * 0.02).to(torch.bfloat16)}
+    manager = shardckpt.Checkpointer(root, incremental=True, compression="zstd")
+    manager.save(1, state, wait=True)
+    manager.save(2, state, wait=True)
+    manager.close()
+    names = sorted(path.name for path in (tmp_path / "run").iterdir() if (path / "COMMITTED").exists())
+    first, second = (shardckpt.open(f"{root}/{name}").manifest for name in names)
+    assert second.references and second.total_bytes < first.total_bytes / 10
+    assert torch.equal(shardckpt.open(f"{root}/{names[1]}").read("w"), state["w"])
 
 
 def test_a_materialized_copy_of_a_compressed_checkpoint_stays_compressed(tmp_path) -> None:
@@ -367,3 +407,44 @@ def test_a_bool_view_of_other_bytes_is_stored_as_0_and_1(tmp_path, compression: 
     assert torch.equal(checkpoint.read("m").view(torch.uint8), odd.view(torch.uint8).ne(0).to(torch.uint8))
     assert checkpoint.read("s").view(torch.uint8).item() == 1
     assert odd.view(torch.uint8)[2] == 2  # the caller's tensor is left as it was
+
+
+def test_stored_blocks_of_referenced_rows_out_of_order_are_a_format_error(tmp_path) -> None:
+    """referenced.compression (SPEC 6.2): one file's rows keep their stored blocks in row order, without overlap, so
+    a range read of consecutive rows is one stored range; overlapping stored_offsets are refused when decoded."""
+    root = tmp_path / "run"
+    generator = torch.Generator().manual_seed(8)
+    state = {k: (torch.randn(9000, generator=generator) * 0.02).to(torch.bfloat16) for k in ("a", "b")}
+    shardckpt.save(state, str(root / "step-1"), step=1, piece_hashes=True, compression="zstd")
+    shardckpt.save(state, str(root / "step-2"), step=2, parent=str(root / "step-1"))
+    (path,) = glob.glob(str(root / "step-2" / "ranks" / "*.msgpack"))
+    document = msgpack.unpackb(open(path, "rb").read(), raw=False, strict_map_key=False)
+    decode_local_manifest(msgpack.packb(document, use_bin_type=True))  # as written: valid
+    column = document["referenced"]["compression"]["stored_offset"]
+    offsets = np.cumsum(np.frombuffer(zlib.decompress(column["data"]), "<i8"))
+    assert offsets.size == 2
+    offsets[1] = offsets[0]  # the second row's blocks read as the first row's: in bounds, overlapping
+    column["data"] = zlib.compress(np.diff(offsets, prepend=0).astype("<i8").tobytes())
+    with pytest.raises(FormatError, match="overlap or are out of order"):
+        decode_local_manifest(msgpack.packb(document, use_bin_type=True))
+
+
+def test_a_damaged_compressed_holder_is_not_referenced_by_the_next_save(tmp_path) -> None:
+    """The holder check of an incremental save reads a compressed holder's stored blocks against their stored
+    CRC32Cs (SPEC 6.2): a flipped stored byte makes the save write that piece anew (and warn), the others stay
+    referenced, and the child loads bit-exact."""
+    root = tmp_path / "run"
+    generator = torch.Generator().manual_seed(9)
+    state = {k: (torch.randn(20000, generator=generator) * 0.02).to(torch.bfloat16) for k in ("a", "z")}
+    parent = shardckpt.save(state, str(root / "step-1"), step=1, piece_hashes=True, compression="zstd")
+    data = root / "step-1" / parent.files[0].data
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) - 60] ^= 0x01  # inside the last piece's stored blocks: "z" (pieces lie in name order)
+    data.chmod(0o644)
+    data.write_bytes(bytes(raw))
+    with pytest.warns(DamagedHolderWarning, match="stored block"):
+        child = shardckpt.save(state, str(root / "step-2"), step=2, parent=str(root / "step-1"))
+    checkpoint = shardckpt.open(str(root / "step-2"))
+    assert child.references and checkpoint.manifest.tensor("a").pieces.arrays()[0][0] == len(child.files)
+    assert checkpoint.manifest.tensor("z").pieces.arrays()[0][0] == 0  # written anew in the child's own file
+    assert all(torch.equal(checkpoint.read(key), value) for key, value in state.items())

@@ -33,10 +33,7 @@ from shardckpt.format.columns import (
 from shardckpt.format.compressed import FEATURE as COMPRESSION
 from shardckpt.format.compressed import check_feature as check_compression
 from shardckpt.format.dtypes import DTYPE_SIZES, itemsize
-from shardckpt.format.layout import (
-    parse_data_path,
-    parse_local_manifest_path,
-)
+from shardckpt.format.layout import parse_data_path, parse_local_manifest_path
 from shardckpt.format.local_manifest import LAYOUTS, NAME_SEPARATOR
 from shardckpt.format.marker import CommitMarker as CommitMarker
 from shardckpt.format.marker import decode_commit_marker as decode_commit_marker

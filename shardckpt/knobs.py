@@ -102,6 +102,9 @@ GC_GRACE = float(_knob("GC_GRACE", 3600.0))  # seconds: gc leaves anything young
 # Seconds: a local tier's save leaves another job's local checkpoints, and local saves that never committed, alone
 # while younger than this (another job may share the local root and be writing them); older ones it deletes.
 LOCAL_TIER_GRACE = float(_knob("LOCAL_TIER_GRACE", 600.0))
+# Bytes of a rank's replication to its peers in flight at once (its chunk, what it receives, what it sends): the
+# host memory a local save takes beyond the staging copy an async save holds anyway.
+LOCAL_TIER_IN_FLIGHT = int(_knob("LOCAL_TIER_IN_FLIGHT", 64 << 20))
 
 # Streaming tools (tools/export.py, tools/diff.py)
 MEMORY_LIMIT = int(_knob("MEMORY_LIMIT", 1 << 30))  # bytes of tensor data export and diff hold at once

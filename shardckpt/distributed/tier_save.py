@@ -129,7 +129,7 @@ def _replicate(
     raws: Sequence[bytes],
     attempt: str,
     partners: list[tuple[int, ...]],
-    budget: int = knobs.MAX_IN_FLIGHT,
+    budget: int = knobs.LOCAL_TIER_IN_FLIGHT,
 ) -> None:
     """(all) Each rank's data file to each of its partners, which write it under its own name: in rounds of one
     all_to_all each, a chunk of every file per round, so a rank holds about `budget` bytes of it at a time. A rank

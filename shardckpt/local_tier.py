@@ -179,6 +179,8 @@ class LocalTier:
             self._discard_leftovers()  # a restore writes nothing into the tier: no rank can be writing what goes
         self._tidy = True
         failed: list[tuple[str, str, int]] = []
+        avoid: tuple[tuple[int, int], ...] = ()
+        retried: set[tuple[str, str, int]] = set()
         while True:  # each failed save is left out and the next older one tried: every rank sees the same failures
             try:
                 restored = restore_local(
@@ -189,6 +191,7 @@ class LocalTier:
                     job=self.job,
                     newer_than=newer_than,
                     exclude=failed,
+                    avoid=avoid,
                     optional=optional,
                     cast=cast,
                     max_in_flight=max_in_flight,
@@ -198,6 +201,11 @@ class LocalTier:
                 warnings.warn(f"restore from the local tier failed, nothing of it used: {exc}", LocalTierWarning, 2)
                 if exc.key is None or exc.key in failed:
                     return None
+                if exc.readers and exc.key not in retried:  # the same save once more, from the nodes not yet tried
+                    retried.add(exc.key)
+                    avoid = exc.readers
+                    continue
+                avoid = ()
                 failed.append(exc.key)
         if restored is not None:
             self.last_step, self.last_restore = restored.step, restored

@@ -56,6 +56,9 @@ class LocalTierError(DistributedError):
     was written into the state: the caller tries an older local save, then the persistent tier."""
 
     key: tuple[str, str, int] | None = None  # the save that failed (catalog.local_tier.LocalCopy.key)
+    # (rank, file): who read each file of that save that another node also holds; a retry of the save reads each
+    # from a node not tried yet (a corrupt copy on one node costs its step only when no other node has a good one)
+    readers: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,7 @@ def restore_local(
     job: str,
     newer_than: int | None,
     exclude: Collection[tuple[str, str, int]] = (),
+    avoid: Collection[tuple[int, int]] = (),
     strict: bool = True,
     optional: Sequence[str] = (),
     cast: bool = False,
@@ -137,9 +141,13 @@ def restore_local(
             [tuple(r) for r in msgpack.unpackb(b)]
             for b in _all_gather(group, msgpack.packb([[q.file, q.start, q.end] for q in pending.plan.requests]))
         ]
-        share, missing = tier_readers(
-            plan_shared_reads(needs, chunk=knobs.MAX_REQUEST, nodes=nodes), choice.holders, nodes
-        )
+        # The nodes whose copy of a file failed a previous try of this save read no more of it, while another holds it.
+        tried = {(nodes[rank], file) for rank, file in avoid}
+        holders = {
+            file: tuple(r for r in ranks if (nodes[r], file) not in tried) or ranks
+            for file, ranks in choice.holders.items()
+        }
+        share, missing = tier_readers(plan_shared_reads(needs, chunk=knobs.MAX_REQUEST, nodes=nodes), holders, nodes)
         assert not missing, missing  # choose() took a save whose every file some rank holds
         try:
             if isinstance(group, Group):
@@ -156,7 +164,12 @@ def restore_local(
         except Exception as exc:
             error = exc
         if _any_rank(group, error is not None):
-            raise _failure(group, error, choice.key)
+            failure = _failure(group, error, choice.key)
+            if isinstance(failure, LocalTierError):
+                failure.readers = tuple(
+                    sorted({(s.reader, s.file) for s in share.segments if len({nodes[r] for r in holders[s.file]}) > 1})
+                )
+            raise failure
         pending.use(kept)
         pending.apply()
         assign()

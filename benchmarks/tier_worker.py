@@ -53,6 +53,24 @@ def manager(args: dict[str, Any], rank: int, local: bool) -> shardckpt.Checkpoin
     )
 
 
+def _reset_peak() -> int:
+    """Reset this process's peak resident set (VmHWM) to its current size (Linux); that size, in bytes."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as file:
+            file.write("5")
+    except OSError:
+        pass
+    return _status("VmRSS")
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as file:
+        for line in file:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) << 10
+    return 0
+
+
 def scenario_save(args: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     """Persistent and local saves taking turns: the training stall of each (maybe_save until it returns) and the time
     until each committed (wait), medians."""
@@ -63,12 +81,15 @@ def scenario_save(args: dict[str, Any], rank: int, world: int) -> dict[str, Any]
         "persistent_total": [],
         "local_stall": [],
         "local_total": [],
+        "persistent_peak_mib": [],
+        "local_peak_mib": [],
     }
     step = 0
     for _ in range(args["repeats"]):
         for kind in ("persistent", "local"):
             step += 1
             dist.barrier()
+            before = _reset_peak()
             began = time.perf_counter()
             if kind == "persistent":
                 ckpt.maybe_save(step, values, force=True)
@@ -76,10 +97,15 @@ def scenario_save(args: dict[str, Any], rank: int, world: int) -> dict[str, Any]
                 ckpt.maybe_save(step, values)  # not a persistent step: the local tier's
             times[f"{kind}_stall"].append(time.perf_counter() - began)
             ckpt.wait()
+            # The host memory this save took above what the process held before (staging buffers are kept between
+            # saves, so the first save of the run also counts their allocation: the max of the repeats shows it).
+            times[f"{kind}_peak_mib"].append((_status("VmHWM") - before) / (1 << 20))
             dist.barrier()
             times[f"{kind}_total"].append(time.perf_counter() - began)
     ckpt.close()
-    return {name: statistics.median(values) for name, values in times.items()}
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    medians.update({f"{kind}_peak_first_mib": times[f"{kind}_peak_mib"][0] for kind in ("persistent", "local")})
+    return medians
 
 
 def scenario_restore(args: dict[str, Any], rank: int, world: int) -> dict[str, Any]:

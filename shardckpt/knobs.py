@@ -102,6 +102,9 @@ GC_GRACE = float(_knob("GC_GRACE", 3600.0))  # seconds: gc leaves anything young
 # Seconds: a local tier's save leaves another job's local checkpoints, and local saves that never committed, alone
 # while younger than this (another job may share the local root and be writing them); older ones it deletes.
 LOCAL_TIER_GRACE = float(_knob("LOCAL_TIER_GRACE", 600.0))
+# Bytes of a rank's replication to its peers in flight at once (its chunk, what it receives, what it sends): the
+# host memory a local save takes beyond the staging copy an async save holds anyway.
+LOCAL_TIER_IN_FLIGHT = int(_knob("LOCAL_TIER_IN_FLIGHT", 64 << 20))
 # Format 1.2's piece index (SPEC 11.1): a commit of this many tensors or more writes its manifest's tensor entries in
 # name-sorted blocks a loading rank range-reads in part (readers older than 1.2 cannot open it); fewer: one document.
 PIECE_INDEX_MIN_TENSORS = int(_knob("PIECE_INDEX_MIN_TENSORS", 1024))

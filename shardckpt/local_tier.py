@@ -14,13 +14,14 @@ from shardckpt import knobs
 from shardckpt.catalog.local_tier import (
     Footprint,
     LocalTierWarning,
+    discard_leftovers,
     discard_local,
     footprint,
     inventory,
     prune_local,
 )
 from shardckpt.distributed.collectives import Group
-from shardckpt.distributed.protocol import _all_gather, _pack, _Solo, _unpack
+from shardckpt.distributed.protocol import _all_gather, _any_rank, _pack, _Solo, _unpack
 from shardckpt.distributed.shared_reads import node_ids
 from shardckpt.distributed.tier_restore import LocalTierError, TierRestore, restore_local
 from shardckpt.distributed.tier_save import save_local
@@ -71,6 +72,7 @@ class LocalTier:
             )
         self.last_step: int | None = None
         self._failed: list[str] = []  # failed local saves whose files this node has still to delete
+        self._tidy = False  # whether this job's crash leftovers on the nodes are deleted (at restore or first save)
         self.last_restore: TierRestore | None = None
 
     def footprint(self, rank: int) -> Footprint:
@@ -102,6 +104,13 @@ class LocalTier:
         started: list[str] = []
         node_lead = group.rank == min(r for r, node in enumerate(self.nodes) if node == self.nodes[group.rank])
         try:
+            if not self._tidy:
+                if node_lead:
+                    self._discard_leftovers()
+                # No rank writes into its new save before every node has deleted this job's leftovers: a leftover's
+                # name and the new one's differ only by attempt.
+                _any_rank(group, False)
+                self._tidy = True
             name, _ = save_local(
                 state,
                 self.storage,
@@ -129,6 +138,17 @@ class LocalTier:
                 warnings.warn(f"local tier {self.storage.url}: retention failed: {exc}", LocalTierWarning, 2)
         return name
 
+    def _discard_leftovers(self) -> None:
+        """(one rank per node, no save under way) Delete at once what a crash or kill of this job mid-save left on this
+        node: it is never used, and on a tmpfs sized for the kept checkpoints it would fail every later save until
+        the grace period that other jobs' leftovers get (their names carry another job's tag)."""
+        try:
+            discard_leftovers(self.storage, self.job)
+        except Exception as exc:  # costs room, not data: the grace period still deletes it
+            warnings.warn(
+                f"local tier {self.storage.url}: cannot delete this job's leftovers: {exc}", LocalTierWarning, 3
+            )
+
     def _discard_failed(self) -> None:
         """(one rank per node) Delete this node's part of the failed local saves at once: left for the grace period,
         a tmpfs that filled up once (the failed attempt's partial files on top of the kept checkpoints) would stay
@@ -155,7 +175,12 @@ class LocalTier:
     ) -> TierRestore | None:
         """Fill `state` from the newest local checkpoint of this job above `newer_than` that the nodes hold between
         them; None (state untouched) when there is none or it fails (a LocalTierWarning says why)."""
+        if group.rank == min(r for r, node in enumerate(self.nodes) if node == self.nodes[group.rank]):
+            self._discard_leftovers()  # a restore writes nothing into the tier: no rank can be writing what goes
+        self._tidy = True
         failed: list[tuple[str, str, int]] = []
+        avoid: tuple[tuple[int, int], ...] = ()
+        retried: set[tuple[str, str, int]] = set()
         while True:  # each failed save is left out and the next older one tried: every rank sees the same failures
             try:
                 restored = restore_local(
@@ -166,6 +191,7 @@ class LocalTier:
                     job=self.job,
                     newer_than=newer_than,
                     exclude=failed,
+                    avoid=avoid,
                     optional=optional,
                     cast=cast,
                     max_in_flight=max_in_flight,
@@ -175,6 +201,11 @@ class LocalTier:
                 warnings.warn(f"restore from the local tier failed, nothing of it used: {exc}", LocalTierWarning, 2)
                 if exc.key is None or exc.key in failed:
                     return None
+                if exc.readers and exc.key not in retried:  # the same save once more, from the nodes not yet tried
+                    retried.add(exc.key)
+                    avoid = exc.readers
+                    continue
+                avoid = ()
                 failed.append(exc.key)
         if restored is not None:
             self.last_step, self.last_restore = restored.step, restored

@@ -4,6 +4,7 @@ restore takes: the newest step of this job complete across the copies of the sur
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import socket
@@ -35,8 +36,15 @@ def home(root: Storage) -> str:
     return f"{socket.gethostname()}:{os.path.realpath(root.url)}"
 
 
-# A local save's name (distributed.tier_save.local_name): step, then attempt. Only such names are pruned uncommitted.
-LOCAL_NAME = re.compile(r"step-[0-9]{8,}-[0-9a-z]{1,64}")
+# A local save's name (distributed.tier_save.local_name): step, its job's tag (job_tag; absent in names of earlier
+# releases), then attempt. Only such names are pruned uncommitted.
+LOCAL_NAME = re.compile(r"step-[0-9]{8,}(?:-[0-9a-f]{8})?-[0-9a-z]{1,64}")
+
+
+def job_tag(job: str) -> str:
+    """The short hash of a job that its local saves' names carry: an uncommitted save is known as the job's from its
+    first file, so that a restart of the job can delete it at once (a crash leaves no manifest saying whose it is)."""
+    return hashlib.sha256(job.encode("utf-8", "surrogatepass")).hexdigest()[:8]
 
 
 class LocalTierWarning(UserWarning):
@@ -221,6 +229,25 @@ def discard_local(root: Storage, name: str) -> bool:
         return False
     delete_objects(root, name, [COMMITTED, *paths] if committed else paths)
     return True
+
+
+def discard_leftovers(root: Storage, job: str) -> list[str]:
+    """(one rank per node, while no save of `job` is under way) Delete the local saves of `job` that never committed on
+    this node (a crash or a kill mid-save): named with its job_tag, no other job's; the names deleted."""
+    mine = re.compile(rf"step-[0-9]{{8,}}-{job_tag(job)}-[0-9a-z]{{1,64}}")
+    try:
+        listing = list_root(root)
+    except NotFoundError:  # no local save on this node yet
+        return []
+    deleted = []
+    for entry in listing.entries:
+        if entry.alias_of is not None or not entry.owned or not mine.fullmatch(entry.name):
+            continue
+        checkpoint = root.child(entry.name)
+        if entry.marker is None and entry.error is None and not checkpoint.exists(COMMITTED):
+            delete_objects(root, entry.name, [path for path, _ in layout_objects(checkpoint)])
+            deleted.append(entry.name)
+    return deleted
 
 
 def prune_local(

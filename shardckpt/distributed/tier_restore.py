@@ -4,9 +4,10 @@ the newest save complete across them, and every byte range a rank needs comes fr
 (all) inventory the node's local root -> (all) share the inventories; choose (catalog.local_tier.choose) -> (the
 lowest holder) send COMMITTED, the global manifest and the local manifests -> (all) plan own reads (the planner,
 over those manifests) -> (all) share the needs; one reader per range among the holders (planner.share +
-planner.partners.tier_readers) -> (readers) read from their local root, send through the group -> (all) verify
-every block they use, then vote: destinations are written only once every rank has all its bytes verified, so a
-failed or corrupt tier leaves the state untouched for the fallback to the persistent tier.
+planner.partners.tier_readers) -> (readers) read from their local root, hand over (shared_reads.fetch_shared:
+a /dev/shm region to the ranks of their host, the group to the others) -> (all) verify every block they use, then
+vote: destinations are written only once every rank has all its bytes verified, so a failed or corrupt tier leaves
+the state untouched for the fallback to the persistent tier.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from shardckpt.distributed.protocol import (
     _Solo,
     _unpack,
 )
+from shardckpt.distributed.shared_reads import fetch_shared
 from shardckpt.errors import DistributedError, IntegrityError, NotFoundError, ShardckptError, ShardckptUsageError
 from shardckpt.format import layout, limits
 from shardckpt.format.manifest import decode_commit_marker
@@ -54,6 +56,9 @@ class LocalTierError(DistributedError):
     was written into the state: the caller tries an older local save, then the persistent tier."""
 
     key: tuple[str, str, int] | None = None  # the save that failed (catalog.local_tier.LocalCopy.key)
+    # (rank, file): who read each file of that save that another node also holds; a retry of the save reads each
+    # from a node not tried yet (a corrupt copy on one node costs its step only when no other node has a good one)
+    readers: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,7 @@ def restore_local(
     job: str,
     newer_than: int | None,
     exclude: Collection[tuple[str, str, int]] = (),
+    avoid: Collection[tuple[int, int]] = (),
     strict: bool = True,
     optional: Sequence[str] = (),
     cast: bool = False,
@@ -123,7 +129,7 @@ def restore_local(
         prepared = None
         try:
             state, load_statefuls = loadable_states(state)
-            checkpoint = _checkpoint(scratch, opening, max_in_flight)
+            checkpoint = _checkpoint(scratch, where, opening, max_in_flight)
             prepared = _prepare_fill(checkpoint, state, group.rank, strict, optional, cast)
         except Exception as exc:
             error = exc
@@ -135,16 +141,35 @@ def restore_local(
             [tuple(r) for r in msgpack.unpackb(b)]
             for b in _all_gather(group, msgpack.packb([[q.file, q.start, q.end] for q in pending.plan.requests]))
         ]
-        share, missing = tier_readers(
-            plan_shared_reads(needs, chunk=knobs.MAX_REQUEST, nodes=nodes), choice.holders, nodes
-        )
+        # The nodes whose copy of a file failed a previous try of this save read no more of it, while another holds it.
+        tried = {(nodes[rank], file) for rank, file in avoid}
+        holders = {
+            file: tuple(r for r in ranks if (nodes[r], file) not in tried) or ranks
+            for file, ranks in choice.holders.items()
+        }
+        share, missing = tier_readers(plan_shared_reads(needs, chunk=knobs.MAX_REQUEST, nodes=nodes), holders, nodes)
         assert not missing, missing  # choose() took a save whose every file some rank holds
         try:
-            kept, local_bytes, received = _fetch(group, checkpoint, where, pending.plan.requests, share, max_in_flight)
+            if isinstance(group, Group):
+                # The shared-read exchange: reads run ahead of the hand-over, ranks of one host take their bytes from
+                # the reader's /dev/shm region (host_memory), others through the group, and every consumer verifies
+                # its requests on a pool of threads; each request is kept until every rank has voted below.
+                kept = fetch_shared(group, checkpoint, pending.plan, share, budget=max_in_flight)
+                local_bytes = sum(s.size for s in share.segments if s.reader == group.rank)
+                received = sum(s.size for s in share.segments if s.reader != group.rank and group.rank in s.consumers)
+            else:
+                kept, local_bytes, received = _fetch(
+                    group, checkpoint, where, pending.plan.requests, share, max_in_flight
+                )
         except Exception as exc:
             error = exc
         if _any_rank(group, error is not None):
-            raise _failure(group, error, choice.key)
+            failure = _failure(group, error, choice.key)
+            if isinstance(failure, LocalTierError):
+                failure.readers = tuple(
+                    sorted({(s.reader, s.file) for s in share.segments if len({nodes[r] for r in holders[s.file]}) > 1})
+                )
+            raise failure
         pending.use(kept)
         pending.apply()
         assign()
@@ -176,15 +201,20 @@ class _TierCheckpoint(Checkpoint):
         return
 
 
-def _checkpoint(scratch: Storage, opening: Mapping[str, Any], max_in_flight: int) -> Checkpoint:
-    """The chosen copy's metadata, checked against its COMMITTED, in an in-memory checkpoint the planner reads."""
+def _checkpoint(scratch: Storage, where: Storage, opening: Mapping[str, Any], max_in_flight: int) -> Checkpoint:
+    """The chosen copy's metadata, checked against its COMMITTED, in an in-memory checkpoint the planner reads; its
+    data files read from `where` (this rank's node's copy: a rank reads only the files its node holds)."""
     marker = decode_commit_marker(opening["marker"], "the local tier's COMMITTED")
     manifest = verify_global_manifest(opening["manifest"], marker, "the local tier's global manifest")
+    if manifest.references or marker.references:  # a local save never references another checkpoint
+        raise IntegrityError(f"{where.url}: a local checkpoint that references other checkpoints")
     if len(opening["locals"]) != len(manifest.files):
         raise IntegrityError(f"the local tier sent {len(opening['locals'])} local manifests for {len(manifest.files)}")
     for file, raw in zip(manifest.files, opening["locals"]):
         scratch.write_new(file.index, raw)  # each checked against the global manifest's CRC when the planner reads it
-    return _TierCheckpoint(scratch, marker, manifest, max_in_flight=max_in_flight)
+    checkpoint = _TierCheckpoint(scratch, marker, manifest, max_in_flight=max_in_flight)
+    checkpoint.data_storage = where
+    return checkpoint
 
 
 def _fetch(

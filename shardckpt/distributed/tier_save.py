@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from shardckpt import knobs
-from shardckpt.catalog.local_tier import HOMES_KEY, JOB_KEY, NODES_KEY, PEERS_KEY, home
+from shardckpt.catalog.local_tier import HOMES_KEY, JOB_KEY, NODES_KEY, PEERS_KEY, home, job_tag
 from shardckpt.distributed.collectives import Group
 from shardckpt.distributed.protocol import _all_gather, _any_rank, _broadcast, _pack, _Solo, _unpack
 from shardckpt.distributed.tier_restore import swap
@@ -34,9 +34,10 @@ from shardckpt.write.node_commit import build_manifest, commit_node
 from shardckpt.write.writer import ShardWriter
 
 
-def local_name(step: int, attempt: str) -> str:
-    """A local checkpoint's name: by step, then attempt, so a step saved again after a restart never collides."""
-    return f"step-{step:08d}-{attempt}"
+def local_name(step: int, job: str, attempt: str) -> str:
+    """A local checkpoint's name: by step, then its job's tag (what makes a crashed save's files the job's before any
+    manifest is written), then attempt, so a step saved again after a restart never collides."""
+    return f"step-{step:08d}-{job_tag(job)}-{attempt}"
 
 
 def save_local(
@@ -58,7 +59,7 @@ def save_local(
     error: BaseException | None = None
     opening = _pack({"attempt": layout.new_attempt()}) if group.rank == 0 else None
     attempt = _unpack(_broadcast(group, opening, 0))["attempt"]
-    name = local_name(step, attempt)
+    name = local_name(step, job, attempt)
     if started is not None:
         started.append(name)
     where = root.child(name)
@@ -128,7 +129,7 @@ def _replicate(
     raws: Sequence[bytes],
     attempt: str,
     partners: list[tuple[int, ...]],
-    budget: int = knobs.MAX_IN_FLIGHT,
+    budget: int = knobs.LOCAL_TIER_IN_FLIGHT,
 ) -> None:
     """(all) Each rank's data file to each of its partners, which write it under its own name: in rounds of one
     all_to_all each, a chunk of every file per round, so a rank holds about `budget` bytes of it at a time. A rank

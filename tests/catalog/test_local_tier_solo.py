@@ -235,3 +235,44 @@ def test_a_node_directory_wiped_mid_save_is_not_committed(tmp_path, monkeypatch)
         saver.maybe_save(3, state(3))
     saver.close()
     assert local_steps(tmp_path) == [1, 2]
+
+
+def killed_mid_save(tmp_path, monkeypatch, step: int, **kwargs) -> str:
+    """A local save killed after its data file is written and before anything commits (a SIGKILL, a preemption):
+    nothing of the dying process cleans up; the name of the save it leaves."""
+    from shardckpt.distributed import tier_save
+
+    class Killed(BaseException):
+        pass
+
+    def kill(*args, **kwargs):
+        raise Killed
+
+    before = set(os.listdir(tmp_path / "local")) if (tmp_path / "local").exists() else set()
+    with monkeypatch.context() as patch:
+        patch.setattr(tier_save, "build_manifest", kill)
+        with pytest.raises(Killed):
+            manager(tmp_path, **kwargs).maybe_save(step, state(step))
+    (left,) = set(os.listdir(tmp_path / "local")) - before
+    assert os.listdir(tmp_path / "local" / left / "data")  # its data file takes room on the node
+    return left
+
+
+def test_a_restarted_job_deletes_its_own_crash_leftovers_at_once_and_waits_for_other_jobs(
+    tmp_path, monkeypatch
+) -> None:
+    # A tmpfs sized for local_keep + 1 checkpoints: a crashed save's files kept for the grace period (600 s) would
+    # fail every local save of the restarted job with ENOSPC. Its name tells the job from the first file on.
+    run(tmp_path, range(1, 3))
+    others = killed_mid_save(tmp_path, monkeypatch, 7, local_job="another job")
+    mine = killed_mid_save(tmp_path, monkeypatch, 3)
+    restored = state(0)
+    assert manager(tmp_path).restore_latest(restored) == 2  # at restore: gone before any save
+    assert not (tmp_path / "local" / mine).exists() and (tmp_path / "local" / others).exists()
+    mine = killed_mid_save(tmp_path, monkeypatch, 3)
+    run(tmp_path, range(3, 4))  # a restart without a restore: before its first local save
+    assert not (tmp_path / "local" / mine).exists() and (tmp_path / "local" / others).exists()
+    assert local_steps(tmp_path) == [2, 3]
+    monkeypatch.setattr(knobs, "LOCAL_TIER_GRACE", 0.0)
+    run(tmp_path, range(5, 6))  # another job's leftover: once older than the grace period
+    assert not (tmp_path / "local" / others).exists()

@@ -33,7 +33,7 @@ def node_tiers(tmp_path: Path, step: int = 7, job: str = "job-\x1b[31mred") -> d
     its node's directory, replicas copied to partners, then each node's manifests and COMMITTED; the node dirs."""
     dirs = {node: tmp_path / f"node-{node}" for node in sorted(set(NODES))}
     attempt = layout.new_attempt()
-    name = local_name(step, attempt)
+    name = local_name(step, job, attempt)
     raws = []
     for rank, node in enumerate(NODES):
         writer = ShardWriter(str(dirs[node] / name), rank=rank, world_size=len(NODES), attempt=attempt, step=step)

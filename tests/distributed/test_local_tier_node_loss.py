@@ -29,6 +29,20 @@ def test_a_node_loss_resumes_from_the_surviving_local_copies_or_falls_back_whole
     # Node a keeps local steps 1 and 3 (2 is persistent) of its own two ranks and, as replicas, of node b's two.
     taken = trained[0]["value"]  # type: ignore[index]
     assert taken["checkpoints"] == 2 and taken["own"] > 0 and abs(taken["replicas"] - taken["own"]) < taken["own"] / 4
+    # Both nodes' directories still there: a flipped byte in node a's copy of rank 0's file of local step 3 (rank 0
+    # reads it there first) costs no step: the restore reads that file again from node b's replica, exact.
+    data = next((tmp_path / "peers1" / "local-a").glob("step-00000003-*/data"))
+    victim = sorted(data.iterdir())[0]
+    good = victim.read_bytes()
+    victim.write_bytes(good[:-1] + bytes([good[-1] ^ 0xFF]))
+    results = run_ranks("restore", 4, {"base": base, "nodes": ["a", "a", "b", "b"]}, timeout=120, worker=worker)
+    assert all(r is not None and r["ok"] for r in results), results
+    for result in results:
+        assert result is not None
+        replicated = result["value"]["peers1"]
+        assert (replicated["step"], replicated["exact"]) == (3, True), replicated
+    assert any("nothing of it used" in w for w in results[0]["value"]["peers1"]["warnings"]), results[0]  # type: ignore[index]
+    victim.write_bytes(good)
     for variant in ("peers1", "peers0"):
         shutil.rmtree(tmp_path / variant / "local-b")  # the lost node's local storage is gone with it
     for nodes in (["a", "a", "c"], ["a", "a", "c", "c"]):
@@ -45,3 +59,19 @@ def test_a_node_loss_resumes_from_the_surviving_local_copies_or_falls_back_whole
             assert (alone["step"], alone["exact"]) == (2, True), (nodes, rank, alone)
         assert sum(r["value"]["peers0"]["persistent_bytes"] for r in results if r is not None) > 0
         assert sum(r["value"]["peers1"]["local_bytes"] for r in results if r is not None) > 0
+    # A flipped byte in the only surviving copy of a file of the newest local step (3): every rank drops that save
+    # alike, nothing of it written into the state, and the restore falls back to the persistent step 2 (local step
+    # 1 is older), exact. The checksum failure is the consuming rank's alone; the others learn it from the vote.
+    data = next((tmp_path / "peers1" / "local-a").glob("step-00000003-*/data"))
+    victim = sorted(data.iterdir())[-1]
+    raw = bytearray(victim.read_bytes())
+    raw[-1] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    nodes = ["a", "a", "c", "c"]
+    results = run_ranks("restore", 4, {"base": base, "nodes": nodes}, timeout=120, worker=worker)
+    assert all(r is not None and r["ok"] for r in results), results
+    for result in results:
+        assert result is not None
+        replicated = result["value"]["peers1"]
+        assert (replicated["step"], replicated["exact"]) == (2, True), replicated
+    assert any("nothing of it used" in w for w in results[0]["value"]["peers1"]["warnings"]), results[0]  # type: ignore[index]

@@ -52,6 +52,7 @@ from shardckpt.format.piece_index import (
     decode_piece_index,
     encode_piece_index,
 )
+from shardckpt.format.piece_index import listed as index_listed
 from shardckpt.format.references import (
     FEATURE,
     GlobalReference,
@@ -723,13 +724,8 @@ def decode_global_manifest(data: bytes, where: str = "manifest", *, head_only: b
 
 def _piece_index_field(fields: Fields, version: tuple[int, int]) -> PieceIndex | None:
     """The fence, present if and only if must_understand lists "piece_index", and only from version 1.2."""
-    listed = INDEX_FEATURE in (fields.raw.get("must_understand") or ())
-    if listed != ("piece_index" in fields.raw):
-        raise FormatError(f"{fields.where}: 'piece_index' must be in must_understand if and only if the field is there")
-    if not listed:
+    if not index_listed(fields, version):
         return None
-    if version < INDEX_VERSION:
-        raise FormatError(f"{fields.where}: a piece index needs format 1.2 or later, got {version[0]}.{version[1]}")
     return decode_piece_index(fields.raw["piece_index"], fields.where)
 
 

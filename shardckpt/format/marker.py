@@ -13,7 +13,7 @@ from shardckpt.format import limits
 from shardckpt.format.compressed import check_feature as check_compression
 from shardckpt.format.layout import parse_global_manifest_path
 from shardckpt.format.piece_index import FEATURE as INDEX_FEATURE
-from shardckpt.format.piece_index import FIRST_VERSION as INDEX_VERSION
+from shardckpt.format.piece_index import listed as index_listed
 from shardckpt.format.references import (
     FEATURE,
     decode_committed_references,
@@ -107,13 +107,8 @@ def decode_commit_marker(data: bytes, where: str = "COMMITTED") -> CommitMarker:
 
 def _head(fields: Fields, version: tuple[int, int], manifest_size: int) -> tuple[int, int] | None:
     """SPEC 11.1: (size, CRC32C) of the manifest's head, present if and only if must_understand lists the feature."""
-    listed = INDEX_FEATURE in (fields.raw.get("must_understand") or ())
-    if listed != ("piece_index" in fields.raw):
-        raise FormatError(f"{fields.where}: 'piece_index' must be in must_understand if and only if the field is there")
-    if not listed:
+    if not index_listed(fields, version):
         return None
-    if version < INDEX_VERSION:
-        raise FormatError(f"{fields.where}: a piece index needs format 1.2 or later, got {version[0]}.{version[1]}")
     head = Fields(fields.raw["piece_index"], f"{fields.where} piece_index")
     if set(head.raw) != {"head_size", "head_crc32c"}:
         raise FormatError(f"{head.where}: must hold exactly the fields head_size and head_crc32c")

@@ -216,3 +216,14 @@ def check_block_names(names: Sequence[str], index: PieceIndex, number: int, wher
         raise FormatError(
             f"{at}: tensor {names[-1]!r} is not before the next block's first {index.first[number + 1]!r}"
         )
+
+
+def listed(fields: Fields, version: tuple[int, int]) -> bool:
+    """Whether a document uses the index (SPEC 2, 11.1): its field is there if and only if must_understand lists
+    the feature, and only from version 1.2."""
+    named = FEATURE in (fields.raw.get("must_understand") or ())
+    if named != ("piece_index" in fields.raw):
+        raise FormatError(f"{fields.where}: 'piece_index' must be in must_understand if and only if the field is there")
+    if named and version < FIRST_VERSION:
+        raise FormatError(f"{fields.where}: a piece index needs format 1.2 or later, got {version[0]}.{version[1]}")
+    return named

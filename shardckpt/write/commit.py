@@ -182,20 +182,7 @@ def _create_marker(
         # A collector may have deleted a referenced checkpoint since the save chose it (SPEC 9 phase 3, 14).
         assert root is not None
         recheck_referenced(root, committed_references(manifest.references), storage.url)
-    marker = CommitMarker(
-        attempt=attempt,
-        manifest=layout.global_manifest_path(attempt),
-        manifest_size=len(encoded),
-        manifest_crc32c=crc32c_of(encoded),
-        world_size=manifest.world_size,
-        total_bytes=manifest.total_bytes,
-        step=manifest.step,
-        created=manifest.created,
-        version=manifest.version,
-        references=committed_references(manifest.references),
-        head=_head(manifest, encoded),
-    )
-    marker_bytes = encode_commit_marker(marker)
+    marker_bytes = encode_commit_marker(marker_for(manifest, encoded))
     name = _next_marker(storage) if supersede else layout.COMMITTED
     try:
         storage.commit_marker(name, marker_bytes)
@@ -210,6 +197,23 @@ def _create_marker(
         raise IntegrityError(f"{storage.describe(name)} does not hold the marker bytes just written")
     # The manifest just validated and written (its bytes read back equal): decoding them again would only cost.
     return manifest
+
+
+def marker_for(manifest: GlobalManifest, encoded: bytes) -> CommitMarker:
+    """The COMMITTED that commits `manifest`, whose encoded bytes are `encoded` (SPEC 9, appendix C)."""
+    return CommitMarker(
+        attempt=manifest.attempt,
+        manifest=layout.global_manifest_path(manifest.attempt),
+        manifest_size=len(encoded),
+        manifest_crc32c=crc32c_of(encoded),
+        world_size=manifest.world_size,
+        total_bytes=manifest.total_bytes,
+        step=manifest.step,
+        created=manifest.created,
+        version=manifest.version,
+        references=committed_references(manifest.references),
+        head=_head(manifest, encoded),
+    )
 
 
 def _head(manifest: GlobalManifest, encoded: bytes) -> tuple[int, int] | None:

@@ -16,7 +16,6 @@ from shardckpt.errors import AlreadyExistsError, CoverageError, FormatError, Int
 from shardckpt.format import layout, limits
 from shardckpt.format.local_manifest import decode_local_manifest
 from shardckpt.format.manifest import (
-    CommitMarker,
     FileEntry,
     GlobalManifest,
     crc32c_of,
@@ -25,6 +24,7 @@ from shardckpt.format.manifest import (
 )
 from shardckpt.format.strict import FORMAT_VERSION
 from shardckpt.storage import Storage
+from shardckpt.write.commit import marker_for
 from shardckpt.write.merge import merge_objects, merge_tensors
 
 
@@ -68,19 +68,7 @@ def build_manifest(
     if clash:
         raise FormatError(f"{where}: {min(clash)!r} is the name of a tensor and of an object of attempt {attempt}")
     encoded = encode_global_manifest(manifest)
-    marker = CommitMarker(
-        attempt=attempt,
-        manifest=layout.global_manifest_path(attempt),
-        manifest_size=len(encoded),
-        manifest_crc32c=crc32c_of(encoded),
-        world_size=manifest.world_size,
-        total_bytes=manifest.total_bytes,
-        step=manifest.step,
-        created=manifest.created,
-        version=manifest.version,
-        references=(),
-    )
-    return encoded, encode_commit_marker(marker)
+    return encoded, encode_commit_marker(marker_for(manifest, encoded))
 
 
 def commit_node(

@@ -57,19 +57,24 @@ def plan_exchange(
     plan: ReadPlan,
     *,
     only_across_nodes: bool,
-    chunk: int = knobs.MAX_REQUEST,
+    chunk: int | None = None,
     shared_memory: bool | None = None,
 ) -> SharePlan | None:
     """Every rank's needs, gathered, turned into the one plan every rank computes alike; None (on every rank)
     when the ranks reading on their own would read at most SHARE_MIN_SAVING more bytes than once, or when
     only_across_nodes and the ranks do not span two nodes (then nothing but the node names was exchanged).
+    chunk: the largest segment (None: knobs.MAX_REQUEST); the smallest of the ranks' choices is used.
     shared_memory: also learn which ranks claim one host."""
     nodes, hosts = _nodes_and_hosts(group, with_hosts=_shared_memory(shared_memory))
     if only_across_nodes and (nodes is None or len(set(nodes)) < 2):
         return None
-    mine = [[request.file, request.start, request.end] for request in plan.requests]
-    everyone = [[tuple(r) for r in msgpack.unpackb(b)] for b in all_gather_bytes(group, msgpack.packb(mine))]
-    share = plan_shared_reads(everyone, chunk=chunk, nodes=nodes, hosts=hosts)
+    needs = [[request.file, request.start, request.end] for request in plan.requests]
+    mine = [knobs.MAX_REQUEST if chunk is None else chunk, needs]
+    gathered = [msgpack.unpackb(b) for b in all_gather_bytes(group, msgpack.packb(mine))]
+    everyone = [[tuple(r) for r in ranges] for _, ranges in gathered]
+    # Every rank cuts the segments alike (SHARDCKPT_MAX_REQUEST may differ between ranks: each would plan another
+    # exchange, and the ranks' collectives would not match).
+    share = plan_shared_reads(everyone, chunk=max(1, min(c for c, _ in gathered)), nodes=nodes, hosts=hosts)
     # Worth it only where the ranks would read much twice: a reshard whose ranges touch at their edges (2x2 -> 1x3:
     # 3% more bytes read alone) would route every byte through the exchange to save a few.
     worth = share.overlaps and share.repeated_bytes > knobs.SHARE_MIN_SAVING * share.total_bytes

@@ -124,6 +124,12 @@ def test_ranks_that_disagree_on_share_reads_all_fail_at_once_instead_of_hanging(
     assert all(result["equal"] for result in loaded)
     assert sum(result["links"] for result in loaded) == 0
     assert sum(result["read"] for result in loaded) >= 3 * 6 * 96 * 80 * 4  # each rank all six tensors itself
+    # Ranks whose environments differ (SHARDCKPT_MAX_REQUEST cuts the shared segments, SHARDCKPT_SHARE_ROUND the
+    # rounds) still plan one exchange (before: rank 0 cut 4 KiB segments, the others 8 MiB ones, and gloo aborted it).
+    env = {"0": {"SHARDCKPT_MAX_REQUEST": "4096"}, "2": {"SHARDCKPT_SHARE_ROUND": "65536"}}
+    loaded = ok(run_ranks("ddp_load", 3, {"url": url, "share": True, "env_by_rank": env}, worker=WORKER, timeout=90))
+    assert all(result["equal"] for result in loaded)
+    assert sum(result["read"] for result in loaded) <= 1.05 * data_bytes(url)
 
 
 def test_a_compressed_checkpoint_saved_by_2_ranks_loads_bit_exact_on_3_even_when_sharing_is_asked(tmp_path) -> None:

@@ -208,21 +208,20 @@ def fetch_shared(
             ahead = reading.submit(read_round, number + 1) if number + 1 < len(rounds) else None
             own_region = links.region(rank, number) is not None
             positions = _positions(segments)
-            for segment in segments:
-                if rank not in segment.consumers:
-                    continue
-                if segment.reader == rank:
-                    assembly.place(segment, fetched, positions[segment], own_region)
-                elif links.links(segment.reader, rank):
-                    region = links.region(segment.reader, number)
-                    assert region is not None
-                    assembly.place(segment, region, positions[segment], True)
-            _exchange(group, segments, fetched, positions, links, assembly)
-            ready = [(plan.requests[n], data) for n, data in assembly.settle(keep=finish is None)]
+            ready: list[tuple[ReadRequest, ByteArray]] = []
+            # A failure of this rank's own (a checksum; memory to assemble or copy out) ends its own work, not its
+            # part in the rounds: it still hands over what it fetched and joins every collective the others run, and
+            # raises after them (a rank leaving early would leave them waiting for the group's timeout). What it
+            # copied before stays, as in an unshared load.
             if failure is None:
-                # A checksum failure is this rank's own: it still takes part in the rounds the others run and raises
-                # after them; what it copied before stays, as in an unshared load.
                 try:
+                    _take(assembly, segments, fetched, positions, links, number, own_region)
+                except Exception as exc:
+                    failure = exc
+            _exchange(group, segments, fetched, positions, links, assembly if failure is None else None)
+            if failure is None:
+                try:
+                    ready = [(plan.requests[n], data) for n, data in assembly.settle(keep=finish is None)]
                     run_all([functools.partial(_check, checkpoint, req, data, finish) for req, data in ready], pool)
                 except Exception as exc:
                     failure = exc
@@ -234,6 +233,28 @@ def fetch_shared(
     if missing:  # every byte of a request arrives exactly once (planner.share): a broken plan, never silent
         raise DistributedError("load", {rank: f"shared read left {len(missing)} requests incomplete"})
     return kept
+
+
+def _take(
+    assembly: _Assembly,
+    segments: Sequence[Segment],
+    fetched: ByteArray,
+    positions: dict[Segment, int],
+    links: HostLinks,
+    number: int,
+    own_region: bool,
+) -> None:
+    """Place this round's segments that this rank needs and has already: fetched itself, or in a linked region."""
+    rank = links.rank
+    for segment in segments:
+        if rank not in segment.consumers:
+            continue
+        if segment.reader == rank:
+            assembly.place(segment, fetched, positions[segment], own_region)
+        elif links.links(segment.reader, rank):
+            region = links.region(segment.reader, number)
+            assert region is not None
+            assembly.place(segment, region, positions[segment], True)
 
 
 def _checkers(jobs: int) -> int:
@@ -290,10 +311,10 @@ def _exchange(
     fetched: ByteArray,
     positions: dict[Segment, int],
     links: HostLinks,
-    assembly: _Assembly,
+    assembly: _Assembly | None,
 ) -> None:
     """One all_to_all for what does not go through a shared region: each reader sends each segment it fetched to
-    its other consumers, in segment order."""
+    its other consumers, in segment order. assembly None: this rank has failed; it still sends and receives."""
     rank, world = group.rank, group.size
     send_parts: list[list[ByteArray]] = [[] for _ in range(world)]
     receive: list[list[Segment]] = [[] for _ in range(world)]
@@ -316,6 +337,8 @@ def _exchange(
     send = torch.from_numpy(outgoing).to(group.device)
     incoming = torch.empty(sum(receive_sizes), dtype=torch.uint8, device=group.device)
     dist.all_to_all_single(incoming, send, receive_sizes, send_sizes, group=group.handle)
+    if assembly is None:
+        return
     received = incoming.cpu().numpy()
     position = 0
     for source in range(world):

@@ -73,6 +73,15 @@ def test_replicated_plain_tensors_are_read_once_and_a_failing_or_dying_reader_fa
     for result in results[:2] + results[3:]:
         assert result is not None and not result["ok"], result
         assert result["error"].startswith("DistributedError: a collective failed"), result["error"]
+    # Rank 1 runs out of memory assembling its second round (16 KiB segments: several rounds), after that round's
+    # vote: it still joins the rounds the others run, and every rank raises its error at the end (before: rank 1
+    # left the exchange, the others waited for the group's timeout and raised a timeout without its error).
+    env = {str(rank): {"SHARDCKPT_MAX_REQUEST": "16384"} for rank in range(3)}
+    oom_args = {"url": url, "share": True, "budget": 64 << 10, "oom_rank": 1, "env_by_rank": env, "timeout": 30}
+    results = run_ranks("ddp_load", 3, oom_args, worker=WORKER, timeout=90)
+    for result in results:
+        assert result is not None and not result["ok"], result
+        assert "rank 1: MemoryError: injected" in result["error"], result["error"]
 
 
 def test_overlapping_flat_partitions_and_an_incremental_checkpoint_are_read_once(tmp_path) -> None:

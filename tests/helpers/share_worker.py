@@ -86,6 +86,24 @@ def dying_in_the_exchange() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def out_of_memory_assembling() -> Iterator[None]:
+    """This process has no memory left to assemble the bytes of its second round of a shared read (after the
+    round's vote: the others are already in the next collective)."""
+    from shardckpt.distributed import shared_reads
+
+    original, calls = shared_reads._Assembly.settle, [0]
+
+    def settle(self: Any, keep: bool) -> Any:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise MemoryError("injected: no memory to assemble a round")
+        return original(self, keep)
+
+    with mock.patch.object(shared_reads._Assembly, "settle", settle):
+        yield
+
+
 def nodes(args: dict[str, Any], rank: int) -> None:
     """Simulate nodes of args["per_node"] ranks each (SHARDCKPT_NODE), as a multi-node launch would name them."""
     if args.get("per_node"):
@@ -169,6 +187,8 @@ def scenario_ddp_load(args: dict[str, Any], rank: int, world: int) -> dict[str, 
     failing = contextlib.nullcontext() if args.get("fail_rank") != rank else unreadable_data()
     if args.get("die_rank") == rank:
         failing = dying_in_the_exchange()
+    if args.get("oom_rank") == rank:
+        failing = out_of_memory_assembling()
     with counting_data_reads() as read, failing, counting_links(args, rank) as pairs:
         share = args["share_by_rank"][rank] if "share_by_rank" in args else args.get("share")
         try:

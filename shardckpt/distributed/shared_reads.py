@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -93,15 +94,19 @@ class _Assembly:
         self.filled = [0] * len(requests)
         self.pieces: dict[int, list[tuple[int, int, ByteArray, int, bool]]] = {}  # this round's, per request
         self.by_file: dict[int, list[tuple[int, int, int]]] = {}  # file -> sorted (start, end, request number)
+        # file -> the largest end of its spans up to each one: a rank's requests may overlap (a strided read cut at
+        # max_request), so a span that starts before a segment may still reach into it.
+        self.reach: dict[int, list[int]] = {}
         for number, request in enumerate(requests):
             self.by_file.setdefault(request.file, []).append((request.start, request.end, number))
-        for spans in self.by_file.values():
+        for file, spans in self.by_file.items():
             spans.sort()
+            self.reach[file] = list(itertools.accumulate((end for _, end, _ in spans), max))
 
     def place(self, segment: Segment, source: ByteArray, offset: int, transient: bool) -> None:
         """A segment's bytes are source[offset : offset + size] (transient: overwritten after the next round)."""
         spans = self.by_file.get(segment.file, [])
-        at = max(0, bisect.bisect_right(spans, (segment.start, float("inf"), 0)) - 1)
+        at = bisect.bisect_right(self.reach.get(segment.file, []), segment.start)  # the first span reaching past it
         for start, end, number in spans[at:]:
             if start >= segment.end:
                 break

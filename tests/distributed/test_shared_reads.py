@@ -8,9 +8,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import shardckpt
+from shardckpt.distributed.shared_reads import _Assembly
+from shardckpt.planner import ReadRequest
+from shardckpt.planner.share import plan_shared_reads
 from tests.helpers.launch import run_ranks
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "share_worker.py"
@@ -161,3 +165,20 @@ def test_a_raw_child_referencing_a_compressed_parent_loads_bit_exact_on_3_ranks_
     assert manifest.version == (1, 2) and manifest.total_bytes < 2048  # headers only: every piece is referenced
     loaded = ok(run_ranks("ddp_load", 3, {"url": child, "share": True}, worker=WORKER))
     assert all(result["equal"] for result in loaded), loaded
+
+
+def test_overlapping_requests_of_one_rank_each_get_every_byte_of_a_shared_segment() -> None:
+    """A rank's requests may overlap (a column slice's strided rows read in requests cut at max_request share their
+    edge blocks). A segment that starts inside the first request where the second one starts, fetched by another
+    reader than the segment before it, fills both (before: only the second; the first stayed incomplete and the
+    load failed with "shared read left 1 requests incomplete")."""
+    requests = [ReadRequest(0, 0, 100, (), ()), ReadRequest(0, 60, 200, (), ())]
+    share = plan_shared_reads([[(0, 0, 100), (0, 60, 200)], [(0, 0, 200)]], chunk=1000)
+    assert [(s.start, s.reader) for s in share.segments] == [(0, 0), (60, 1)]  # a new reader where request 1 starts
+    stored = np.arange(200, dtype=np.uint8)
+    assembly = _Assembly(requests)
+    for segment in share.segments:
+        assembly.place(segment, stored, segment.start, False)
+    done = dict(assembly.settle(keep=True))
+    assert sorted(done) == [0, 1]
+    assert np.array_equal(done[0], stored[0:100]) and np.array_equal(done[1], stored[60:200])

@@ -93,6 +93,14 @@ def verify_global_manifest(raw: bytes, marker: CommitMarker, where: str, *, head
     manifest = decode_global_manifest(raw, where, head_only=head_only)
     if (manifest.piece_index is None) != (marker.head is None):
         raise FormatError(f"{where}: COMMITTED and the manifest disagree on whether it has a piece index")
+    if head_only and marker.head is not None and manifest.piece_index is not None:
+        # What a whole read finds after the head (SPEC 11.1), known here without reading it: a load that reads some
+        # blocks refuses what open() and verify refuse, instead of loading from a manifest they call broken.
+        after = marker.manifest_size - marker.head[0]
+        if after != manifest.piece_index.region_size:
+            raise FormatError(
+                f"{where}: {after} bytes follow the head, its piece index has {manifest.piece_index.region_size}"
+            )
     if marker.head is not None and not head_only:
         head = manifest_head_size(raw, where)
         if (head, crc32c_of(raw[:head])) != marker.head:

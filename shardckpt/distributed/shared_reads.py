@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -57,19 +58,24 @@ def plan_exchange(
     plan: ReadPlan,
     *,
     only_across_nodes: bool,
-    chunk: int = knobs.MAX_REQUEST,
+    chunk: int | None = None,
     shared_memory: bool | None = None,
 ) -> SharePlan | None:
     """Every rank's needs, gathered, turned into the one plan every rank computes alike; None (on every rank)
     when the ranks reading on their own would read at most SHARE_MIN_SAVING more bytes than once, or when
     only_across_nodes and the ranks do not span two nodes (then nothing but the node names was exchanged).
+    chunk: the largest segment (None: knobs.MAX_REQUEST); the smallest of the ranks' choices is used.
     shared_memory: also learn which ranks claim one host."""
     nodes, hosts = _nodes_and_hosts(group, with_hosts=_shared_memory(shared_memory))
     if only_across_nodes and (nodes is None or len(set(nodes)) < 2):
         return None
-    mine = [[request.file, request.start, request.end] for request in plan.requests]
-    everyone = [[tuple(r) for r in msgpack.unpackb(b)] for b in all_gather_bytes(group, msgpack.packb(mine))]
-    share = plan_shared_reads(everyone, chunk=chunk, nodes=nodes, hosts=hosts)
+    needs = [[request.file, request.start, request.end] for request in plan.requests]
+    mine = [knobs.MAX_REQUEST if chunk is None else chunk, needs]
+    gathered = [msgpack.unpackb(b) for b in all_gather_bytes(group, msgpack.packb(mine))]
+    everyone = [[tuple(r) for r in ranges] for _, ranges in gathered]
+    # Every rank cuts the segments alike (SHARDCKPT_MAX_REQUEST may differ between ranks: each would plan another
+    # exchange, and the ranks' collectives would not match).
+    share = plan_shared_reads(everyone, chunk=max(1, min(c for c, _ in gathered)), nodes=nodes, hosts=hosts)
     # Worth it only where the ranks would read much twice: a reshard whose ranges touch at their edges (2x2 -> 1x3:
     # 3% more bytes read alone) would route every byte through the exchange to save a few.
     worth = share.overlaps and share.repeated_bytes > knobs.SHARE_MIN_SAVING * share.total_bytes
@@ -88,15 +94,19 @@ class _Assembly:
         self.filled = [0] * len(requests)
         self.pieces: dict[int, list[tuple[int, int, ByteArray, int, bool]]] = {}  # this round's, per request
         self.by_file: dict[int, list[tuple[int, int, int]]] = {}  # file -> sorted (start, end, request number)
+        # file -> the largest end of its spans up to each one: a rank's requests may overlap (a strided read cut at
+        # max_request), so a span that starts before a segment may still reach into it.
+        self.reach: dict[int, list[int]] = {}
         for number, request in enumerate(requests):
             self.by_file.setdefault(request.file, []).append((request.start, request.end, number))
-        for spans in self.by_file.values():
+        for file, spans in self.by_file.items():
             spans.sort()
+            self.reach[file] = list(itertools.accumulate((end for _, end, _ in spans), max))
 
     def place(self, segment: Segment, source: ByteArray, offset: int, transient: bool) -> None:
         """A segment's bytes are source[offset : offset + size] (transient: overwritten after the next round)."""
         spans = self.by_file.get(segment.file, [])
-        at = max(0, bisect.bisect_right(spans, (segment.start, float("inf"), 0)) - 1)
+        at = bisect.bisect_right(self.reach.get(segment.file, []), segment.start)  # the first span reaching past it
         for start, end, number in spans[at:]:
             if start >= segment.end:
                 break
@@ -203,21 +213,20 @@ def fetch_shared(
             ahead = reading.submit(read_round, number + 1) if number + 1 < len(rounds) else None
             own_region = links.region(rank, number) is not None
             positions = _positions(segments)
-            for segment in segments:
-                if rank not in segment.consumers:
-                    continue
-                if segment.reader == rank:
-                    assembly.place(segment, fetched, positions[segment], own_region)
-                elif links.links(segment.reader, rank):
-                    region = links.region(segment.reader, number)
-                    assert region is not None
-                    assembly.place(segment, region, positions[segment], True)
-            _exchange(group, segments, fetched, positions, links, assembly)
-            ready = [(plan.requests[n], data) for n, data in assembly.settle(keep=finish is None)]
+            ready: list[tuple[ReadRequest, ByteArray]] = []
+            # A failure of this rank's own (a checksum; memory to assemble or copy out) ends its own work, not its
+            # part in the rounds: it still hands over what it fetched and joins every collective the others run, and
+            # raises after them (a rank leaving early would leave them waiting for the group's timeout). What it
+            # copied before stays, as in an unshared load.
             if failure is None:
-                # A checksum failure is this rank's own: it still takes part in the rounds the others run and raises
-                # after them; what it copied before stays, as in an unshared load.
                 try:
+                    _take(assembly, segments, fetched, positions, links, number, own_region)
+                except Exception as exc:
+                    failure = exc
+            _exchange(group, segments, fetched, positions, links, assembly if failure is None else None)
+            if failure is None:
+                try:
+                    ready = [(plan.requests[n], data) for n, data in assembly.settle(keep=finish is None)]
                     run_all([functools.partial(_check, checkpoint, req, data, finish) for req, data in ready], pool)
                 except Exception as exc:
                     failure = exc
@@ -229,6 +238,28 @@ def fetch_shared(
     if missing:  # every byte of a request arrives exactly once (planner.share): a broken plan, never silent
         raise DistributedError("load", {rank: f"shared read left {len(missing)} requests incomplete"})
     return kept
+
+
+def _take(
+    assembly: _Assembly,
+    segments: Sequence[Segment],
+    fetched: ByteArray,
+    positions: dict[Segment, int],
+    links: HostLinks,
+    number: int,
+    own_region: bool,
+) -> None:
+    """Place this round's segments that this rank needs and has already: fetched itself, or in a linked region."""
+    rank = links.rank
+    for segment in segments:
+        if rank not in segment.consumers:
+            continue
+        if segment.reader == rank:
+            assembly.place(segment, fetched, positions[segment], own_region)
+        elif links.links(segment.reader, rank):
+            region = links.region(segment.reader, number)
+            assert region is not None
+            assembly.place(segment, region, positions[segment], True)
 
 
 def _checkers(jobs: int) -> int:
@@ -285,10 +316,10 @@ def _exchange(
     fetched: ByteArray,
     positions: dict[Segment, int],
     links: HostLinks,
-    assembly: _Assembly,
+    assembly: _Assembly | None,
 ) -> None:
     """One all_to_all for what does not go through a shared region: each reader sends each segment it fetched to
-    its other consumers, in segment order."""
+    its other consumers, in segment order. assembly None: this rank has failed; it still sends and receives."""
     rank, world = group.rank, group.size
     send_parts: list[list[ByteArray]] = [[] for _ in range(world)]
     receive: list[list[Segment]] = [[] for _ in range(world)]
@@ -311,6 +342,8 @@ def _exchange(
     send = torch.from_numpy(outgoing).to(group.device)
     incoming = torch.empty(sum(receive_sizes), dtype=torch.uint8, device=group.device)
     dist.all_to_all_single(incoming, send, receive_sizes, send_sizes, group=group.handle)
+    if assembly is None:
+        return
     received = incoming.cpu().numpy()
     position = 0
     for source in range(world):

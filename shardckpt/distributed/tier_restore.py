@@ -137,17 +137,18 @@ def restore_local(
             raise _failure(group, error, choice.key)
         assert prepared is not None
         pending, assign = prepared
-        needs = [
-            [tuple(r) for r in msgpack.unpackb(b)]
-            for b in _all_gather(group, msgpack.packb([[q.file, q.start, q.end] for q in pending.plan.requests]))
-        ]
+        wanted = [knobs.MAX_REQUEST, [[q.file, q.start, q.end] for q in pending.plan.requests]]
+        gathered = [msgpack.unpackb(b) for b in _all_gather(group, msgpack.packb(wanted))]
+        needs = [[tuple(r) for r in ranges] for _, ranges in gathered]
+        # Every rank cuts the segments alike (SHARDCKPT_MAX_REQUEST may differ between ranks' environments).
+        chunk = max(1, min(size for size, _ in gathered))
         # The nodes whose copy of a file failed a previous try of this save read no more of it, while another holds it.
         tried = {(nodes[rank], file) for rank, file in avoid}
         holders = {
             file: tuple(r for r in ranks if (nodes[r], file) not in tried) or ranks
             for file, ranks in choice.holders.items()
         }
-        share, missing = tier_readers(plan_shared_reads(needs, chunk=knobs.MAX_REQUEST, nodes=nodes), holders, nodes)
+        share, missing = tier_readers(plan_shared_reads(needs, chunk=chunk, nodes=nodes), holders, nodes)
         assert not missing, missing  # choose() took a save whose every file some rank holds
         try:
             if isinstance(group, Group):

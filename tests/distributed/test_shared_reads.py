@@ -8,9 +8,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import shardckpt
+from shardckpt.distributed.shared_reads import _Assembly
+from shardckpt.planner import ReadRequest
+from shardckpt.planner.share import plan_shared_reads
 from tests.helpers.launch import run_ranks
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "share_worker.py"
@@ -73,6 +77,15 @@ def test_replicated_plain_tensors_are_read_once_and_a_failing_or_dying_reader_fa
     for result in results[:2] + results[3:]:
         assert result is not None and not result["ok"], result
         assert result["error"].startswith("DistributedError: a collective failed"), result["error"]
+    # Rank 1 runs out of memory assembling its second round (16 KiB segments: several rounds), after that round's
+    # vote: it still joins the rounds the others run, and every rank raises its error at the end (before: rank 1
+    # left the exchange, the others waited for the group's timeout and raised a timeout without its error).
+    env = {str(rank): {"SHARDCKPT_MAX_REQUEST": "16384"} for rank in range(3)}
+    oom_args = {"url": url, "share": True, "budget": 64 << 10, "oom_rank": 1, "env_by_rank": env, "timeout": 30}
+    results = run_ranks("ddp_load", 3, oom_args, worker=WORKER, timeout=90)
+    for result in results:
+        assert result is not None and not result["ok"], result
+        assert "rank 1: MemoryError: injected" in result["error"], result["error"]
 
 
 def test_overlapping_flat_partitions_and_an_incremental_checkpoint_are_read_once(tmp_path) -> None:
@@ -124,6 +137,12 @@ def test_ranks_that_disagree_on_share_reads_all_fail_at_once_instead_of_hanging(
     assert all(result["equal"] for result in loaded)
     assert sum(result["links"] for result in loaded) == 0
     assert sum(result["read"] for result in loaded) >= 3 * 6 * 96 * 80 * 4  # each rank all six tensors itself
+    # Ranks whose environments differ (SHARDCKPT_MAX_REQUEST cuts the shared segments, SHARDCKPT_SHARE_ROUND the
+    # rounds) still plan one exchange (before: rank 0 cut 4 KiB segments, the others 8 MiB ones, and gloo aborted it).
+    env = {"0": {"SHARDCKPT_MAX_REQUEST": "4096"}, "2": {"SHARDCKPT_SHARE_ROUND": "65536"}}
+    loaded = ok(run_ranks("ddp_load", 3, {"url": url, "share": True, "env_by_rank": env}, worker=WORKER, timeout=90))
+    assert all(result["equal"] for result in loaded)
+    assert sum(result["read"] for result in loaded) <= 1.05 * data_bytes(url)
 
 
 def test_a_compressed_checkpoint_saved_by_2_ranks_loads_bit_exact_on_3_even_when_sharing_is_asked(tmp_path) -> None:
@@ -146,3 +165,20 @@ def test_a_raw_child_referencing_a_compressed_parent_loads_bit_exact_on_3_ranks_
     assert manifest.version == (1, 2) and manifest.total_bytes < 2048  # headers only: every piece is referenced
     loaded = ok(run_ranks("ddp_load", 3, {"url": child, "share": True}, worker=WORKER))
     assert all(result["equal"] for result in loaded), loaded
+
+
+def test_overlapping_requests_of_one_rank_each_get_every_byte_of_a_shared_segment() -> None:
+    """A rank's requests may overlap (a column slice's strided rows read in requests cut at max_request share their
+    edge blocks). A segment that starts inside the first request where the second one starts, fetched by another
+    reader than the segment before it, fills both (before: only the second; the first stayed incomplete and the
+    load failed with "shared read left 1 requests incomplete")."""
+    requests = [ReadRequest(0, 0, 100, (), ()), ReadRequest(0, 60, 200, (), ())]
+    share = plan_shared_reads([[(0, 0, 100), (0, 60, 200)], [(0, 0, 200)]], chunk=1000)
+    assert [(s.start, s.reader) for s in share.segments] == [(0, 0), (60, 1)]  # a new reader where request 1 starts
+    stored = np.arange(200, dtype=np.uint8)
+    assembly = _Assembly(requests)
+    for segment in share.segments:
+        assembly.place(segment, stored, segment.start, False)
+    done = dict(assembly.settle(keep=True))
+    assert sorted(done) == [0, 1]
+    assert np.array_equal(done[0], stored[0:100]) and np.array_equal(done[1], stored[60:200])

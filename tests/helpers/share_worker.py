@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import json
 import math
 import os
 import sys
@@ -26,6 +27,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # run as a script
+# args["env_by_rank"]: SHARDCKPT_* variables of one rank only, set before shardckpt reads its knobs at import (as a
+# launcher that gives nodes different environments would).
+if __name__ == "__main__":
+    os.environ.update(json.loads(sys.argv[2]).get("env_by_rank", {}).get(os.environ["RANK"], {}))
 
 import shardckpt
 from shardckpt import knobs
@@ -78,6 +83,24 @@ def dying_in_the_exchange() -> Iterator[None]:
         os._exit(3)
 
     with mock.patch.object(shared_reads, "any_rank", die):
+        yield
+
+
+@contextlib.contextmanager
+def out_of_memory_assembling() -> Iterator[None]:
+    """This process has no memory left to assemble the bytes of its second round of a shared read (after the
+    round's vote: the others are already in the next collective)."""
+    from shardckpt.distributed import shared_reads
+
+    original, calls = shared_reads._Assembly.settle, [0]
+
+    def settle(self: Any, keep: bool) -> Any:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise MemoryError("injected: no memory to assemble a round")
+        return original(self, keep)
+
+    with mock.patch.object(shared_reads._Assembly, "settle", settle):
         yield
 
 
@@ -164,6 +187,8 @@ def scenario_ddp_load(args: dict[str, Any], rank: int, world: int) -> dict[str, 
     failing = contextlib.nullcontext() if args.get("fail_rank") != rank else unreadable_data()
     if args.get("die_rank") == rank:
         failing = dying_in_the_exchange()
+    if args.get("oom_rank") == rank:
+        failing = out_of_memory_assembling()
     with counting_data_reads() as read, failing, counting_links(args, rank) as pairs:
         share = args["share_by_rank"][rank] if "share_by_rank" in args else args.get("share")
         try:

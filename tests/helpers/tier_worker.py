@@ -7,6 +7,7 @@ the step it resumed from.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -19,6 +20,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # run as a script
+# args["env_by_rank"]: SHARDCKPT_* variables of one rank only, set before shardckpt reads its knobs at import.
+if __name__ == "__main__":
+    os.environ.update(json.loads(sys.argv[2]).get("env_by_rank", {}).get(os.environ["RANK"], {}))
 
 import shardckpt
 from shardckpt.format import layout

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import pytest
 import torch
 
 import shardckpt
 from shardckpt import knobs
-from shardckpt.errors import IntegrityError
+from shardckpt.errors import FormatError, IntegrityError
 from shardckpt.statedict.flat import FlatPartition
 from shardckpt.storage import Storage, open_storage
 from shardckpt.storage.local import LocalStorage
@@ -138,4 +140,21 @@ def test_a_manifest_that_grew_or_shrank_is_refused_by_a_load_that_reads_part_of_
     for changed in (raw + b"\x00", raw[:-1]):  # the blocks a load reads are intact either way
         (Path(indexed) / path).write_bytes(changed)
         with pytest.raises(IntegrityError, match=f"{len(changed)} bytes, but COMMITTED promises {len(raw)}"):
+            shardckpt.load({"model.layers.0001.weight": torch.zeros(2, 3)}, indexed)
+
+
+def test_bytes_after_the_blocks_or_missing_from_them_are_refused_by_a_load_as_by_open(indexed: str) -> None:
+    """The manifest object and COMMITTED rewritten alike (sizes and CRC32Cs fixed up), the head and every block intact:
+    the object is not head + blocks, which a whole read refuses (SPEC 11.1); a load that reads one block refuses it
+    too (before: loaded from it, while open() and verify called the checkpoint broken)."""
+    path, _ = _manifest(indexed)
+    raw = (Path(indexed) / path).read_bytes()
+    marker = json.loads((Path(indexed) / "COMMITTED").read_text())
+    for changed in (raw + bytes(7), raw[:-3]):
+        (Path(indexed) / path).write_bytes(changed)
+        fixed = {**marker, "manifest_size": len(changed), "manifest_crc32c": crc32c.crc32c(changed)}
+        (Path(indexed) / "COMMITTED").write_text(json.dumps(fixed))
+        with pytest.raises(FormatError, match=r"bytes follow the head, its piece index has"):
+            shardckpt.open(indexed)
+        with pytest.raises(FormatError, match=r"bytes follow the head, its piece index has"):
             shardckpt.load({"model.layers.0001.weight": torch.zeros(2, 3)}, indexed)

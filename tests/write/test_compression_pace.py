@@ -109,3 +109,30 @@ def test_an_encoder_that_fails_fails_the_write() -> None:
 def test_an_unknown_pace_is_a_usage_error_naming_the_valid_ones(tmp_path) -> None:
     with pytest.raises(ShardckptUsageError, match="compression_pace 'fast': valid are 'codec', 'storage'"):
         ShardWriter(str(tmp_path / "ck"), rank=0, world_size=1, compression="zstd", compression_pace="fast")
+
+
+def test_save_checkpointer_and_dcp_writer_take_the_pace(tmp_path) -> None:
+    """Every way in passes compression_pace down; whatever the ratio reached, the values read back; a typo is refused
+    before a byte is written."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": _weights(1 << 16, 3), "b": torch.arange(10)}
+    url = str(tmp_path / "saved")
+    shardckpt.save(state, url, step=1, compression="zstd", compression_pace="storage")
+    assert all(torch.equal(shardckpt.open(url).read(name), tensor) for name, tensor in state.items())
+    with pytest.raises(ShardckptUsageError, match="compression_pace 'disk'"):
+        shardckpt.save(state, str(tmp_path / "typo"), step=1, compression="zstd", compression_pace="disk")
+    assert not (tmp_path / "typo").exists()
+    manager = shardckpt.Checkpointer(
+        str(tmp_path / "run"), every_steps=1, compression="zstd", compression_pace="storage"
+    )
+    manager.maybe_save(1, state)
+    manager.close()
+    target = {name: torch.zeros_like(tensor) for name, tensor in state.items()}
+    assert shardckpt.Checkpointer(str(tmp_path / "run")).restore_latest(target) == 1
+    assert all(torch.equal(target[name], tensor) for name, tensor in state.items())
+    writer = shardckpt.dcp.StorageWriter(str(tmp_path / "dcp"), compression="zstd", compression_pace="storage")
+    dcp.save({"w": state["w"]}, storage_writer=writer)
+    assert torch.equal(shardckpt.open(str(tmp_path / "dcp")).read("w"), state["w"])
+    with pytest.raises(ShardckptUsageError, match="compression_pace 'fast'"):
+        shardckpt.Checkpointer(str(tmp_path / "other"), compression="zstd", compression_pace="fast")

@@ -31,6 +31,17 @@ class NewFile(abc.ABC):
         """Write `data` at byte `offset` (only where supports_write_at)."""
         raise NotImplementedError(f"{type(self).__name__} writes sequentially only")
 
+    #: True when hold_head and write_head work: a sequential file whose first bytes can still be replaced.
+    supports_head_rewrite = False
+
+    def hold_head(self, size: int) -> None:
+        """Before the first write: keep the file's first `size` bytes (or more) replaceable until close."""
+        raise NotImplementedError(f"{type(self).__name__} cannot replace its first bytes")
+
+    def write_head(self, data: bytes | memoryview) -> None:
+        """Replace the file's first len(data) bytes (at most hold_head's size), before close."""
+        raise NotImplementedError(f"{type(self).__name__} cannot replace its first bytes")
+
     @abc.abstractmethod
     def close(self) -> None:
         """Flush and make durable."""

@@ -68,15 +68,20 @@ def write_compressed(
     The header's final numbers are known only after compressing. Stored sizes never exceed logical ones, so a header
     written with the logical sizes is at least as long as the final one: on a positional handle (local disk) that
     header goes first and the final one, space-padded to the same length, over it at the end (memory: the jobs in
-    flight). A streaming handle (object stores) cannot go back: the rank's stored bytes are held until the end.
+    flight). An object store's upload holds its first part (header included) until the end and sends the others
+    as they fill; a streaming handle that can do neither holds the rank's stored bytes until the end.
     pace: "codec" waits for every block's encoder; "storage" (positional handles only) writes a block that no encoder
     has started raw (encode_ahead.py). encoder: makes one block encoder per thread (default: BlockEncoder(level))."""
     sizes = [memoryview(source.data).nbytes for source in sources]
     placeholder = header_bytes(metadata, [(s.key, "U8", [n], n) for s, n in zip(sources, sizes)])
     header_size = len(placeholder)
     positional = getattr(handle, "supports_write_at", False)
-    held: list[bytes] = []  # a streaming handle's stored bytes
-    if positional:
+    # An object store's upload whose first part can wait for the header streams the blocks as they are compressed.
+    rewrites_head = not positional and getattr(handle, "supports_head_rewrite", False)
+    held: list[bytes] = []  # the stored bytes of a handle that can do neither, written after the header
+    if rewrites_head:
+        handle.hold_head(header_size)
+    if positional or rewrites_head:
         handle.write(placeholder)
     chunks = _chunks(sources, sizes, max(HOT_CHUNK // block_size, 1) * block_size)
     jobs = [[(chunk[at : at + block_size], dtype) for chunk, dtype in job for at in range(0, len(chunk), block_size)]
@@ -84,8 +89,9 @@ def write_compressed(
     stored_crcs: list[int] = []
     stored_sizes: list[int] = []
     logical_crcs: list[int] = []
-    # A streaming handle holds every block in memory until the header is known, so its writes never wait for the
-    # storage: at the storage's pace everything would go raw. It compresses at the codec's pace whatever was asked.
+    # Only a local file's writes wait for the storage itself: an upload's return at once while max_in_flight bytes
+    # are on the wire (a held stream's, always), so at the storage's pace most blocks would go raw. Those go at the
+    # codec's pace whatever was asked (the link is the limit there, and the upload overlaps the encoders).
     ahead = EncodeAhead(
         jobs,
         encoder or (lambda: BlockEncoder(level)),
@@ -97,7 +103,7 @@ def write_compressed(
         for number in range(len(jobs)):
             blocks = ahead.take(number)
             for data in _joined(chunks[number], jobs[number], blocks, block_size):
-                if positional:
+                if positional or rewrites_head:
                     handle.write(data)
                 else:
                     held.append(bytes(data))
@@ -112,6 +118,8 @@ def write_compressed(
         raise AssertionError(f"compressed header of {len(header)} bytes, {header_size} reserved")
     if positional:
         handle.write_at(header, 0)
+    elif rewrites_head:
+        handle.write_head(header)
     else:
         handle.write(header)
         for data in held:

@@ -136,3 +136,26 @@ def test_save_checkpointer_and_dcp_writer_take_the_pace(tmp_path) -> None:
     assert torch.equal(shardckpt.open(str(tmp_path / "dcp")).read("w"), state["w"])
     with pytest.raises(ShardckptUsageError, match="compression_pace 'fast'"):
         shardckpt.Checkpointer(str(tmp_path / "other"), compression="zstd", compression_pace="fast")
+
+
+def test_a_compressed_s3_upload_streams_its_parts_and_sends_the_header_part_last(s3_server) -> None:
+    """The data file's parts go up while later blocks are compressed (no longer held until the end): part 1 (the
+    header and the first blocks) is sent last, after its header was replaced; a file of one part is one PUT."""
+    from tests.storage.test_s3 import MIB, make
+
+    noise = torch.randint(0, 256, (11 * MIB,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    state = {"w": _weights(1 << 16, 5), "noise": noise}  # 11 MiB that do not shrink: 3 parts of 5 MiB
+    storage, requests = make(s3_server, part_size=5 * MIB)
+    sent: list[int] = []
+    inner = requests.call
+
+    async def call(operation: str, **params):
+        if operation == "upload_part" and "/data/" in params["Key"]:
+            sent.append(params["PartNumber"])
+        return await inner(operation, **params)
+
+    requests.call = call
+    shardckpt.save(state, storage, step=1, compression="zstd")
+    assert len(sent) >= 3 and sent[-1] == 1 and sorted(sent) == list(range(1, len(sent) + 1)), sent
+    checkpoint = shardckpt.open(storage)  # every block's two CRC32Cs checked: the header agrees with the blocks
+    assert all(torch.equal(checkpoint.read(name), tensor) for name, tensor in state.items())

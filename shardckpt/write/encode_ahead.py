@@ -6,6 +6,9 @@ job it reaches that are not encoded yet are stored as they are (raw), and the en
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
@@ -123,6 +126,8 @@ class EncodeAhead:
 
     def _encode_jobs(self) -> None:
         encoder: Encoder | None = None
+        if self._storage_pace:
+            _lowest_priority()
         try:
             while (number := self._claim_job()) is not None:
                 if encoder is None:  # made in this thread: an encoder is not thread-safe
@@ -146,6 +151,15 @@ class EncodeAhead:
             with self._cond:
                 self._error = exc
                 self._cond.notify_all()
+
+
+def _lowest_priority() -> None:
+    """Run this thread at nice 19 (Linux: a thread is a task with its own nice value): at the storage's pace the
+    encoders get only the CPU that the writer, the training and everything else leave. With 2 cores at load 12,
+    256 MiB saves ran at 0.56-1.09x the uncompressed speed this way against 0.25-0.38x at equal priority."""
+    if sys.platform == "linux":  # elsewhere PRIO_PROCESS with a thread id could name another process
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def check_pace(pace: Any) -> str:

@@ -13,6 +13,8 @@ import shardckpt
 from shardckpt.errors import ShardckptUsageError
 from shardckpt.format.codec import BlockEncoder, decode_block
 from shardckpt.ops.verify import verify
+from shardckpt.planner import Box
+from shardckpt.read.checkpoint import open_checkpoint
 from shardckpt.write import writer as writer_module
 from shardckpt.write.encode_ahead import EncodeAhead
 from shardckpt.write.writer import ShardWriter
@@ -159,3 +161,35 @@ def test_a_compressed_s3_upload_streams_its_parts_and_sends_the_header_part_last
     assert len(sent) >= 3 and sent[-1] == 1 and sorted(sent) == list(range(1, len(sent) + 1)), sent
     checkpoint = shardckpt.open(storage)  # every block's two CRC32Cs checked: the header agrees with the blocks
     assert all(torch.equal(checkpoint.read(name), tensor) for name, tensor in state.items())
+
+
+def test_compressed_s3_ranges_are_decoded_while_later_ranges_are_on_the_wire(s3_server, monkeypatch) -> None:
+    """A load over a link that is the limit: the first range's blocks are decompressed while the next range is still
+    being fetched (the next GET here waits for that decode: before, decoding began once the whole wave was in)."""
+    import asyncio
+
+    from tests.storage.test_s3 import make
+
+    storage, _ = make(s3_server)
+    state = {"a": _weights(1 << 16, 7), "b": _weights(1 << 16, 8)}
+    shardckpt.save(state, storage, step=1, compression="zstd", block_size=4096)
+    checkpoint = open_checkpoint(storage, max_request=1 << 16)  # four requests of 64 KiB: one wave
+    decoded, waited, started = threading.Event(), [], []
+    decode_range, read = checkpoint.decode_range, checkpoint.data_storage._read
+
+    def decode_then_say(*args) -> None:
+        decode_range(*args)
+        decoded.set()
+
+    async def read_after_a_decode(path, start, end, limit=None):
+        started.append(start)
+        if len(started) > 1:  # every GET after the first waits for a range to be decoded
+            waited.append(await asyncio.get_running_loop().run_in_executor(None, decoded.wait, 20.0))
+        return await read(path, start, end, limit)
+
+    monkeypatch.setattr(checkpoint, "decode_range", decode_then_say)
+    monkeypatch.setattr(checkpoint.data_storage, "_read", read_after_a_decode)
+    target = {name: torch.zeros_like(tensor) for name, tensor in state.items()}
+    checkpoint.read_into([(name, Box((0,), tuple(t.shape)), target[name]) for name, t in state.items()])
+    assert waited and all(waited), "a range was decoded only after every range of the wave had arrived"
+    assert all(torch.equal(target[name], tensor) for name, tensor in state.items())

@@ -105,7 +105,11 @@ class Checkpoint(StoredCheckpoint):
     # --------------------------------------------------------------------------------------- planning
 
     def plan(self, wanted: Mapping[str, Sequence[tuple[Sequence[int], Sequence[int]]]]) -> ReadPlan:
-        """Plan reads of {name: [(offsets, shape), ...]}: which byte ranges of which files, nothing else."""
+        """Plan reads of {name: [(offsets, shape), ...]}: which byte ranges of which files, nothing else.
+
+        The ranges are logical: in a compressed file (format 1.2, SPEC 4.1) they are offsets into the file as if it
+        were stored raw, and the bytes fetched are the stored blocks that cover them (`stored_bytes(plan)` counts
+        those; ReadStats.fetched_bytes of a read counts them too, needed_bytes the logical bytes)."""
         targets = [
             Target(name, Box(tuple(int(o) for o in offsets), tuple(int(s) for s in shape)))
             for name, boxes in wanted.items()

@@ -7,7 +7,9 @@ caller's thread writes finished ones (encode_ahead.py); at most 2T + 1 jobs of H
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -62,6 +64,7 @@ def write_compressed(
     pace: str = "codec",
     progress: Callable[[], None] | None = None,
     encoder: Callable[[], Encoder] | None = None,
+    write_threads: int = 1,
 ) -> Written:
     """Write header and compressed pieces to `handle`; each piece a U8 entry of its stored size (SPEC 4.1).
 
@@ -71,7 +74,8 @@ def write_compressed(
     flight). An object store's upload holds its first part (header included) until the end and sends the others
     as they fill; a streaming handle that can do neither holds the rank's stored bytes until the end.
     pace: "codec" waits for every block's encoder; "storage" (positional handles only) writes a block that no encoder
-    has started raw (encode_ahead.py). encoder: makes one block encoder per thread (default: BlockEncoder(level))."""
+    has started raw (encode_ahead.py). encoder: makes one block encoder per thread (default: BlockEncoder(level)).
+    write_threads: threads writing a positional handle at once (pwrite), as a raw save's large files are."""
     sizes = [memoryview(source.data).nbytes for source in sources]
     placeholder = header_bytes(metadata, [(s.key, "U8", [n], n) for s, n in zip(sources, sizes)])
     header_size = len(placeholder)
@@ -99,11 +103,14 @@ def write_compressed(
         window=2 * max(1, threads) + 1,
         storage_pace=pace == "storage" and positional,
     )
-    with ahead:
+    writes = _Positional(handle, header_size, write_threads if positional else 0)
+    with ahead, writes:
         for number in range(len(jobs)):
             blocks = ahead.take(number)
             for data in _joined(chunks[number], jobs[number], blocks, block_size):
-                if positional or rewrites_head:
+                if positional:
+                    writes.write(data)
+                elif rewrites_head:
                     handle.write(data)
                 else:
                     held.append(bytes(data))
@@ -112,6 +119,7 @@ def write_compressed(
             logical_crcs.extend(block.logical_crc32c for block in blocks)
             if progress is not None:
                 progress()
+        writes.finish()
     piece_stored = _per_piece(stored_sizes, sizes, block_size)
     header = header_bytes(metadata, [(s.key, "U8", [n], n) for s, n in zip(sources, piece_stored)], header_size)
     if len(header) != header_size:  # stored <= logical makes this impossible; a wrong file must never be written
@@ -133,6 +141,37 @@ def write_compressed(
     )
     stored_crc = np.array(stored_crcs, dtype=np.uint32)
     return Written(header_size + sum(stored_sizes), header, offsets, stored_crc, table, ahead.raw_blocks)
+
+
+class _Positional:
+    """Buffers written at increasing offsets of a positional handle by `threads` threads (a raw save's large files
+    are filled by 2), at most 2 per thread in flight; 0 or 1 thread: in the caller's. Leaving it without finish()
+    drops what is queued (the write failed)."""
+
+    def __init__(self, handle: Any, position: int, threads: int) -> None:
+        self.handle, self.position, self.threads = handle, position, threads
+        self.pool = ThreadPoolExecutor(threads, "shardckpt-write") if threads > 1 else None
+        self.pending: deque[Future[None]] = deque()
+
+    def write(self, data: bytes | memoryview) -> None:
+        if self.pool is None:
+            self.handle.write_at(data, self.position)
+        else:
+            while len(self.pending) >= 2 * self.threads:
+                self.pending.popleft().result()
+            self.pending.append(self.pool.submit(self.handle.write_at, data, self.position))
+        self.position += len(data)
+
+    def finish(self) -> None:
+        while self.pending:
+            self.pending.popleft().result()
+
+    def __enter__(self) -> _Positional:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _chunks(sources: Sequence[Source], sizes: list[int], chunk_size: int) -> list[list[tuple[memoryview, str]]]:

@@ -503,6 +503,7 @@ class ShardWriter:
                 threads=self.compression_threads,
                 codec=self.compression or "zstd",
                 pace=self.compression_pace,
+                write_threads=self.write_threads,
                 progress=lambda: crash_point("writing_data", self.rank),
             )
 

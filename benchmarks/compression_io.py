@@ -130,10 +130,17 @@ def _cpu_note() -> str:
 
 
 def s3_rows(
-    state: dict[str, torch.Tensor], repeats: int, endpoint: str | None, bucket: str, link_mb_s: float = 0.0
+    state: dict[str, torch.Tensor],
+    repeats: int,
+    endpoint: str | None,
+    bucket: str,
+    link_mb_s: float = 0.0,
+    link_state: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, dict[str, object]]:
     """Save and load through s3fs to `endpoint`, or to a SeaweedFS started here: loopback, where the shared cores are
-    the limit; with link_mb_s, through benchmarks/throttle.py's proxy capped at that many MB/s ("s3" and "s3_link")."""
+    the limit; with link_mb_s, `link_state` (default: state) through benchmarks/throttle.py's proxy capped at that many
+    MB/s ("s3" and "s3_link")."""
+    link_state = state if link_state is None else link_state
     from benchmarks.s3 import server_options
     from benchmarks.throttle import running
 
@@ -144,8 +151,8 @@ def s3_rows(
             target = str(options["endpoint_url"]).split("://", 1)[-1].rstrip("/")
             with running(target, link_mb_s) as proxy:
                 limited = {**options, "endpoint_url": proxy}
-                rows["s3_link"] = _s3_ways(f"S3 at {link_mb_s:g} MB/s", state, repeats, limited, bucket)
-            size = sum(t.numel() * t.element_size() for t in state.values())
+                rows["s3_link"] = _s3_ways(f"S3 at {link_mb_s:g} MB/s", link_state, repeats, limited, bucket)
+            size = sum(t.numel() * t.element_size() for t in link_state.values())
             moved = size / rows["s3_link"]["save"]["seconds"]["plain"] / 1e6  # type: ignore[index]
             rows["s3_link"]["link_mb_s"] = link_mb_s
             rows["s3_link"]["plain_save_mb_s"] = moved
@@ -252,7 +259,8 @@ def throughput_rows(args: argparse.Namespace, weights: dict[str, torch.Tensor]) 
     try:
         rows["local"] = local_rows(state, args.repeats, scratch, args.warm)
         if not args.no_s3:
-            rows.update(s3_rows(state, args.repeats, args.endpoint, args.bucket, args.link_mb_s))
+            link_state = tiled(weights, min(args.size_mib, args.link_size_mib) << 20)
+            rows.update(s3_rows(state, args.repeats, args.endpoint, args.bucket, args.link_mb_s, link_state))
         if not args.no_reshard:
             source = "synthetic" if args.smoke else "minilm"
             rows["reshard_4_to_3"] = reshard_row(source, scratch, args.warm, 1 << 20)

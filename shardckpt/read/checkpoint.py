@@ -13,7 +13,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -105,7 +105,11 @@ class Checkpoint(StoredCheckpoint):
     # --------------------------------------------------------------------------------------- planning
 
     def plan(self, wanted: Mapping[str, Sequence[tuple[Sequence[int], Sequence[int]]]]) -> ReadPlan:
-        """Plan reads of {name: [(offsets, shape), ...]}: which byte ranges of which files, nothing else."""
+        """Plan reads of {name: [(offsets, shape), ...]}: which byte ranges of which files, nothing else.
+
+        The ranges are logical: in a compressed file (format 1.2, SPEC 4.1) they are offsets into the file as if it
+        were stored raw, and the bytes fetched are the stored blocks that cover them (`stored_bytes(plan)` counts
+        those; ReadStats.fetched_bytes of a read counts them too, needed_bytes the logical bytes)."""
         targets = [
             Target(name, Box(tuple(int(o) for o in offsets), tuple(int(s) for s in shape)))
             for name, boxes in wanted.items()
@@ -301,27 +305,48 @@ class Checkpoint(StoredCheckpoint):
             yield wave
 
     def fetch_wave(self, wave: list[ReadRequest]) -> list[tuple[ReadRequest, ByteArray]]:
-        """Read a wave's ranges concurrently and verify every block of them; nothing is copied."""
+        """Read a wave's ranges concurrently and verify every block of them; nothing is copied. Compressed ranges are
+        decoded on threads as they arrive, while the rest of the wave is still on the wire (over a link that is the
+        limit, decoding after the whole wave cost a 1.02x load time for 0.82x the bytes)."""
+        decoding: dict[int, Future[ByteArray]] = {}
+        compressed = [self.is_compressed(request.file) for request in wave]
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        pool = ThreadPoolExecutor(min(4, cores), "shardckpt-decode") if sum(compressed) > 1 else None
+
+        def arrived(number: int, blob: bytes) -> None:
+            if pool is not None and compressed[number]:
+                decoding[number] = pool.submit(self._verified_blob, wave[number], blob)
+
         try:
-            blobs = self.data_storage.read_ranges([(self.source(r.file)[1], *self._stored(r)) for r in wave])
-        except TruncatedError as exc:
-            names = sorted({span.tensor for r in wave for span in r.verify})
-            raise IntegrityError(f"{exc} while reading tensors {names[:5]}") from exc
-        fetched_wave = []
-        for request, blob in zip(wave, blobs):
-            start, end = self._stored(request)
-            if len(blob) != end - start:
-                raise IntegrityError(
-                    f"{self.describe_file(request.file)}: short read of bytes {start}:{end} (got {len(blob)})"
+            try:
+                blobs = self.data_storage.read_ranges(
+                    [(self.source(r.file)[1], *self._stored(r)) for r in wave], arrived
                 )
-            fetched = np.frombuffer(blob, dtype=np.uint8)
-            if self.is_compressed(request.file):
-                stored, fetched = fetched, np.empty(request.size, dtype=np.uint8)
-                self.decode_range(request.file, request.verify, stored, start, fetched, request.start)
-            else:
-                self.verify(request, fetched)
-            fetched_wave.append((request, fetched))
-        return fetched_wave
+            except TruncatedError as exc:
+                names = sorted({span.tensor for r in wave for span in r.verify})
+                raise IntegrityError(f"{exc} while reading tensors {names[:5]}") from exc
+            return [
+                (request, decoding[n].result() if n in decoding else self._verified_blob(request, blob))
+                for n, (request, blob) in enumerate(zip(wave, blobs))
+            ]
+        finally:
+            if pool is not None:
+                pool.shutdown(cancel_futures=True)
+
+    def _verified_blob(self, request: ReadRequest, blob: bytes) -> ByteArray:
+        """A request's fetched bytes, verified (and decompressed, from a compressed file), or IntegrityError."""
+        start, end = self._stored(request)
+        if len(blob) != end - start:
+            raise IntegrityError(
+                f"{self.describe_file(request.file)}: short read of bytes {start}:{end} (got {len(blob)})"
+            )
+        fetched = np.frombuffer(blob, dtype=np.uint8)
+        if self.is_compressed(request.file):
+            stored, fetched = fetched, np.empty(request.size, dtype=np.uint8)
+            self.decode_range(request.file, request.verify, stored, start, fetched, request.start)
+        else:
+            self.verify(request, fetched)
+        return fetched
 
     def _stored(self, request: ReadRequest) -> tuple[int, int]:
         """The file bytes a request reads: its own range, or the stored blocks behind it in a compressed file."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import abc
 import datetime as dt
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -30,6 +30,17 @@ class NewFile(abc.ABC):
     def write_at(self, data: bytes | memoryview, offset: int) -> None:
         """Write `data` at byte `offset` (only where supports_write_at)."""
         raise NotImplementedError(f"{type(self).__name__} writes sequentially only")
+
+    #: True when hold_head and write_head work: a sequential file whose first bytes can still be replaced.
+    supports_head_rewrite = False
+
+    def hold_head(self, size: int) -> None:
+        """Before the first write: keep the file's first `size` bytes (or more) replaceable until close."""
+        raise NotImplementedError(f"{type(self).__name__} cannot replace its first bytes")
+
+    def write_head(self, data: bytes | memoryview) -> None:
+        """Replace the file's first len(data) bytes (at most hold_head's size), before close."""
+        raise NotImplementedError(f"{type(self).__name__} cannot replace its first bytes")
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -120,12 +131,15 @@ class Storage(abc.ABC):
     def read_range(self, path: str, start: int, end: int) -> bytes:
         """Exactly bytes [start, end) of `path`; StorageError on a short read, NotFoundError if missing."""
 
-    def read_ranges(self, requests: Sequence[tuple[str, int, int]]) -> list[bytes]:
-        """Several exact range reads, concurrently."""
+    def read_ranges(
+        self, requests: Sequence[tuple[str, int, int]], arrived: Callable[[int, bytes], None] | None = None
+    ) -> list[bytes]:
+        """Several exact range reads, concurrently; `arrived(i, data)` (quick: it may run on an I/O thread) as
+        request i's bytes come in, so the caller can start on them while the others are still read."""
         if len(requests) <= 1:
-            return [self.read_range(*request) for request in requests]
+            return [_arrived(arrived, number, self.read_range(*r)) for number, r in enumerate(requests)]
         with ThreadPoolExecutor(max_workers=min(self.read_threads, len(requests))) as pool:
-            return list(pool.map(lambda request: self.read_range(*request), requests))
+            return list(pool.map(lambda n: _arrived(arrived, n, self.read_range(*requests[n])), range(len(requests))))
 
     def read_range_into(self, path: str, start: int, out: memoryview) -> None:
         """Exactly len(out) bytes of `path` from byte `start` into the writable byte buffer `out`.
@@ -222,3 +236,9 @@ def modified_time(info: Mapping[str, Any]) -> float | None:
                 continue
             return (parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.timezone.utc)).timestamp()
     return None
+
+
+def _arrived(arrived: Callable[[int, bytes], None] | None, number: int, data: bytes) -> bytes:
+    if arrived is not None:
+        arrived(number, data)
+    return data

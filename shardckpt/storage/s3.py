@@ -408,14 +408,21 @@ class S3Storage(Storage):
             return b""
         return self.run(self._read, path, start, end)
 
-    def read_ranges(self, requests: Sequence[tuple[str, int, int]]) -> list[bytes]:
-        """All requests at once, at most max_requests GETs on the wire; the caller bounds the bytes."""
+    def read_ranges(
+        self, requests: Sequence[tuple[str, int, int]], arrived: Callable[[int, bytes], None] | None = None
+    ) -> list[bytes]:
+        """All requests at once, at most max_requests GETs on the wire; the caller bounds the bytes. `arrived(i,
+        data)` runs on the event loop as request i completes (keep it quick: hand the bytes to a thread)."""
+
+        async def one(number: int, path: str, start: int, end: int, limit: asyncio.Semaphore) -> bytes:
+            data = await (self._read(path, start, end, limit) if end > start else self._empty(path, limit))
+            if arrived is not None:
+                arrived(number, data)
+            return data
 
         async def read_all() -> list[bytes]:
             limit = asyncio.Semaphore(self.max_requests)
-            return await gather_all(
-                [self._read(p, s, e, limit) if e > s else self._empty(p, limit) for p, s, e in requests]
-            )
+            return await gather_all([one(n, p, s, e, limit) for n, (p, s, e) in enumerate(requests)])
 
         return self.run(read_all) if requests else []
 

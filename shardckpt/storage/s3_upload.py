@@ -70,13 +70,19 @@ def as_body(data: bytes | bytearray) -> bytes | io.BytesIO:
 class S3NewFile(NewFile):
     """Bytes are buffered into parts; a full part is handed to the event loop and write() returns at once,
     unless the parts on the wire already hold max_in_flight bytes: then it waits for the oldest to finish.
+    After hold_head, part 1 stays in memory until close, so that write_head can still replace the object's first
+    bytes (a compressed data file's header, known last) while parts 2.. stream: S3 assembles parts by number.
     """
+
+    supports_head_rewrite = True
 
     def __init__(self, storage: UploadTarget, path: str, conditional: bool) -> None:
         self._storage, self._path, self._conditional = storage, path, conditional
         self._buffer = bytearray()
         self._upload_id: str | None = None
-        self._parts: list[Future[str]] = []
+        self._parts: list[Future[str]] = []  # parts sent, by part number (from 2 while the head is held)
+        self._head_size: int | None = None  # hold_head's size: part 1 is cut at no less
+        self._head: bytearray | None = None  # part 1, held until close
         self._pending: deque[tuple[Future[str], int]] = deque()
         self._in_flight = 0
         self.size = 0
@@ -89,7 +95,22 @@ class S3NewFile(NewFile):
         return len(self._parts)
 
     def _part_size(self) -> int:
-        return min(self._storage.part_size << (len(self._parts) // PARTS_PER_SIZE_STEP), MAX_PART_SIZE)
+        size = min(self._storage.part_size << (len(self._parts) // PARTS_PER_SIZE_STEP), MAX_PART_SIZE)
+        if self._head_size is not None and self._head is None:
+            return max(size, self._head_size)  # part 1 holds all the replaceable bytes
+        return size
+
+    def hold_head(self, size: int) -> None:
+        if self.size:
+            raise StorageError(f"{self._storage.describe(self._path)}: hold_head after bytes were written")
+        self._head_size = size
+
+    def write_head(self, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        target = self._head if self._head is not None else self._buffer
+        if self._head_size is None or len(view) > min(self._head_size, len(target)):
+            raise StorageError(f"{self._storage.describe(self._path)}: write_head beyond the bytes held")
+        target[: len(view)] = view
 
     def write(self, data: bytes | memoryview) -> None:
         view = memoryview(data).cast("B")
@@ -100,10 +121,13 @@ class S3NewFile(NewFile):
             view = view[room:]
             if len(self._buffer) >= self._part_size():
                 part, self._buffer = self._buffer, bytearray()
-                self._send(part)
+                if self._head_size is not None and self._head is None:
+                    self._head = part  # part 1: sent at close, after write_head
+                else:
+                    self._send(part)
 
-    def _send(self, part: bytearray) -> None:
-        if len(self._parts) >= MAX_PARTS:
+    def _send(self, part: bytearray, number: int | None = None) -> None:
+        if len(self._parts) + (self._head is not None) >= MAX_PARTS:
             raise StorageError(f"{self._storage.describe(self._path)}: over {MAX_PARTS} parts; raise part_size")
         if self._upload_id is None:
             response = self._storage.run(
@@ -115,7 +139,9 @@ class S3NewFile(NewFile):
             future, nbytes = self._pending.popleft()
             future.result()  # raises the part's StorageError
             self._in_flight -= nbytes
-        coroutine = self._upload_part(len(self._parts) + 1, bytes(part))  # bytes: retries share one buffer
+        if number is None:  # the next part; part 1 is sent last while held
+            number = len(self._parts) + 1 + (self._head is not None)
+        coroutine = self._upload_part(number, bytes(part))  # bytes: retries share one buffer
         future = asyncio.run_coroutine_threadsafe(coroutine, self._storage.fs.loop)
         self._parts.append(future)
         self._pending.append((future, len(part)))
@@ -151,12 +177,18 @@ class S3NewFile(NewFile):
 
     def close(self) -> None:
         try:
-            if self._upload_id is None:
+            if self._upload_id is None and self._head is not None and not self._buffer:
+                self._buffer, self._head = self._head, None  # exactly one part: one PUT
+            if self._upload_id is None and self._head is None:
                 self._storage.run(self._storage.put_new, self._path, self._buffer, self._conditional)
                 return
             if self._buffer:
                 part, self._buffer = self._buffer, bytearray()
                 self._send(part)  # the last part may be shorter than 5 MiB
+            if self._head is not None:
+                head, self._head = self._head, None
+                self._send(head, 1)
+                self._parts.insert(0, self._parts.pop())
             etags = [future.result() for future in self._parts]
             self._pending.clear()
             self._storage.run(self._complete, etags)

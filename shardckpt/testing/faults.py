@@ -12,7 +12,7 @@ import fnmatch
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -152,7 +152,9 @@ class FaultyStorage(Storage):
             return
         self.inner.commit_marker(path, data)
 
-    def read_ranges(self, requests: Sequence[tuple[str, int, int]]) -> list[bytes]:
+    def read_ranges(
+        self, requests: Sequence[tuple[str, int, int]], arrived: Callable[[int, bytes], None] | None = None
+    ) -> list[bytes]:
         """Concurrent exact reads; with a "reorder" fault on read_range they also start in a shuffled order."""
         order = list(range(len(requests)))
         if any(fault.op == "read_range" and fault.kind == "reorder" for fault in self.faults):
@@ -163,6 +165,8 @@ class FaultyStorage(Storage):
             futures = {pool.submit(self.read_range, *requests[index]): index for index in order}
             for future in as_completed(futures):
                 results[futures[future]] = future.result()
+                if arrived is not None:
+                    arrived(futures[future], results[futures[future]])
         return results
 
     def read_range(self, path: str, start: int, end: int) -> bytes:

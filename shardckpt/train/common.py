@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from shardckpt import knobs
 from shardckpt.format.codec import CODECS
+from shardckpt.write.encode_ahead import PACES
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -71,6 +72,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--compression",
         choices=CODECS,
         help="store every checkpoint block losslessly compressed (format 1.2; level: SHARDCKPT_COMPRESSION_LEVEL)",
+    )
+    parser.add_argument(
+        "--compression-pace",
+        choices=PACES,
+        help="with --compression: codec (default) compresses every block; storage never lets a save wait for the "
+        "codec (a block not compressed when the writer reaches it is stored raw)",
     )
     parser.add_argument(
         "--freeze-base",

@@ -65,6 +65,7 @@ class Trainer:
             incremental=args.incremental,
             full_every=args.full_every,
             compression=args.compression,
+            compression_pace=args.compression_pace,
             # Beside another run's checkpoints the same cadence meets the same step names: this run's carry its id.
             run_names=args.ignore_existing and not args.resume,
             total_steps=args.steps,

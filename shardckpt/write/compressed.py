@@ -1,24 +1,23 @@
 """Writing a compressed data file (format 1.2, SPEC 4.1): blocks compressed on a bounded thread pipeline, in order.
 
 zstd, CRC32C and the byte grouping's numpy copies release the GIL, so `threads` blocks compress at once while the
-caller's thread writes finished ones; at most `window` jobs of HOT_CHUNK logical bytes are in flight.
+caller's thread writes finished ones (encode_ahead.py); at most 2T + 1 jobs of HOT_CHUNK logical bytes are in flight.
 """
 
 from __future__ import annotations
 
 import json
-import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-import crc32c
 import numpy as np
 
 from shardckpt import knobs
 from shardckpt.format.codec import BlockEncoder
 from shardckpt.format.compressed import LocalCompression
+from shardckpt.write.encode_ahead import EncodeAhead, Encoder, Stored
 
 HOT_CHUNK = knobs.HOT_CHUNK  # logical bytes per compression job
 
@@ -37,6 +36,7 @@ class Written(NamedTuple):
     offsets: list[int]  # logical offset of every piece
     crc32c: np.ndarray  # of every block's stored bytes
     compression: LocalCompression
+    raw_blocks: int = 0  # blocks written raw because no encoder had started them (storage pace)
 
 
 def header_bytes(metadata: dict[str, str], entries: Sequence[tuple[str, str, list[int], int]], size: int = 0) -> bytes:
@@ -61,71 +61,73 @@ def write_compressed(
     level: int,
     threads: int,
     codec: str = "zstd",
+    pace: str = "codec",
     progress: Callable[[], None] | None = None,
+    encoder: Callable[[], Encoder] | None = None,
+    write_threads: int = 1,
 ) -> Written:
     """Write header and compressed pieces to `handle`; each piece a U8 entry of its stored size (SPEC 4.1).
 
     The header's final numbers are known only after compressing. Stored sizes never exceed logical ones, so a header
     written with the logical sizes is at least as long as the final one: on a positional handle (local disk) that
     header goes first and the final one, space-padded to the same length, over it at the end (memory: the jobs in
-    flight). A streaming handle (object stores) cannot go back: the rank's stored bytes are held until the end."""
+    flight). An object store's upload holds its first part (header included) until the end and sends the others
+    as they fill; a streaming handle that can do neither holds the rank's stored bytes until the end.
+    pace: "codec" waits for every block's encoder; "storage" (positional handles only) writes a block that no encoder
+    has started raw (encode_ahead.py). encoder: makes one block encoder per thread (default: BlockEncoder(level)).
+    write_threads: threads writing a positional handle at once (pwrite), as a raw save's large files are."""
     sizes = [memoryview(source.data).nbytes for source in sources]
     placeholder = header_bytes(metadata, [(s.key, "U8", [n], n) for s, n in zip(sources, sizes)])
     header_size = len(placeholder)
     positional = getattr(handle, "supports_write_at", False)
-    held: list[bytes] = []
-    if positional:
+    # An object store's upload whose first part can wait for the header streams the blocks as they are compressed.
+    rewrites_head = not positional and getattr(handle, "supports_head_rewrite", False)
+    held: list[bytes] = []  # the stored bytes of a handle that can do neither, written after the header
+    if rewrites_head:
+        handle.hold_head(header_size)
+    if positional or rewrites_head:
         handle.write(placeholder)
-    local = threading.local()
-
-    def compress(job: list[tuple[memoryview, str]]) -> tuple[list[Any], list[int], list[int], list[int]]:
-        encoder = getattr(local, "encoder", None)
-        if encoder is None:
-            encoder = local.encoder = BlockEncoder(level)
-        blocks, stored_crcs, stored_sizes, logical_crcs = [], [], [], []
-        for chunk, dtype in job:  # each piece's blocks start at its own first byte
-            for at in range(0, len(chunk), block_size):
-                raw = chunk[at : at + block_size]
-                stored = encoder.encode(raw, dtype)
-                blocks.append(stored)
-                stored_crcs.append(crc32c.crc32c(stored))
-                stored_sizes.append(len(stored))
-                logical_crcs.append(crc32c.crc32c(raw))
-        return blocks, stored_crcs, stored_sizes, logical_crcs
-
-    jobs = _jobs(sources, sizes, max(HOT_CHUNK // block_size, 1) * block_size)
+    chunks = _chunks(sources, sizes, max(HOT_CHUNK // block_size, 1) * block_size)
+    jobs = [[(chunk[at : at + block_size], dtype) for chunk, dtype in job for at in range(0, len(chunk), block_size)]
+            for job in chunks]  # fmt: skip
     stored_crcs: list[int] = []
     stored_sizes: list[int] = []
     logical_crcs: list[int] = []
-    window = 2 * max(1, threads) + 1
-    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="shardckpt-compress") as pool:
-        pending: deque[Future[Any]] = deque()
-        submitted = 0
-        try:
-            while submitted < len(jobs) or pending:
-                while submitted < len(jobs) and len(pending) < window:
-                    pending.append(pool.submit(compress, jobs[submitted]))
-                    submitted += 1
-                blocks, crcs, stored, logical = pending.popleft().result()
-                data = b"".join(blocks)
+    # Only a local file's writes wait for the storage itself: an upload's return at once while max_in_flight bytes
+    # are on the wire (a held stream's, always), so at the storage's pace most blocks would go raw. Those go at the
+    # codec's pace whatever was asked (the link is the limit there, and the upload overlaps the encoders).
+    ahead = EncodeAhead(
+        jobs,
+        encoder or (lambda: BlockEncoder(level)),
+        threads=threads,
+        window=2 * max(1, threads) + 1,
+        storage_pace=pace == "storage" and positional,
+    )
+    writes = _Positional(handle, header_size, write_threads if positional else 0)
+    with ahead, writes:
+        for number in range(len(jobs)):
+            blocks = ahead.take(number)
+            for data in _joined(chunks[number], jobs[number], blocks, block_size):
                 if positional:
+                    writes.write(data)
+                elif rewrites_head:
                     handle.write(data)
                 else:
-                    held.append(data)
-                stored_crcs.extend(crcs)
-                stored_sizes.extend(stored)
-                logical_crcs.extend(logical)
-                if progress is not None:
-                    progress()
-        finally:
-            for future in pending:
-                future.cancel()
+                    held.append(bytes(data))
+            stored_crcs.extend(block.crc32c for block in blocks)
+            stored_sizes.extend(len(block.data) for block in blocks)
+            logical_crcs.extend(block.logical_crc32c for block in blocks)
+            if progress is not None:
+                progress()
+        writes.finish()
     piece_stored = _per_piece(stored_sizes, sizes, block_size)
     header = header_bytes(metadata, [(s.key, "U8", [n], n) for s, n in zip(sources, piece_stored)], header_size)
     if len(header) != header_size:  # stored <= logical makes this impossible; a wrong file must never be written
         raise AssertionError(f"compressed header of {len(header)} bytes, {header_size} reserved")
     if positional:
         handle.write_at(header, 0)
+    elif rewrites_head:
+        handle.write_head(header)
     else:
         handle.write(header)
         for data in held:
@@ -137,12 +139,45 @@ def write_compressed(
         np.array(stored_sizes, dtype=np.uint32),
         np.array(logical_crcs, dtype=np.uint32),
     )
-    return Written(header_size + sum(stored_sizes), header, offsets, np.array(stored_crcs, dtype=np.uint32), table)
+    stored_crc = np.array(stored_crcs, dtype=np.uint32)
+    return Written(header_size + sum(stored_sizes), header, offsets, stored_crc, table, ahead.raw_blocks)
 
 
-def _jobs(sources: Sequence[Source], sizes: list[int], chunk_size: int) -> list[list[tuple[memoryview, str]]]:
+class _Positional:
+    """Buffers written at increasing offsets of a positional handle by `threads` threads (a raw save's large files
+    are filled by 2), at most 2 per thread in flight; 0 or 1 thread: in the caller's. Leaving it without finish()
+    drops what is queued (the write failed)."""
+
+    def __init__(self, handle: Any, position: int, threads: int) -> None:
+        self.handle, self.position, self.threads = handle, position, threads
+        self.pool = ThreadPoolExecutor(threads, "shardckpt-write") if threads > 1 else None
+        self.pending: deque[Future[None]] = deque()
+
+    def write(self, data: bytes | memoryview) -> None:
+        if self.pool is None:
+            self.handle.write_at(data, self.position)
+        else:
+            while len(self.pending) >= 2 * self.threads:
+                self.pending.popleft().result()
+            self.pending.append(self.pool.submit(self.handle.write_at, data, self.position))
+        self.position += len(data)
+
+    def finish(self) -> None:
+        while self.pending:
+            self.pending.popleft().result()
+
+    def __enter__(self) -> _Positional:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _chunks(sources: Sequence[Source], sizes: list[int], chunk_size: int) -> list[list[tuple[memoryview, str]]]:
     """The pieces cut into compression jobs of about `chunk_size` logical bytes: a large piece in chunks, small pieces
-    batched together (a job per bias vector would cost a hand-off between threads per few KiB)."""
+    batched together (a job per bias vector would cost a hand-off between threads per few KiB). A chunk's blocks
+    start at its first byte, so each piece's blocks start at its own first byte."""
     jobs: list[list[tuple[memoryview, str]]] = []
     batch: list[tuple[memoryview, str]] = []
     batched = 0
@@ -158,6 +193,24 @@ def _jobs(sources: Sequence[Source], sizes: list[int], chunk_size: int) -> list[
     if batch:
         jobs.append(batch)
     return jobs
+
+
+def _joined(
+    chunks: list[tuple[memoryview, str]], blocks: list[tuple[memoryview, str]], stored: list[Stored], block_size: int
+) -> list[bytes | memoryview]:
+    """A job's stored bytes as buffers to write in order: a chunk whose every block is stored raw is its own memory
+    (written without a copy: at the storage's pace most are), the others' blocks joined."""
+    out: list[bytes | memoryview] = []
+    at = 0
+    for chunk, _ in chunks:
+        count = -(-len(chunk) // block_size)
+        mine = stored[at : at + count]
+        if all(len(block.data) == len(raw) for block, (raw, _) in zip(mine, blocks[at : at + count])):
+            out.append(chunk)
+        else:
+            out.append(b"".join(block.data for block in mine))
+        at += count
+    return out
 
 
 def _per_piece(stored_sizes: list[int], sizes: list[int], block_size: int) -> list[int]:

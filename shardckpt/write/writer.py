@@ -46,6 +46,7 @@ from shardckpt.format.values import check_plain
 from shardckpt.storage import Storage, open_storage
 from shardckpt.torch_bytes import by_value, check_dense, format_dtype, host_bytes
 from shardckpt.write.compressed import Source, Written, write_compressed
+from shardckpt.write.encode_ahead import check_pace
 from shardckpt.write.holders import DamagedHolderWarning, damaged_holders, mark_intact, unchecked
 from shardckpt.write.parent import Holder, ParentPieces
 
@@ -86,6 +87,7 @@ class WriteStats:
     # Seconds hashing every piece before anything is written (a save with a parent compares first); 0 for other
     # saves, whose hashes run alongside the writes.
     hash_seconds: float = 0.0
+    raw_blocks: int = 0  # compressed save at the storage's pace: blocks written raw, no encoder having started them
 
 
 # zstd's levels (ZSTD_minCLevel()..ZSTD_maxCLevel()). The compressor keeps 2T + 1 jobs in flight, so a thread count
@@ -250,19 +252,26 @@ class ShardWriter:
         compression: str | None = None,
         compression_level: int | None = None,
         compression_threads: int | None = None,
+        compression_pace: str | None = None,
     ) -> None:
         """parent: an incremental save's parent (write.parent.open_parent): a piece whose bytes hash equal to the
         parent's piece of the same identity is stored by reference to the file that holds it (SPEC 6.2).
         piece_hashes: record the hash of every piece written, which a parent needs (default: knobs.PIECE_HASHES, or
         on when there is a parent). hash_threads: threads hashing pieces while they are written (0: in line).
         compression: "zstd" stores every block compressed (format 1.2, SPEC 4.1), None (default) raw; the level and
-        threads default to knobs.COMPRESSION_LEVEL and knobs.COMPRESSION_THREADS."""
+        threads default to knobs.COMPRESSION_LEVEL and knobs.COMPRESSION_THREADS. compression_pace: "codec" waits for
+        every block's encoder, "storage" writes a block no encoder has started raw (never slower than the disk; the
+        ratio depends on spare cores; local disk only); default "storage" if knobs.COMPRESSION_STORAGE_PACE else
+        "codec"."""
         if not 0 <= rank < world_size:
             raise ShardckptUsageError(f"rank {rank} is outside 0..{world_size - 1}")
         if not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE or block_size & (block_size - 1):
             raise ShardckptUsageError(f"block_size must be a power of two in {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE}")
         self.compression = check_codec(compression)
         self.compression_level, self.compression_threads = knobs.COMPRESSION_LEVEL, 1
+        if compression_pace is None:
+            compression_pace = "storage" if knobs.COMPRESSION_STORAGE_PACE else "codec"
+        self.compression_pace = check_pace(compression_pace)
         if self.compression is not None:  # unused otherwise: a raw save never fails over a compression knob
             level = knobs.COMPRESSION_LEVEL if compression_level is None else compression_level
             threads = knobs.COMPRESSION_THREADS if compression_threads is None else compression_threads
@@ -390,13 +399,14 @@ class ShardWriter:
         offsets: list[int] = []
         crcs: list[np.ndarray] = []
         compressed: LocalCompression | None = None
+        raw_blocks = 0
         try:
             if self.compression is None:
                 position = self._write_data(data_path, header, hasher, offsets, crcs)
             else:
                 written = self._write_compressed(data_path, hasher)
                 position, header, compressed = written.data_size, written.header, written.compression
-                offsets, crcs = written.offsets, [written.crc32c]
+                offsets, crcs, raw_blocks = written.offsets, [written.crc32c], written.raw_blocks
             if hasher is not None:
                 digests = hasher.finish()
         finally:
@@ -439,7 +449,7 @@ class ShardWriter:
             raise IntegrityError(f"{self.storage.describe(manifest_path)} does not hold the bytes just written")
         crash_point("after_local_manifest", self.rank)
         referenced_bytes = sum(p.nbytes for p, _, _ in referenced)
-        self.stats = WriteStats(position, time.perf_counter() - began, referenced_bytes, hash_seconds)
+        self.stats = WriteStats(position, time.perf_counter() - began, referenced_bytes, hash_seconds, raw_blocks)
         return manifest
 
     def _write_data(
@@ -492,6 +502,8 @@ class ShardWriter:
                 level=self.compression_level,
                 threads=self.compression_threads,
                 codec=self.compression or "zstd",
+                pace=self.compression_pace,
+                write_threads=self.write_threads,
                 progress=lambda: crash_point("writing_data", self.rank),
             )
 

@@ -38,8 +38,9 @@ def test_compression_ratio_rows_smoke(tmp_path, capsys) -> None:
 
 @pytest.mark.dist
 def test_compression_throughput_rows_smoke(s3_server, tmp_path) -> None:
-    """Local, S3 and 4 -> 3 ranks rows at their smallest: what each way stored, values equal after the reshard,
-    and the compressed reshard reads no more of what it stored than the plain one (no timing is asserted)."""
+    """Local (both paces), S3 (direct and behind the capped link) and 4 -> 3 ranks rows at their smallest: what each
+    way stored, values equal after the reshard, and the compressed reshard reads no more of what it stored than the
+    plain one (no timing is asserted)."""
     out = tmp_path / "compression.json"
     args = ["--smoke", "--train-steps", "1", "--no-zipnn", "--size-mib", "2", "--repeats", "1", "--warm"]
     s3 = ["--endpoint", s3_server.endpoint, "--bucket", S3_BUCKET]
@@ -47,11 +48,14 @@ def test_compression_throughput_rows_smoke(s3_server, tmp_path) -> None:
     report = json.loads(out.read_text())
     assert len(report["targets"]) == 4  # local save, S3 save and load, the reshard's reads: each met or missed
     rows = report["throughput"]
-    for where in ("local", "s3"):
+    for where in ("local", "s3", "s3_link"):
         for what in ("save", "load"):
             row = rows[where][what]
-            assert set(row["seconds"]) == {"plain", "zstd"}, (where, what)
+            assert set(row["seconds"]) >= {"plain", "zstd"}, (where, what)
             assert row["size_ratio"] < BOUNDS["weights fp32"], (where, what, row)  # compressed bytes were stored
+    assert set(rows["local"]["save"]["seconds"]) == {"plain", "zstd", "paced"}
+    assert 0 < rows["local"]["paced_size_ratio"] <= 1  # whatever the spare cores allowed, never above raw
+    assert rows["s3_link"]["link_mb_s"] == 20
     reshard = rows["reshard_4_to_3"]
     assert reshard["plain"]["agree"] and reshard["zstd"]["agree"]
     assert reshard["zstd"]["stored_bytes"] < BOUNDS["weights fp32"] * reshard["plain"]["stored_bytes"]

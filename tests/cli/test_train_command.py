@@ -23,10 +23,9 @@ def test_train_takes_the_loops_options(tmp_path) -> None:
     assert shown.returncode == 0, shown.stderr
     assert "--ckpt" in shown.stdout and "--resume" in shown.stdout
     assert max(len(line) for line in shown.stdout.splitlines()) <= 80
-    assert "--compression" in shown.stdout
-    ran = _shardckpt(
-        "train", "--ckpt", str(tmp_path / "run"), "--steps", "3", "--ckpt-every", "3", "--cpu", "--compression", "zstd"
-    )
+    assert "--compression" in shown.stdout and "--compression-pace" in shown.stdout
+    options = ["--ckpt-every", "3", "--cpu", "--compression", "zstd", "--compression-pace", "storage"]
+    ran = _shardckpt("train", "--ckpt", str(tmp_path / "run"), "--steps", "3", *options)
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert "checkpoint step 3" in ran.stdout
     assert (tmp_path / "run" / "step-00000003" / "COMMITTED").exists()

@@ -119,7 +119,9 @@ def test_a_flipped_stored_byte_is_an_integrity_error_naming_tensor_and_block(com
         byte = handle.read(1)
         handle.seek(at + 7)
         handle.write(bytes([byte[0] ^ 0x10]))
-    with pytest.raises(IntegrityError, match=r"tensor 'big', block \d+ of the piece at byte \d+ fails its checksum"):
+    with pytest.raises(
+        IntegrityError, match=r"tensor 'big', block \d+ of the piece at logical byte \d+ fails its checksum"
+    ):
         shardckpt.open(url).read("big")
     report = verify(url)
     assert not report.ok and any(p.tensor == "big" and "stored bytes" in p.message for p in report.problems)

@@ -1,0 +1,195 @@
+"""compression_pace="storage": the writer never waits for an encoder. Blocks not encoded when the writer reaches them
+are stored raw (the format allows any block raw), everything reads back bit-exact; encoded blocks are kept."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import shardckpt
+from shardckpt.errors import ShardckptUsageError
+from shardckpt.format.codec import BlockEncoder, decode_block
+from shardckpt.ops.verify import verify
+from shardckpt.planner import Box
+from shardckpt.read.checkpoint import open_checkpoint
+from shardckpt.write import writer as writer_module
+from shardckpt.write.encode_ahead import EncodeAhead
+from shardckpt.write.writer import ShardWriter
+
+GIVE_UP = 60.0  # seconds a gate waits before the test fails: a hang is a failure, not a stuck suite
+
+
+def _weights(elements: int, seed: int) -> torch.Tensor:
+    return torch.randn(elements, generator=torch.Generator().manual_seed(seed)) * 0.05  # compressible fp32
+
+
+def test_encoders_that_cannot_start_leave_every_block_raw_and_it_reads_back(tmp_path, monkeypatch) -> None:
+    """Encoders stuck until the writer has written the last job: the writer took every block raw instead of waiting
+    (on a codec-paced save this would hang), and the checkpoint reads and verifies bit-exact."""
+    state = {f"w{n}": _weights(3 << 17, n) for n in range(3)}  # 3 pieces of 1.5 MiB: 3 jobs of HOT_CHUNK (2 MiB)
+    gate, written = threading.Event(), []
+    original = writer_module.write_compressed
+
+    def stuck_encoder() -> BlockEncoder:
+        assert gate.wait(GIVE_UP), "the writer waited for an encoder"
+        return BlockEncoder(1)
+
+    def gated(*args, **kwargs):
+        def progress() -> None:
+            kwargs_progress()
+            written.append(1)
+            if len(written) == 3:
+                gate.set()
+
+        kwargs_progress = kwargs["progress"]
+        return original(*args, **{**kwargs, "encoder": stuck_encoder, "progress": progress})
+
+    monkeypatch.setattr(writer_module, "write_compressed", gated)
+    url = str(tmp_path / "ck")
+    writer = ShardWriter(url, rank=0, world_size=1, block_size=4096, compression="zstd", compression_pace="storage")
+    for name, tensor in state.items():
+        writer.add(name, tensor)
+    local = writer.close()
+    shardckpt.commit(url, world_size=1)
+    assert writer.stats is not None and writer.stats.raw_blocks == 3 * (6 << 20) // 4096 // 4
+    assert local.compression is not None and local.data_size == local.compression.logical_size  # nothing shrank
+    checkpoint = shardckpt.open(url)
+    assert checkpoint.manifest.version == (1, 2)
+    for name, tensor in state.items():
+        assert torch.equal(checkpoint.read(name), tensor), name
+    assert verify(url).ok
+
+
+def _jobs(tensors: list[torch.Tensor], block: int) -> list[list[tuple[memoryview, str]]]:
+    jobs = []
+    for tensor in tensors:
+        data = memoryview(tensor.numpy().view(np.uint8).reshape(-1))
+        jobs.append([(data[at : at + block], "F32") for at in range(0, len(data), block)])
+    return jobs
+
+
+def test_blocks_encoded_before_the_writer_reaches_them_are_stored_compressed() -> None:
+    """A storage slower than the encoders (the writer arrives after every block is encoded): nothing is raw."""
+    jobs = _jobs([_weights(1 << 14, n) for n in range(3)], 8192)
+    total = sum(len(job) for job in jobs)
+    encoded, done, lock = [0], threading.Event(), threading.Lock()
+
+    class Counting(BlockEncoder):
+        def encode(self, raw, dtype):
+            out = super().encode(raw, dtype)
+            with lock:
+                encoded[0] += 1
+                if encoded[0] == total:
+                    done.set()
+            return out
+
+    with EncodeAhead(jobs, Counting, threads=2, window=len(jobs) + 1, storage_pace=True) as ahead:
+        assert done.wait(GIVE_UP), f"{encoded[0]} of {total} blocks encoded"
+        for number, job in enumerate(jobs):
+            stored = ahead.take(number)
+            assert [len(block.data) < len(raw) for block, (raw, _) in zip(stored, job)] == [True] * len(job)
+            for block, (raw, _) in zip(stored, job):
+                assert bytes(decode_block(block.data, len(raw), "test")) == bytes(raw)
+    assert ahead.raw_blocks == 0
+
+
+def test_an_encoder_that_fails_fails_the_write() -> None:
+    jobs = _jobs([_weights(1 << 12, 0), _weights(1 << 12, 1)], 4096)
+
+    class Broken:
+        def encode(self, raw, dtype):
+            raise MemoryError("encoder out of memory")
+
+    ahead = EncodeAhead(jobs, Broken, threads=1, window=3, storage_pace=False)
+    with ahead, pytest.raises(MemoryError, match="encoder out of memory"):
+        ahead.take(0)
+
+
+def test_an_unknown_pace_is_a_usage_error_naming_the_valid_ones(tmp_path) -> None:
+    with pytest.raises(ShardckptUsageError, match="compression_pace 'fast': valid are 'codec', 'storage'"):
+        ShardWriter(str(tmp_path / "ck"), rank=0, world_size=1, compression="zstd", compression_pace="fast")
+
+
+def test_save_checkpointer_and_dcp_writer_take_the_pace(tmp_path) -> None:
+    """Every way in passes compression_pace down; whatever the ratio reached, the values read back; a typo is refused
+    before a byte is written."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": _weights(1 << 16, 3), "b": torch.arange(10)}
+    url = str(tmp_path / "saved")
+    shardckpt.save(state, url, step=1, compression="zstd", compression_pace="storage")
+    assert all(torch.equal(shardckpt.open(url).read(name), tensor) for name, tensor in state.items())
+    with pytest.raises(ShardckptUsageError, match="compression_pace 'disk'"):
+        shardckpt.save(state, str(tmp_path / "typo"), step=1, compression="zstd", compression_pace="disk")
+    assert not (tmp_path / "typo").exists()
+    manager = shardckpt.Checkpointer(
+        str(tmp_path / "run"), every_steps=1, compression="zstd", compression_pace="storage"
+    )
+    manager.maybe_save(1, state)
+    manager.close()
+    target = {name: torch.zeros_like(tensor) for name, tensor in state.items()}
+    assert shardckpt.Checkpointer(str(tmp_path / "run")).restore_latest(target) == 1
+    assert all(torch.equal(target[name], tensor) for name, tensor in state.items())
+    writer = shardckpt.dcp.StorageWriter(str(tmp_path / "dcp"), compression="zstd", compression_pace="storage")
+    dcp.save({"w": state["w"]}, storage_writer=writer)
+    assert torch.equal(shardckpt.open(str(tmp_path / "dcp")).read("w"), state["w"])
+    with pytest.raises(ShardckptUsageError, match="compression_pace 'fast'"):
+        shardckpt.Checkpointer(str(tmp_path / "other"), compression="zstd", compression_pace="fast")
+
+
+def test_a_compressed_s3_upload_streams_its_parts_and_sends_the_header_part_last(s3_server) -> None:
+    """The data file's parts go up while later blocks are compressed (no longer held until the end): part 1 (the
+    header and the first blocks) is sent last, after its header was replaced; a file of one part is one PUT."""
+    from tests.storage.test_s3 import MIB, make
+
+    noise = torch.randint(0, 256, (11 * MIB,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    state = {"w": _weights(1 << 16, 5), "noise": noise}  # 11 MiB that do not shrink: 3 parts of 5 MiB
+    storage, requests = make(s3_server, part_size=5 * MIB)
+    sent: list[int] = []
+    inner = requests.call
+
+    async def call(operation: str, **params):
+        if operation == "upload_part" and "/data/" in params["Key"]:
+            sent.append(params["PartNumber"])
+        return await inner(operation, **params)
+
+    requests.call = call
+    shardckpt.save(state, storage, step=1, compression="zstd")
+    assert len(sent) >= 3 and sent[-1] == 1 and sorted(sent) == list(range(1, len(sent) + 1)), sent
+    checkpoint = shardckpt.open(storage)  # every block's two CRC32Cs checked: the header agrees with the blocks
+    assert all(torch.equal(checkpoint.read(name), tensor) for name, tensor in state.items())
+
+
+def test_compressed_s3_ranges_are_decoded_while_later_ranges_are_on_the_wire(s3_server, monkeypatch) -> None:
+    """A load over a link that is the limit: the first range's blocks are decompressed while the next range is still
+    being fetched (the next GET here waits for that decode: before, decoding began once the whole wave was in)."""
+    import asyncio
+
+    from tests.storage.test_s3 import make
+
+    storage, _ = make(s3_server)
+    state = {"a": _weights(1 << 16, 7), "b": _weights(1 << 16, 8)}
+    shardckpt.save(state, storage, step=1, compression="zstd", block_size=4096)
+    checkpoint = open_checkpoint(storage, max_request=1 << 16)  # four requests of 64 KiB: one wave
+    decoded, waited, started = threading.Event(), [], []
+    decode_range, read = checkpoint.decode_range, checkpoint.data_storage._read
+
+    def decode_then_say(*args) -> None:
+        decode_range(*args)
+        decoded.set()
+
+    async def read_after_a_decode(path, start, end, limit=None):
+        started.append(start)
+        if len(started) > 1:  # every GET after the first waits for a range to be decoded
+            waited.append(await asyncio.get_running_loop().run_in_executor(None, decoded.wait, 20.0))
+        return await read(path, start, end, limit)
+
+    monkeypatch.setattr(checkpoint, "decode_range", decode_then_say)
+    monkeypatch.setattr(checkpoint.data_storage, "_read", read_after_a_decode)
+    target = {name: torch.zeros_like(tensor) for name, tensor in state.items()}
+    checkpoint.read_into([(name, Box((0,), tuple(t.shape)), target[name]) for name, t in state.items()])
+    assert waited and all(waited), "a range was decoded only after every range of the wave had arrived"
+    assert all(torch.equal(target[name], tensor) for name, tensor in state.items())

@@ -105,6 +105,106 @@ def scenario_restore(args: dict[str, Any], rank: int, world: int) -> dict[str, A
     return outcome
 
 
+def scenario_replicate(args: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    """Local saves with every rank its own node (peers=2 on 3 ranks: each rank sends its file to two and receives
+    two), first through the group, then with the kernel copying between ranks of this host. Every point-to-point
+    message is recorded: where a receive lands (a mapping of which file, per /proc/self/maps), whether a send comes
+    from the state's own memory, and every buffer the replication allocates (tier_replicate.scratch)."""
+    from shardckpt import knobs
+    from shardckpt.distributed import tier_replicate
+
+    os.environ["SHARDCKPT_NODE"] = f"n{rank}"
+    mesh = init_device_mesh("cpu", (world,))
+    generator = torch.Generator().manual_seed(7)
+    state: dict[str, Any] = {
+        # 2.5 MiB per rank: split by the 1 MiB window into several rounds, its pieces sent from this memory.
+        "big": distribute_tensor(torch.randn(640 * world, 1024, generator=generator), mesh, [Shard(0)]),
+        "t": torch.randn(512, 1024, generator=generator).t(),  # 2 MiB, not contiguous: read back from the file
+    }
+    for index in range(6):  # small pieces: merged into one message, read back from the file
+        state[f"s{index}"] = distribute_tensor(torch.randn(30 * world, generator=generator), mesh, [Shard(0)])
+    memory = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in _tensors(state)]
+    seen: dict[str, list[Any]] = {"recv": [], "send": [], "scratch": [], "other": []}
+    original = {name: getattr(dist, name) for name in ("isend", "irecv", "all_to_all_single", "send", "recv")}
+    original_scratch = tier_replicate.scratch
+
+    def recording(name: str) -> Any:
+        def call(*call_args: Any, **kwargs: Any) -> Any:
+            tensor = call_args[0]  # all_to_all_single: the output
+            low = tensor.data_ptr()
+            high = low + tensor.numel() * tensor.element_size()
+            if name in ("irecv", "recv", "all_to_all_single"):
+                seen["recv"].append([name, high - low, _mapped_file(low, high)])
+            if name in ("isend", "send", "all_to_all_single"):
+                sent = call_args[1] if name == "all_to_all_single" else tensor
+                start = sent.data_ptr()
+                end = start + sent.numel() * sent.element_size()
+                seen["send"].append([name, end - start, any(a <= start and end <= b for a, b in memory)])
+            return original[name](*call_args, **kwargs)
+
+        return call
+
+    def counted_scratch(size: int) -> Any:
+        seen["scratch"].append(size)
+        return original_scratch(size)
+
+    outcome: dict[str, Any] = {}
+    root = os.path.join(args["base"], "local")
+    for mode, share in (("group", 0), ("host", 1)):
+        knobs.SHARE_MEMORY = share
+        ckpt = shardckpt.Checkpointer(
+            os.path.join(args["base"], "persistent"),
+            every_steps=1000,
+            preemption_signals=(),
+            local_root=os.path.join(root, f"n{rank}"),
+            local_every_steps=1,
+            local_keep=1,
+            peers=2,
+        )
+        for key in seen:
+            seen[key] = []
+        for name in original:
+            setattr(dist, name, recording(name))
+        tier_replicate.scratch = counted_scratch  # type: ignore[assignment]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # a failed local save only warns: here it must not fail
+                name = ckpt.tier.save(state, 1 if mode == "group" else 2, ckpt.group)  # type: ignore[union-attr]
+        finally:
+            for key, function in original.items():
+                setattr(dist, key, function)
+            tier_replicate.scratch = original_scratch  # type: ignore[assignment]
+        dist.barrier()
+        copies = {}
+        for source in range(world):  # every node's copy of each rank's file: how many, how many distinct
+            contents = []
+            for node in range(world):
+                data = os.path.join(root, f"n{node}", str(name), layout.DATA_DIR)
+                for file in os.listdir(data):
+                    if file.startswith(f"{source:05d}-"):
+                        with open(os.path.join(data, file), "rb") as handle:
+                            contents.append(handle.read())
+            copies[source] = [len(contents), len(set(contents))]
+        outcome[mode] = {**seen, "copies": copies, "root": os.path.realpath(root)}
+        ckpt.close()
+    return outcome
+
+
+def _tensors(state: dict[str, Any]) -> list[torch.Tensor]:
+    return [value.to_local() if hasattr(value, "to_local") else value for value in state.values()]
+
+
+def _mapped_file(low: int, high: int) -> str | None:
+    """The file whose shared mapping holds addresses [low, high) whole, or None (anonymous memory)."""
+    with open("/proc/self/maps", encoding="utf-8") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            start, end = (int(value, 16) for value in fields[0].split("-"))
+            if start <= low and high <= end:
+                return fields[5].strip() if len(fields) == 6 and fields[1].endswith("s") else None
+    return None
+
+
 class counting_reads:
     """Data-file bytes read (at the storage layer) under one root while inside, in the list's one element."""
 

@@ -106,7 +106,7 @@ LOCAL_TIER_GRACE = float(_knob("LOCAL_TIER_GRACE", 600.0))
 # Bytes of each replica a rank receives per round of a local save's replication through the group: a window of the
 # replica file, mapped while the group fills it (its pages are the tier's own, resident while mapped; no buffer
 # holds them). Sends come from the staging copy. Smaller windows cost more rounds.
-LOCAL_TIER_IN_FLIGHT = int(_knob("LOCAL_TIER_IN_FLIGHT", 64 << 20))
+LOCAL_TIER_IN_FLIGHT = int(_knob("LOCAL_TIER_IN_FLIGHT", 8 << 20))
 # Format 1.2's piece index (SPEC 11.1): a commit of this many tensors or more writes its manifest's tensor entries in
 # name-sorted blocks a loading rank range-reads in part (readers older than 1.2 cannot open it); fewer: one document.
 PIECE_INDEX_MIN_TENSORS = int(_knob("PIECE_INDEX_MIN_TENSORS", 1024))

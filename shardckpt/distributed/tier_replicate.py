@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from shardckpt import knobs
+from shardckpt.distributed import group_calls as calls
 from shardckpt.distributed.collectives import Group
 from shardckpt.distributed.host_memory import file_identity
-from shardckpt.distributed.protocol import _all_gather, _collective, _pack, _unpack
 from shardckpt.errors import AlreadyExistsError, IntegrityError, StorageError
 from shardckpt.format import layout
 from shardckpt.format.local_manifest import LocalManifest
@@ -155,18 +155,22 @@ def replicate(
                     beside.append(source)
         except Exception as exc:
             error = exc
-        plans = [_unpack(raw) for raw in _all_gather(group, _pack({"failed": error is not None, "beside": beside}))]
-        if any(plan["failed"] for plan in plans):
-            return  # nothing moves; a rank with an error raises it below
-        for source, fd in kernel.items():
-            try:
-                replicas[source].copy_from(fd)
-            except Exception as exc:
-                error = error or exc
-        targets = [target for target in partners[rank] if rank not in plans[target]["beside"]]
-        through = [source for source in sources if source not in plans[rank]["beside"]]
-        error = _exchange(group, where, manifests, outgoing, targets, through, replicas, window, error)
-        complete = error is None
+        plans = [
+            calls.unpack(raw)
+            for raw in calls.all_gather(group, calls.pack({"failed": error is not None, "beside": beside}))
+        ]
+        # A rank that cannot create its replicas: nothing moves anywhere, it raises below, the caller's vote tells
+        # the others (their replicas are aborted, never closed as whole).
+        if not any(plan["failed"] for plan in plans):
+            for source, fd in kernel.items():
+                try:
+                    replicas[source].copy_from(fd)
+                except Exception as exc:
+                    error = error or exc
+            targets = [target for target in partners[rank] if rank not in plans[target]["beside"]]
+            through = [source for source in sources if source not in plans[rank]["beside"]]
+            error = _exchange(group, where, manifests, outgoing, targets, through, replicas, window, error)
+            complete = error is None
     finally:
         for fd in kernel.values():
             with contextlib.suppress(OSError):
@@ -257,7 +261,7 @@ def _round(
             number_of = schedule.received.get(source, 0)
             works.append(_post(dist.irecv, into, group, source, number_of))
             schedule.received[source] = number_of + 1
-    _collective(lambda: [work.wait() for work in works if work is not None], group)
+    calls.collective(lambda: [work.wait() for work in works if work is not None], group)
     for into, arrived in copies:
         into.copy_(arrived)
     return error
@@ -265,8 +269,8 @@ def _round(
 
 def _post(op: Any, tensor: torch.Tensor, group: Group, peer: int, tag: int) -> Any:
     if op is dist.isend:
-        return _collective(lambda: dist.isend(tensor, group=group.handle, group_dst=peer, tag=tag), group)
-    return _collective(lambda: dist.irecv(tensor, group=group.handle, group_src=peer, tag=tag), group)
+        return calls.collective(lambda: dist.isend(tensor, group=group.handle, group_dst=peer, tag=tag), group)
+    return calls.collective(lambda: dist.irecv(tensor, group=group.handle, group_src=peer, tag=tag), group)
 
 
 def _region(mapped: contextlib.ExitStack, replica: MappedFile, low: int, high: int, usable: bool) -> torch.Tensor:

@@ -15,8 +15,8 @@ from typing import Any
 
 from shardckpt import knobs
 from shardckpt.catalog.local_tier import HOMES_KEY, JOB_KEY, NODES_KEY, PEERS_KEY, home, job_tag
+from shardckpt.distributed import group_calls as calls
 from shardckpt.distributed.collectives import Group
-from shardckpt.distributed.protocol import _all_gather, _any_rank, _broadcast, _pack, _Solo, _unpack
 from shardckpt.distributed.tier_replicate import Outgoing, identity_of, replicate
 from shardckpt.errors import DistributedError
 from shardckpt.format import layout
@@ -41,7 +41,7 @@ def save_local(
     state: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
     root: Storage,
     *,
-    group: Group | _Solo,
+    group: Group | calls.Solo,
     nodes: Sequence[int],
     step: int,
     job: str,
@@ -54,8 +54,8 @@ def save_local(
     a failed save leaves to clean)."""
     partners = replica_partners(nodes, peers)
     error: BaseException | None = None
-    opening = _pack({"attempt": layout.new_attempt()}) if group.rank == 0 else None
-    attempt = _unpack(_broadcast(group, opening, 0))["attempt"]
+    opening = calls.pack({"attempt": layout.new_attempt()}) if group.rank == 0 else None
+    attempt = calls.unpack(calls.broadcast(group, opening, 0))["attempt"]
     name = local_name(step, job, attempt)
     if started is not None:
         started.append(name)
@@ -82,13 +82,13 @@ def save_local(
     except Exception as exc:
         error = exc
     replies = [
-        _unpack(reply)
-        for reply in _all_gather(
+        calls.unpack(reply)
+        for reply in calls.all_gather(
             group,
-            _pack(
+            calls.pack(
                 {"manifest": encoded, "home": home(root), "file": identity}
                 if error is None
-                else {"error": _describe(error)}
+                else {"error": calls.describe(error)}
             ),
         )
     ]
@@ -105,8 +105,11 @@ def save_local(
             replicate(group, where, manifests, outgoing, files, partners, same_host=bool(knobs.SHARE_MEMORY))
     except Exception as exc:
         error = exc
-    if _any_rank(group, error is not None):
-        replies = [_unpack(reply) for reply in _all_gather(group, _pack({"error": _describe(error)} if error else {}))]
+    if calls.vote(group, error is not None):
+        replies = [
+            calls.unpack(reply)
+            for reply in calls.all_gather(group, calls.pack({"error": calls.describe(error)} if error else {}))
+        ]
         _raise_failures(replies, error)
     built = None
     if group.rank == 0:
@@ -115,11 +118,11 @@ def save_local(
             homes = [reply["home"] for reply in replies]
             recorded = {JOB_KEY: job, NODES_KEY: list(nodes), HOMES_KEY: homes, PEERS_KEY: peers}
             manifest_bytes, marker_bytes = build_manifest(where.url, raws, attempt, step, recorded)
-            built = _pack({"manifest": manifest_bytes, "marker": marker_bytes})
+            built = calls.pack({"manifest": manifest_bytes, "marker": marker_bytes})
         except Exception as exc:
             error = exc
-            built = _pack({"error": _describe(exc)})
-    message = _unpack(_broadcast(group, built, 0))
+            built = calls.pack({"error": calls.describe(exc)})
+    message = calls.unpack(calls.broadcast(group, built, 0))
     if "error" in message:
         raise DistributedError("local save", {0: message["error"]}) from error
     try:
@@ -129,13 +132,12 @@ def save_local(
             commit_node(where, raws, attempt, message["manifest"], message["marker"], held)
     except Exception as exc:
         error = exc
-    replies = [_unpack(reply) for reply in _all_gather(group, _pack({"error": _describe(error)} if error else {}))]
+    replies = [
+        calls.unpack(reply)
+        for reply in calls.all_gather(group, calls.pack({"error": calls.describe(error)} if error else {}))
+    ]
     _raise_failures(replies, error)
     return name, decode_global_manifest(message["manifest"], where.describe(layout.global_manifest_path(attempt)))
-
-
-def _describe(exc: BaseException | None) -> str:
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _raise_failures(replies: Sequence[Mapping[str, Any]], error: BaseException | None) -> None:

@@ -43,3 +43,7 @@ def test_replicas_are_received_into_their_files_and_sent_from_the_state(tmp_path
         assert max(group["scratch"], default=0) <= max(SMALL_MESSAGE, WINDOW), (rank, group["scratch"])
         # One host: the kernel copies each file; nothing goes through the group, nothing is allocated.
         assert (host["recv"], host["send"], host["scratch"]) == ([], [], []), (rank, host)
+        # A replica rank 1 cannot create fails the save on every rank, with its cause; nothing of it is left.
+        refused = result["value"]["refused"]
+        assert refused["name"] is None and any("no room left (injected)" in w for w in refused["warnings"]), refused
+        assert len(result["value"]["left"]) == 1 and result["value"]["left"][0].startswith("step-00000002-"), result

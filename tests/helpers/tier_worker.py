@@ -186,8 +186,24 @@ def scenario_replicate(args: dict[str, Any], rank: int, world: int) -> dict[str,
                             contents.append(handle.read())
             copies[source] = [len(contents), len(set(contents))]
         outcome[mode] = {**seen, "copies": copies, "root": os.path.realpath(root)}
+        if mode == "host":
+            # Rank 1 cannot create a replica (a full tmpfs): no byte moves, every rank learns why, nothing commits.
+            opened = tier_replicate.open_mapped
+            if rank == 1:
+                tier_replicate.open_mapped = _no_room  # type: ignore[assignment]
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                refused = ckpt.tier.save(state, 3, ckpt.group)  # type: ignore[union-attr]
+            tier_replicate.open_mapped = opened  # type: ignore[assignment]
+            outcome["refused"] = {"name": refused, "warnings": [str(w.message) for w in caught]}
         ckpt.close()
+    dist.barrier()
+    outcome["left"] = sorted(os.listdir(os.path.join(root, f"n{rank}")))
     return outcome
+
+
+def _no_room(where: Any, path: str, size: int) -> Any:
+    raise shardckpt.errors.StorageError(f"{where.describe(path)}: no room left (injected)")
 
 
 def _tensors(state: dict[str, Any]) -> list[torch.Tensor]:

@@ -21,7 +21,9 @@ from torch.distributed.tensor import Shard, distribute_tensor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # run as a script
 
 import shardckpt
+from shardckpt.distributed.protocol import resolve_group
 from shardckpt.format import layout
+from shardckpt.local_tier import LocalTier
 from shardckpt.storage.local import LocalStorage
 from tests.helpers.launch import serve_rank
 
@@ -114,16 +116,15 @@ def scenario_replicate(args: dict[str, Any], rank: int, world: int) -> dict[str,
     from shardckpt.distributed import tier_replicate
 
     os.environ["SHARDCKPT_NODE"] = f"n{rank}"
-    mesh = init_device_mesh("cpu", (world,))
-    generator = torch.Generator().manual_seed(7)
-    state: dict[str, Any] = {
-        # 2.5 MiB per rank: split by the 1 MiB window into several rounds, its pieces sent from this memory.
-        "big": distribute_tensor(torch.randn(640 * world, 1024, generator=generator), mesh, [Shard(0)]),
-        "t": torch.randn(512, 1024, generator=generator).t(),  # 2 MiB, not contiguous: read back from the file
-    }
-    for index in range(6):  # small pieces: merged into one message, read back from the file
-        state[f"s{index}"] = distribute_tensor(torch.randn(30 * world, generator=generator), mesh, [Shard(0)])
-    memory = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in _tensors(state)]
+    generator = torch.Generator().manual_seed(7)  # the same values on every rank: plain tensors are replicated
+    # Replicated tensors are written by one rank each, the largest first: one 2.5 MiB tensor per rank (split by the
+    # 1 MiB window into several rounds, sent from this memory), then rank 0 the 2 MiB non-contiguous one (read back
+    # from the file), and small ones (merged into one message, read back). No DTensor: its first use costs seconds.
+    state: dict[str, Any] = {f"big{index}": torch.randn(640, 1024, generator=generator) for index in range(world)}
+    state["t"] = torch.randn(512, 1024, generator=generator).t()
+    for index in range(6):
+        state[f"s{index}"] = torch.randn(30, generator=generator)
+    memory = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in state.values()]
     seen: dict[str, list[Any]] = {"recv": [], "send": [], "scratch": [], "other": []}
     original = {name: getattr(dist, name) for name in ("isend", "irecv", "all_to_all_single", "send", "recv")}
     original_scratch = tier_replicate.scratch
@@ -150,17 +151,10 @@ def scenario_replicate(args: dict[str, Any], rank: int, world: int) -> dict[str,
 
     outcome: dict[str, Any] = {}
     root = os.path.join(args["base"], "local")
+    group = resolve_group(None)
+    tier = LocalTier(os.path.join(root, f"n{rank}"), group=group, job="replicate", every_steps=1, keep=1, peers=2)
     for mode, share in (("group", 0), ("host", 1)):
         knobs.SHARE_MEMORY = share
-        ckpt = shardckpt.Checkpointer(
-            os.path.join(args["base"], "persistent"),
-            every_steps=1000,
-            preemption_signals=(),
-            local_root=os.path.join(root, f"n{rank}"),
-            local_every_steps=1,
-            local_keep=1,
-            peers=2,
-        )
         for key in seen:
             seen[key] = []
         for name in original:
@@ -169,7 +163,7 @@ def scenario_replicate(args: dict[str, Any], rank: int, world: int) -> dict[str,
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # a failed local save only warns: here it must not fail
-                name = ckpt.tier.save(state, 1 if mode == "group" else 2, ckpt.group)  # type: ignore[union-attr]
+                name = tier.save(state, 1 if mode == "group" else 2, group)
         finally:
             for key, function in original.items():
                 setattr(dist, key, function)
@@ -193,10 +187,9 @@ def scenario_replicate(args: dict[str, Any], rank: int, world: int) -> dict[str,
                 tier_replicate.open_mapped = _no_room  # type: ignore[assignment]
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                refused = ckpt.tier.save(state, 3, ckpt.group)  # type: ignore[union-attr]
+                refused = tier.save(state, 3, group)
             tier_replicate.open_mapped = opened  # type: ignore[assignment]
             outcome["refused"] = {"name": refused, "warnings": [str(w.message) for w in caught]}
-        ckpt.close()
     dist.barrier()
     outcome["left"] = sorted(os.listdir(os.path.join(root, f"n{rank}")))
     return outcome
@@ -204,10 +197,6 @@ def scenario_replicate(args: dict[str, Any], rank: int, world: int) -> dict[str,
 
 def _no_room(where: Any, path: str, size: int) -> Any:
     raise shardckpt.errors.StorageError(f"{where.describe(path)}: no room left (injected)")
-
-
-def _tensors(state: dict[str, Any]) -> list[torch.Tensor]:
-    return [value.to_local() if hasattr(value, "to_local") else value for value in state.values()]
 
 
 def _mapped_file(low: int, high: int) -> str | None:

@@ -39,6 +39,7 @@ def home(root: Storage) -> str:
 # A local save's name (distributed.tier_save.local_name): step, its job's tag (job_tag; absent in names of earlier
 # releases), then attempt. Only such names are pruned uncommitted.
 LOCAL_NAME = re.compile(r"step-[0-9]{8,}(?:-[0-9a-f]{8})?-[0-9a-z]{1,64}")
+TAGGED_LOCAL_NAME = re.compile(r"step-[0-9]{8,}-[0-9a-f]{8}-[0-9a-z]{1,64}")  # with its job's tag (job_tag)
 
 
 def job_tag(job: str) -> str:

@@ -49,11 +49,11 @@ class Outgoing:
 
 
 def identity_of(where: Storage, path: str) -> list[Any] | None:
-    """What lets a rank of the same host open this very file: its real path, host boot, device and inode (None
-    when the storage is not a local directory or the file cannot be opened)."""
+    """What lets a rank of the same host open this very file: its real path (bytes: any name packs), host boot,
+    device and inode (None when the storage is not a local directory or the file cannot be opened)."""
     if not isinstance(where, LocalStorage):
         return None
-    full = os.path.realpath(where.full(path))
+    full = os.fsencode(os.path.realpath(where.full(path)))
     try:
         fd = os.open(full, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except OSError:
@@ -298,7 +298,7 @@ def _open_replica(where: Storage, path: str, size: int) -> MappedFile | None:
 def _open_source(identity: list[Any] | None, size: int) -> int | None:
     """A descriptor of a partner's data file opened here when it is that very file (the same boot, device and
     inode, of its size): then this host's kernel copies it. None otherwise (another host, another mount)."""
-    if not identity or not isinstance(identity[0], str):
+    if not identity or not isinstance(identity[0], bytes):
         return None
     path, *expected = identity
     try:

@@ -61,6 +61,7 @@ def save_local(
         started.append(name)
     where = root.child(name)
     encoded, identity = b"", None
+    reply = b""
     placed: tuple[tuple[int, Any], ...] = ()
     try:
         # A callable state is built here, so that its failure on one rank reaches every rank like any other.
@@ -79,19 +80,13 @@ def save_local(
         encoded, placed = writer.encoded_manifest, writer.placed
         # A partner on this host copies the file in the kernel when it can open this very file.
         identity = identity_of(where, layout.data_path(group.rank, attempt)) if knobs.SHARE_MEMORY else None
+        # Packed here: whatever fails on one rank must still reach the others through the gather, never leave them
+        # waiting in it.
+        reply = calls.pack({"manifest": encoded, "home": home(root), "file": identity})
     except Exception as exc:
         error = exc
-    replies = [
-        calls.unpack(reply)
-        for reply in calls.all_gather(
-            group,
-            calls.pack(
-                {"manifest": encoded, "home": home(root), "file": identity}
-                if error is None
-                else {"error": calls.describe(error)}
-            ),
-        )
-    ]
+        reply = calls.pack({"error": calls.describe(exc)})
+    replies = [calls.unpack(raw) for raw in calls.all_gather(group, reply)]
     _raise_failures(replies, error)
     raws = [reply["manifest"] for reply in replies]
     try:

@@ -160,6 +160,21 @@ def test_two_jobs_sharing_a_local_root_keep_their_own_newest_local_checkpoints(t
     assert all(torch.equal(restored[k], state(3)[k]) for k in restored)
 
 
+def test_a_local_root_whose_name_is_not_utf8_saves_and_resumes(tmp_path) -> None:
+    # A directory name with a byte that is not UTF-8 (os.fsdecode gives a surrogate): the node's directory and the
+    # file's path are recorded and exchanged all the same (msgpack refused the str: an untyped crash on every save).
+    options = {"every_steps": 4, "local_every_steps": 1, "preemption_signals": ()}
+    local = os.path.join(str(tmp_path), "local-\udcff")
+    saver = shardckpt.Checkpointer(str(tmp_path / "persistent"), local_root=local, **options)
+    saver.maybe_save(1, state(1))
+    saver.close()
+    restored = state(0)
+    assert (
+        shardckpt.Checkpointer(str(tmp_path / "persistent"), local_root=local, **options).restore_latest(restored) == 1
+    )
+    assert all(torch.equal(restored[k], state(1)[k]) for k in restored)
+
+
 def test_gc_on_a_shared_local_root_keeps_the_newest_of_each_job(tmp_path) -> None:
     # As the Checkpointer's local retention: `gc --keep-last 1` on a node's local root keeps each job's newest local
     # checkpoint, however much newer another job's steps are (a root-wide count would delete job a's and c's only ones).

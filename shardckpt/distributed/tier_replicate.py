@@ -236,7 +236,7 @@ def _round(
 ) -> BaseException | None:
     """Post this round's sends and receives, wait for all of them; the first error."""
     on_host = group.device.type == "cpu"
-    works: list[Any] = []
+    posted: list[tuple[str, torch.Tensor, int, int]] = []
     for low, high in schedule.mine[number] if number < len(schedule.mine) else ():
         try:
             data = schedule.sender.source(low, high) if error is None else torch.from_numpy(scratch(high - low))
@@ -244,7 +244,7 @@ def _round(
             error, data = exc, torch.from_numpy(scratch(high - low))
         data = data if on_host else data.to(group.device)
         for target in targets:
-            works.append(_post(dist.isend, data, group, target, schedule.sent))
+            posted.append(("send", data, target, schedule.sent))
         schedule.sent += 1
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     for source, plan in schedule.theirs.items():
@@ -259,18 +259,29 @@ def _round(
                 copies.append((into, torch.empty(high - low, dtype=torch.uint8, device=group.device)))
                 into = copies[-1][1]
             number_of = schedule.received.get(source, 0)
-            works.append(_post(dist.irecv, into, group, source, number_of))
+            posted.append(("recv", into, source, number_of))
             schedule.received[source] = number_of + 1
-    calls.collective(lambda: [work.wait() for work in works if work is not None], group)
+    calls.collective(lambda: [work.wait() for work in _post(group, posted) if work is not None], group)
     for into, arrived in copies:
         into.copy_(arrived)
     return error
 
 
-def _post(op: Any, tensor: torch.Tensor, group: Group, peer: int, tag: int) -> Any:
-    if op is dist.isend:
-        return calls.collective(lambda: dist.isend(tensor, group=group.handle, group_dst=peer, tag=tag), group)
-    return calls.collective(lambda: dist.irecv(tensor, group=group.handle, group_src=peer, tag=tag), group)
+def _post(group: Group, posted: Sequence[tuple[str, torch.Tensor, int, int]]) -> list[Any]:
+    """Start the round's sends and receives ((kind, tensor, group peer, tag)); their works. On a device group
+    (NCCL) as one batch: two ranks sending to each other one op at a time would each wait for the other."""
+    if group.device.type == "cpu":
+        return [
+            dist.isend(tensor, group=group.handle, group_dst=peer, tag=tag)
+            if kind == "send"
+            else dist.irecv(tensor, group=group.handle, group_src=peer, tag=tag)
+            for kind, tensor, peer, tag in posted
+        ]
+    ops = [
+        dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, group=group.handle, group_peer=peer, tag=tag)
+        for kind, tensor, peer, tag in posted
+    ]
+    return list(dist.batch_isend_irecv(ops)) if ops else []
 
 
 def _region(mapped: contextlib.ExitStack, replica: MappedFile, low: int, high: int, usable: bool) -> torch.Tensor:

@@ -65,24 +65,29 @@ def identity_of(where: Storage, path: str) -> list[Any] | None:
     return None if found is None else [full, *found]
 
 
-def messages(manifest: LocalManifest, window: int) -> list[list[tuple[int, int]]]:
-    """The byte ranges a data file travels in, by round (round k: inside [k*window, (k+1)*window)): cut at the
-    header, at every piece and at every multiple of `window`; runs of adjacent ranges under SMALL_PIECE merged
-    while together under SMALL_MESSAGE. Sender and receiver compute it alike from the sender's local manifest."""
-    size = int(manifest.data_size)
-    cuts = {0, size, int(manifest.header_size), *range(window, size, window)}
-    cuts.update(manifest.pieces.offset.tolist())
-    points = sorted(cut for cut in cuts if 0 <= cut <= size)
+def schedule_of(manifest: LocalManifest, window: int) -> list[list[tuple[int, int]]]:
+    """messages() of a data file, from its local manifest: what sender and receiver both compute alike."""
+    return messages(int(manifest.data_size), int(manifest.header_size), manifest.pieces.offset.tolist(), window)
+
+
+def messages(size: int, header_size: int, offsets: Sequence[int], window: int) -> list[list[tuple[int, int]]]:
+    """The byte ranges a data file of `size` bytes travels in, by round (round k: inside [k*window, (k+1)*window)):
+    cut at the header's end, at every piece's offset and at every multiple of `window`; the parts of pieces under
+    SMALL_PIECE (and of the header) merged while together under SMALL_MESSAGE, a larger piece's parts alone."""
+    bounds = sorted(cut for cut in {0, size, header_size, *offsets} if 0 <= cut <= size)
+    points = sorted(set(bounds) | set(range(window, size, window)))
     rounds: list[list[tuple[int, int]]] = [[] for _ in range(-(-size // window))]
-    low, small = 0, False  # the open range [low, start), and whether it is a run of small ranges
+    low, small = 0, False  # the open range [low, start), and whether it is a run of small pieces
     for start, end in zip(points, points[1:]):
+        at = bisect.bisect_right(
+            bounds, start
+        )  # the piece (or header) this part belongs to: [bounds[at-1], bounds[at])
+        tiny = bounds[at] - bounds[at - 1] < SMALL_PIECE
         # Merge into the open run while both are small and stay inside one window (one round, one mapping).
-        merge = small and end - start < SMALL_PIECE and end - low <= SMALL_MESSAGE and start // window == low // window
-        if not merge:
+        if not (small and tiny and end - low <= SMALL_MESSAGE and start // window == low // window):
             if start > low:
                 rounds[low // window].append((low, start))
-            low = start
-        small = end - start < SMALL_PIECE if not merge else True
+            low, small = start, tiny
     if size > low:
         rounds[low // window].append((low, size))
     return rounds
@@ -205,8 +210,8 @@ def _exchange(
         return error
     schedule = _Schedule(
         sender=_Sender(where, outgoing),
-        mine=messages(manifests[group.rank], window) if targets else [],
-        theirs={source: messages(manifests[source], window) for source in sources},
+        mine=schedule_of(manifests[group.rank], window) if targets else [],
+        theirs={source: schedule_of(manifests[source], window) for source in sources},
     )
     for number in range(max([len(schedule.mine), *(len(plan) for plan in schedule.theirs.values())])):
         # The round's mappings close once its tensors are gone (_round's frame): a mapping outliving its round

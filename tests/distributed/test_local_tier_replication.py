@@ -6,8 +6,10 @@ the group). 3 ranks as 3 nodes with peers=2, so each rank sends two copies and r
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from shardckpt.distributed.tier_replicate import SMALL_MESSAGE
+from shardckpt.distributed.tier_replicate import SMALL_MESSAGE, SMALL_PIECE, messages
 from tests.helpers.launch import run_ranks
 from tests.helpers.tier_worker import __file__ as WORKER_FILE
 
@@ -47,3 +49,32 @@ def test_replicas_are_received_into_their_files_and_sent_from_the_state(tmp_path
         refused = result["value"]["refused"]
         assert refused["name"] is None and any("no room left (injected)" in w for w in refused["warnings"]), refused
         assert len(result["value"]["left"]) == 1 and result["value"]["left"][0].startswith("step-00000002-"), result
+
+
+@pytest.mark.unit
+@given(
+    pieces=st.lists(st.integers(1, 3 << 20), max_size=40),
+    header=st.integers(16, 4096),
+    window=st.sampled_from([64 << 10, 1 << 20, 8 << 20]),
+)
+def test_a_file_travels_in_messages_that_tile_it_within_windows_large_pieces_alone(pieces, header, window) -> None:
+    offsets, position = [], header
+    for size in pieces:
+        offsets.append(position)
+        position += size
+    rounds = messages(position, header, offsets, window)
+    flat = [message for part in rounds for message in part]
+    assert [low for low, _ in flat] == [0, *(high for _, high in flat[:-1])] and flat[-1][1] == position
+    assert all(
+        low // window == number and (high - 1) // window == number
+        for number, part in enumerate(rounds)
+        for low, high in part
+    )
+    starts = set(offsets) | {header}
+    for low, high in flat:
+        inside = [start for start in starts if low < start < high]  # pieces (or the header's end) merged into it
+        assert not inside or high - low <= SMALL_MESSAGE, (low, high, inside)
+    # Every range of at least SMALL_PIECE between two cuts travels alone: sent from its piece's memory, never copied.
+    for start, end in zip(sorted(starts | {position}), sorted(starts | {position})[1:]):
+        if end - start >= SMALL_PIECE:
+            assert all(not (low < start < high) and not (low < end < high) for low, high in flat), (start, end)

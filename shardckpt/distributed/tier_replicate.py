@@ -130,7 +130,7 @@ def replicate(
     identities: Sequence[list[Any] | None],
     partners: Sequence[tuple[int, ...]],
     *,
-    window: int = knobs.LOCAL_TIER_IN_FLIGHT,
+    window: int | None = None,
     same_host: bool = True,
 ) -> None:
     """(all) Each rank's data file to each of its partners, which keep it under its own name in `where` (this
@@ -138,7 +138,7 @@ def replicate(
     does); one that fails later (a read, a copy) still takes part in every message. Either raises its own error;
     the caller's vote tells the others."""
     rank, world = group.rank, group.size
-    window = max(mmap.ALLOCATIONGRANULARITY, window - window % mmap.ALLOCATIONGRANULARITY)
+    window = knobs.LOCAL_TIER_IN_FLIGHT if window is None else window
     sources = [source for source in range(world) if rank in partners[source]]
     error: BaseException | None = None
     replicas: dict[int, MappedFile] = {}
@@ -160,10 +160,11 @@ def replicate(
                     beside.append(source)
         except Exception as exc:
             error = exc
-        plans = [
-            calls.unpack(raw)
-            for raw in calls.all_gather(group, calls.pack({"failed": error is not None, "beside": beside}))
-        ]
+        plan = {"failed": error is not None, "beside": beside, "window": window}
+        plans = [calls.unpack(raw) for raw in calls.all_gather(group, calls.pack(plan))]
+        # Every rank cuts the files alike, whatever SHARDCKPT_LOCAL_TIER_IN_FLIGHT each one's environment says.
+        window = min(int(other["window"]) for other in plans)
+        window = max(mmap.ALLOCATIONGRANULARITY, window - window % mmap.ALLOCATIONGRANULARITY)
         # A rank that cannot create its replicas: nothing moves anywhere, it raises below, the caller's vote tells
         # the others (their replicas are aborted, never closed as whole).
         if not any(plan["failed"] for plan in plans):

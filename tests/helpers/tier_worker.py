@@ -153,6 +153,8 @@ def scenario_replicate(args: dict[str, Any], rank: int, world: int) -> dict[str,
     root = os.path.join(args["base"], "local")
     group = resolve_group(None)
     tier = LocalTier(os.path.join(root, f"n{rank}"), group=group, job="replicate", every_steps=1, keep=1, peers=2)
+    # The ranks' environments disagree on the window: every rank must still cut the files alike (the smallest).
+    knobs.LOCAL_TIER_IN_FLIGHT = knobs.LOCAL_TIER_IN_FLIGHT * (1 + 3 * (rank % 2))
     for mode, share in (("group", 0), ("host", 1)):
         knobs.SHARE_MEMORY = share
         for key in seen:

@@ -10,6 +10,7 @@ on a SeaweedFS server started here.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -28,6 +29,9 @@ def measure(common: dict) -> dict[str, float]:
     row.update({f"restore_{key}": max(rank[key] for rank in restores) for key in restores[0]})
     row["stall_local_vs_persistent"] = row["local_stall"] / row["persistent_stall"]
     row["restore_local_vs_persistent"] = row["restore_local"] / row["restore_persistent"]
+    # The issue's memory target: a local save's peak extra host memory against an async (persistent) save's, the
+    # largest rank's median of each; both floored at 1 MiB, below which a peak is the interpreter's own noise.
+    row["peak_local_vs_async"] = max(row["local_peak_mib"], 1.0) / max(row["persistent_peak_mib"], 1.0)
     print("  " + "  ".join(f"{key} {value:.3f}" for key, value in row.items()), flush=True)
     return row
 
@@ -43,8 +47,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--s3", action="store_true", help="the persistent root on a SeaweedFS server started here")
     parser.add_argument("--dir", help="scratch directory for the persistent root (the disk to measure)")
     parser.add_argument("--local-dir", default="/dev/shm", help="where the nodes' local tiers go (tmpfs)")
+    parser.add_argument(
+        "--through-group",
+        action="store_true",
+        help="replicate and restore through the process group even between ranks of one host "
+        "(SHARDCKPT_SHARE_MEMORY=0): what ranks on separate hosts do",
+    )
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
+    if args.through_group:
+        os.environ["SHARDCKPT_SHARE_MEMORY"] = "0"  # the ranks inherit it
     rows = max(4, round((args.size_mib << 20) / (args.tensors * 4096) / 4) * 4)
     scratch = tempfile.mkdtemp(prefix="shardckpt-tier-", dir=args.dir)
     local = tempfile.mkdtemp(prefix="shardckpt-tier-local-", dir=args.local_dir)
@@ -52,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, object] = {
         "machine": machine(),
         "size_mib": args.size_mib,
+        "through_group": args.through_group,
         # A failure loses on average half an interval of work: the local tier's against the persistent one's.
         "steps_lost_per_failure": {"persistent_only": args.every / 2, "with_local_tier": args.local_every / 2},
         "rows": {},

@@ -76,7 +76,8 @@ RESIDENT_MAX_REQUEST = int(_knob("RESIDENT_MAX_REQUEST", 2 << 20))
 PREFETCH_AHEAD = int(_knob("PREFETCH_AHEAD", 16 << 20))  # how far ahead a jumping reader announces its ranges
 VERIFY_CHUNK = int(_knob("VERIFY_CHUNK", 64 << 20))  # bytes `verify` reads per request
 # 1 (default): in a shared read, ranks proved to share a host hand bytes over through the reader's /dev/shm region
-# (one memcpy, or none) rather than the process group's sockets; 0: always through the group.
+# (one memcpy, or none) rather than the process group's sockets, and a local tier's replica of a file that the
+# receiving rank opens on its own host is copied by the kernel; 0: always through the group.
 SHARE_MEMORY = int(_knob("SHARE_MEMORY", 1))
 # Bytes a rank fetches plus receives per round of a shared read (and max_in_flight / 2): smaller rounds overlap one
 # round's reads with the previous one's checks sooner, each costs one collective (HSDP 4x1, 128 MiB: 32 MiB rounds
@@ -105,9 +106,10 @@ GC_GRACE = float(_knob("GC_GRACE", 3600.0))  # seconds: gc leaves anything young
 # Seconds: a local tier's save leaves another job's local checkpoints, and local saves that never committed, alone
 # while younger than this (another job may share the local root and be writing them); older ones it deletes.
 LOCAL_TIER_GRACE = float(_knob("LOCAL_TIER_GRACE", 600.0))
-# Bytes of a rank's replication to its peers in flight at once (its chunk, what it receives, what it sends): the
-# host memory a local save takes beyond the staging copy an async save holds anyway.
-LOCAL_TIER_IN_FLIGHT = int(_knob("LOCAL_TIER_IN_FLIGHT", 64 << 20))
+# Bytes of each replica a rank receives per round of a local save's replication through the group: a window of the
+# replica file, mapped while the group fills it (its pages are the tier's own, resident while mapped; no buffer
+# holds them). Sends come from the staging copy. Smaller windows cost more rounds.
+LOCAL_TIER_IN_FLIGHT = int(_knob("LOCAL_TIER_IN_FLIGHT", 8 << 20))
 # Format 1.2's piece index (SPEC 11.1): a commit of this many tensors or more writes its manifest's tensor entries in
 # name-sorted blocks a loading rank range-reads in part (readers older than 1.2 cannot open it); fewer: one document.
 PIECE_INDEX_MIN_TENSORS = int(_knob("PIECE_INDEX_MIN_TENSORS", 1024))

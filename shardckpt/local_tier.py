@@ -20,8 +20,8 @@ from shardckpt.catalog.local_tier import (
     inventory,
     prune_local,
 )
+from shardckpt.distributed import group_calls as calls
 from shardckpt.distributed.collectives import Group
-from shardckpt.distributed.protocol import _all_gather, _any_rank, _pack, _Solo, _unpack
 from shardckpt.distributed.shared_reads import node_ids
 from shardckpt.distributed.tier_restore import LocalTierError, TierRestore, restore_local
 from shardckpt.distributed.tier_save import save_local
@@ -38,7 +38,7 @@ class LocalTier:
         self,
         root: str,
         *,
-        group: Group | _Solo,
+        group: Group | calls.Solo,
         job: str,
         every_steps: int,
         keep: int,
@@ -79,7 +79,7 @@ class LocalTier:
         """What this rank's node's local tier takes now (its own ranks' files, replicas kept for peers, the rest)."""
         return footprint(self.storage, [r for r, node in enumerate(self.nodes) if node == self.nodes[rank]])
 
-    def held(self, group: Group | _Solo) -> list[str]:
+    def held(self, group: Group | calls.Solo) -> list[str]:
         """The names of this job's committed local checkpoints that any node holds (collective: each rank lists its
         node's root, an unreadable root counting as empty)."""
         try:
@@ -88,13 +88,13 @@ class LocalTier:
                 mine = [copy.name for copy in inventory(self.storage) if copy.job == self.job]
         except ShardckptError:
             mine = []
-        return sorted({name for raw in _all_gather(group, _pack(mine)) for name in _unpack(raw)})
+        return sorted({name for raw in calls.all_gather(group, calls.pack(mine)) for name in calls.unpack(raw)})
 
     def due(self, step: int) -> bool:
         return step % self.every_steps == 0 and step != self.last_step
 
     def save(
-        self, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]], step: int, group: Group | _Solo
+        self, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]], step: int, group: Group | calls.Solo
     ) -> str | None:
         """Save `state` as this step's local checkpoint on every node, then prune each node's tier; its name.
 
@@ -109,7 +109,7 @@ class LocalTier:
                     self._discard_leftovers()
                 # No rank writes into its new save before every node has deleted this job's leftovers: a leftover's
                 # name and the new one's differ only by attempt.
-                _any_rank(group, False)
+                calls.vote(group, False)
                 self._tidy = True
             name, _ = save_local(
                 state,
@@ -166,7 +166,7 @@ class LocalTier:
     def restore(
         self,
         state: Mapping[str, Any],
-        group: Group | _Solo,
+        group: Group | calls.Solo,
         *,
         newer_than: int | None,
         optional: Sequence[str] = (),

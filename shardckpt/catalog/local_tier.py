@@ -33,12 +33,15 @@ PEERS_KEY = "shardckpt.tier.peers"
 
 def home(root: Storage) -> str:
     """A node's local tier directory as recorded in a local save: this host's name and the directory's real path."""
-    return f"{socket.gethostname()}:{os.path.realpath(root.url)}"
+    # A path's bytes that are not UTF-8 (os.fsdecode's surrogates) would not pack: escaped, as a record only.
+    path = os.fsencode(os.path.realpath(root.url)).decode("utf-8", "backslashreplace")
+    return f"{socket.gethostname()}:{path}"
 
 
 # A local save's name (distributed.tier_save.local_name): step, its job's tag (job_tag; absent in names of earlier
 # releases), then attempt. Only such names are pruned uncommitted.
 LOCAL_NAME = re.compile(r"step-[0-9]{8,}(?:-[0-9a-f]{8})?-[0-9a-z]{1,64}")
+TAGGED_LOCAL_NAME = re.compile(r"step-[0-9]{8,}-[0-9a-f]{8}-[0-9a-z]{1,64}")  # with its job's tag (job_tag)
 
 
 def job_tag(job: str) -> str:

@@ -38,6 +38,18 @@ def host_key() -> str | None:
     return f"{socket.gethostname()}|{boot}|{shm.st_dev}:{shm.st_ino}"
 
 
+def file_identity(fd: int) -> tuple[str, int, int] | None:
+    """(boot id, device, inode) of an open file: equal in two processes only when both hold the very same file of
+    one running kernel (its device numbers and inodes are its own; the boot id tells kernels apart)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as file:
+            boot = file.read().strip()
+        found = os.fstat(fd)
+    except OSError:
+        return None
+    return boot, found.st_dev, found.st_ino
+
+
 class HostLinks:
     """Which (reader, consumer) pairs hand bytes over through a reader's shared region, the same on every rank, and
     this rank's view of each region it maps. Collective to build (three small all-gathers); `close` drops it."""

@@ -13,22 +13,22 @@ import os
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import msgpack
 import torch.distributed as dist
 
 from shardckpt import knobs
 from shardckpt.catalog.chain import Opening, read_opening, verify_global_manifest
-from shardckpt.distributed.collectives import (
-    Group,
-    all_gather_bytes,
-    any_rank,
-    any_ranks,
-    broadcast_bytes,
-    gather_bytes,
-)
+from shardckpt.distributed.collectives import Group, any_ranks
+from shardckpt.distributed.group_calls import Solo as _Solo
+from shardckpt.distributed.group_calls import all_gather as _all_gather
+from shardckpt.distributed.group_calls import broadcast as _broadcast
+from shardckpt.distributed.group_calls import collective as _collective
+from shardckpt.distributed.group_calls import describe as _describe
+from shardckpt.distributed.group_calls import gather as _gather
+from shardckpt.distributed.group_calls import pack as _pack
+from shardckpt.distributed.group_calls import unpack as _unpack
+from shardckpt.distributed.group_calls import vote as _any_rank
 from shardckpt.distributed.shared_reads import PeerFailed, fetch_shared, plan_exchange
 from shardckpt.errors import AlreadyExistsError, DistributedError, ShardckptUsageError
 from shardckpt.format import layout
@@ -62,16 +62,7 @@ from shardckpt.write.encode_ahead import check_pace
 from shardckpt.write.parent import open_parent, parent_of
 from shardckpt.write.writer import ShardWriter
 
-T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-@dataclass(frozen=True)
-class _Solo:
-    """The trivial group of one process, so both protocols are written once."""
-
-    rank: int = 0
-    size: int = 1
 
 
 def _collector_paused_on_the_calling_thread(function: F) -> F:
@@ -115,51 +106,6 @@ def _launcher_world_size() -> int:
         return int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:
         return 1
-
-
-def _broadcast(group: Group | _Solo, data: bytes | None, src: int) -> bytes:
-    if isinstance(group, _Solo):
-        assert data is not None
-        return data
-    return _collective(lambda: broadcast_bytes(group, data, src), group)
-
-
-def _gather(group: Group | _Solo, data: bytes, dst: int) -> list[bytes] | None:
-    if isinstance(group, _Solo):
-        return [data]
-    return _collective(lambda: gather_bytes(group, data, dst), group)
-
-
-def _any_rank(group: Group | _Solo, flag: bool) -> bool:
-    if isinstance(group, _Solo):
-        return flag
-    return _collective(lambda: any_rank(group, flag), group)
-
-
-def _all_gather(group: Group | _Solo, data: bytes) -> list[bytes]:
-    if isinstance(group, _Solo):
-        return [data]
-    return _collective(lambda: all_gather_bytes(group, data), group)
-
-
-def _collective(run: Callable[[], T], group: Group) -> T:
-    try:
-        return run()
-    except RuntimeError as exc:  # a peer died, or the group's timeout passed
-        raise DistributedError("a collective", {group.rank: f"{type(exc).__name__}: {exc}"}) from exc
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _pack(value: Any) -> bytes:
-    packed: bytes = msgpack.packb(value, use_bin_type=True)
-    return packed
-
-
-def _unpack(data: bytes) -> Any:
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
 @_collector_paused_on_the_calling_thread
@@ -449,7 +395,7 @@ def _load(
         checkpoint = open_checkpoint(
             open_storage(url, storage_options), max_in_flight=max_in_flight, max_gap=max_gap, head_only=True
         )
-        pending, assign = _prepare_fill(checkpoint, state_dict, group.rank, strict, optional, cast)
+        pending, assign = prepare_fill(checkpoint, state_dict, group.rank, strict, optional, cast)
         if verify_first:
             pending.fetch()
         stats = pending.apply()
@@ -491,7 +437,7 @@ def _load(
             where = storage.describe(marker.manifest)
             manifest = verify_global_manifest(message["manifest"], marker, where, head_only=True)
         checkpoint = Checkpoint(storage, marker, manifest, max_in_flight=max_in_flight, max_gap=max_gap)
-        prepared = pending, assign = _prepare_fill(checkpoint, state_dict, group.rank, strict, optional, cast)
+        prepared = pending, assign = prepare_fill(checkpoint, state_dict, group.rank, strict, optional, cast)
     except Exception as exc:
         local_error = exc
     share: SharePlan | None = None
@@ -566,7 +512,7 @@ def _load(
     return stats
 
 
-def _prepare_fill(
+def prepare_fill(
     checkpoint: Checkpoint,
     state_dict: Mapping[str, Any],
     rank: int,

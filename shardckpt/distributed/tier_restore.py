@@ -27,17 +27,9 @@ import torch.distributed as dist
 from shardckpt import knobs
 from shardckpt.catalog.chain import verify_global_manifest
 from shardckpt.catalog.local_tier import LocalCopy, LocalTierWarning, choose, inventory
+from shardckpt.distributed import group_calls as calls
 from shardckpt.distributed.collectives import Group
-from shardckpt.distributed.protocol import (
-    _all_gather,
-    _any_rank,
-    _broadcast,
-    _collective,
-    _pack,
-    _prepare_fill,
-    _Solo,
-    _unpack,
-)
+from shardckpt.distributed.protocol import prepare_fill
 from shardckpt.distributed.shared_reads import fetch_shared
 from shardckpt.errors import DistributedError, IntegrityError, NotFoundError, ShardckptError, ShardckptUsageError
 from shardckpt.format import layout, limits
@@ -76,7 +68,7 @@ def restore_local(
     state: Mapping[str, Any],
     root: Storage,
     *,
-    group: Group | _Solo,
+    group: Group | calls.Solo,
     nodes: Sequence[int],
     job: str,
     newer_than: int | None,
@@ -98,8 +90,8 @@ def restore_local(
     except Exception as exc:  # whatever it is, this rank must still join the collectives below
         warnings.warn(f"local tier {root.url} unreadable, left out of the restore: {exc!r}", LocalTierWarning, 2)
     everyone = [
-        [LocalCopy.unpack(fields) for fields in _unpack(raw)]
-        for raw in _all_gather(group, _pack([c.pack() for c in mine]))
+        [LocalCopy.unpack(fields) for fields in calls.unpack(raw)]
+        for raw in calls.all_gather(group, calls.pack([c.pack() for c in mine]))
     ]
     choice, aside = choose(everyone, job, newer_than, exclude)
     if group.rank == 0:  # once per job: every rank pooled the same inventories
@@ -113,11 +105,11 @@ def restore_local(
     bundle = None
     if group.rank == source:
         try:
-            bundle = _pack(_metadata(where, choice.attempt))
+            bundle = calls.pack(_metadata(where, choice.attempt))
         except Exception as exc:
             error = exc
-            bundle = _pack({"error": f"{type(exc).__name__}: {exc}"})
-    opening = _unpack(_broadcast(group, bundle, source))
+            bundle = calls.pack({"error": f"{type(exc).__name__}: {exc}"})
+    opening = calls.unpack(calls.broadcast(group, bundle, source))
     if "error" in opening:
         failed = LocalTierError("local restore", {source: opening["error"]})
         failed.key = choice.key
@@ -130,15 +122,15 @@ def restore_local(
         try:
             state, load_statefuls = loadable_states(state)
             checkpoint = _checkpoint(scratch, where, opening, max_in_flight)
-            prepared = _prepare_fill(checkpoint, state, group.rank, strict, optional, cast)
+            prepared = prepare_fill(checkpoint, state, group.rank, strict, optional, cast)
         except Exception as exc:
             error = exc
-        if _any_rank(group, error is not None):
+        if calls.vote(group, error is not None):
             raise _failure(group, error, choice.key)
         assert prepared is not None
         pending, assign = prepared
         wanted = [knobs.MAX_REQUEST, [[q.file, q.start, q.end] for q in pending.plan.requests]]
-        gathered = [msgpack.unpackb(b) for b in _all_gather(group, msgpack.packb(wanted))]
+        gathered = [msgpack.unpackb(b) for b in calls.all_gather(group, msgpack.packb(wanted))]
         needs = [[tuple(r) for r in ranges] for _, ranges in gathered]
         # Every rank cuts the segments alike (SHARDCKPT_MAX_REQUEST may differ between ranks' environments).
         chunk = max(1, min(size for size, _ in gathered))
@@ -164,7 +156,7 @@ def restore_local(
                 )
         except Exception as exc:
             error = exc
-        if _any_rank(group, error is not None):
+        if calls.vote(group, error is not None):
             failure = _failure(group, error, choice.key)
             if isinstance(failure, LocalTierError):
                 failure.readers = tuple(
@@ -219,7 +211,7 @@ def _checkpoint(scratch: Storage, where: Storage, opening: Mapping[str, Any], ma
 
 
 def _fetch(
-    group: Group | _Solo,
+    group: Group | calls.Solo,
     checkpoint: Checkpoint,
     where: Storage,
     requests: Sequence[ReadRequest],
@@ -259,7 +251,7 @@ def _fetch(
         except Exception as exc:
             error = exc
         # Every rank leaves the rounds together: one that stopped alone would leave the others in the exchange.
-        if _any_rank(group, error is not None):
+        if calls.vote(group, error is not None):
             raise error if error is not None else IntegrityError("another rank failed to read its local tier")
         if not any(s.reader not in s.consumers or len(s.consumers) > 1 for s in segments):
             continue
@@ -292,13 +284,13 @@ def _fetch(
 
 
 def _failure(
-    group: Group | _Solo, error: BaseException | None, key: tuple[str, str, int]
+    group: Group | calls.Solo, error: BaseException | None, key: tuple[str, str, int]
 ) -> LocalTierError | DistributedError:
     """(all, after a vote that found a failure) Every rank's cause, the same error on every rank: LocalTierError
     (try another copy) unless some rank's state does not fit the checkpoint (a usage error: no copy would do, and
     falling back would hide it), which is a DistributedError the caller sees."""
     mine = {"error": f"{type(error).__name__}: {error}", "usage": isinstance(error, ShardckptUsageError)}
-    replies = [_unpack(reply) for reply in _all_gather(group, _pack(mine if error is not None else {}))]
+    replies = [calls.unpack(reply) for reply in calls.all_gather(group, calls.pack(mine if error is not None else {}))]
     failures = {rank: reply["error"] for rank, reply in enumerate(replies) if "error" in reply}
     if any(reply.get("usage") for reply in replies):
         return DistributedError("restore from the local tier", failures)
@@ -313,6 +305,8 @@ def swap(group: Group, outgoing: Sequence[ByteArray], send_sizes: list[int], rec
     sending = np.concatenate(list(outgoing)) if any(send_sizes) else np.empty(0, np.uint8)
     incoming = torch.empty(sum(receive_sizes), dtype=torch.uint8, device=group.device)
     send = torch.from_numpy(sending).to(group.device)
-    _collective(lambda: dist.all_to_all_single(incoming, send, receive_sizes, send_sizes, group=group.handle), group)
+    calls.collective(
+        lambda: dist.all_to_all_single(incoming, send, receive_sizes, send_sizes, group=group.handle), group
+    )
     arrived: ByteArray = incoming.cpu().numpy()
     return arrived

@@ -13,14 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from shardckpt import knobs
 from shardckpt.catalog.local_tier import HOMES_KEY, JOB_KEY, NODES_KEY, PEERS_KEY, home, job_tag
+from shardckpt.distributed import group_calls as calls
 from shardckpt.distributed.collectives import Group
-from shardckpt.distributed.protocol import _all_gather, _any_rank, _broadcast, _pack, _Solo, _unpack
-from shardckpt.distributed.tier_restore import swap
-from shardckpt.errors import AlreadyExistsError, DistributedError, IntegrityError
+from shardckpt.distributed.tier_replicate import Outgoing, identity_of, replicate
+from shardckpt.errors import DistributedError
 from shardckpt.format import layout
 from shardckpt.format.local_manifest import decode_local_manifest
 from shardckpt.format.manifest import GlobalManifest, decode_global_manifest
@@ -29,7 +27,6 @@ from shardckpt.statedict.flatten import flatten
 from shardckpt.statedict.leaves import check_savable, save_items
 from shardckpt.statedict.stateful import saved_states
 from shardckpt.storage import Storage
-from shardckpt.storage.base import NewFile
 from shardckpt.write.node_commit import build_manifest, commit_node
 from shardckpt.write.writer import ShardWriter
 
@@ -44,7 +41,7 @@ def save_local(
     state: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
     root: Storage,
     *,
-    group: Group | _Solo,
+    group: Group | calls.Solo,
     nodes: Sequence[int],
     step: int,
     job: str,
@@ -57,13 +54,15 @@ def save_local(
     a failed save leaves to clean)."""
     partners = replica_partners(nodes, peers)
     error: BaseException | None = None
-    opening = _pack({"attempt": layout.new_attempt()}) if group.rank == 0 else None
-    attempt = _unpack(_broadcast(group, opening, 0))["attempt"]
+    opening = calls.pack({"attempt": layout.new_attempt()}) if group.rank == 0 else None
+    attempt = calls.unpack(calls.broadcast(group, opening, 0))["attempt"]
     name = local_name(step, job, attempt)
     if started is not None:
         started.append(name)
     where = root.child(name)
-    encoded = b""
+    encoded, identity = b"", None
+    reply = b""
+    placed: tuple[tuple[int, Any], ...] = ()
     try:
         # A callable state is built here, so that its failure on one rank reaches every rank like any other.
         leaves = flatten(saved_states(state() if callable(state) else state))
@@ -78,24 +77,34 @@ def save_local(
             writer.add_object(piece, value, per_rank=per_rank)
         writer.close()
         assert writer.encoded_manifest is not None
-        encoded = writer.encoded_manifest
+        encoded, placed = writer.encoded_manifest, writer.placed
+        # A partner on this host copies the file in the kernel when it can open this very file.
+        identity = identity_of(where, layout.data_path(group.rank, attempt)) if knobs.SHARE_MEMORY else None
+        # Packed here: whatever fails on one rank must still reach the others through the gather, never leave them
+        # waiting in it.
+        reply = calls.pack({"manifest": encoded, "home": home(root), "file": identity})
     except Exception as exc:
         error = exc
-    replies = [
-        _unpack(reply)
-        for reply in _all_gather(
-            group, _pack({"manifest": encoded, "home": home(root)} if error is None else {"error": _describe(error)})
-        )
-    ]
+        reply = calls.pack({"error": calls.describe(exc)})
+    replies = [calls.unpack(raw) for raw in calls.all_gather(group, reply)]
     _raise_failures(replies, error)
     raws = [reply["manifest"] for reply in replies]
     try:
         if isinstance(group, Group) and any(partners):
-            _replicate(group, where, raws, attempt, partners)
+            manifests = [
+                decode_local_manifest(raw, where.describe(layout.local_manifest_path(r, attempt)))
+                for r, raw in enumerate(raws)
+            ]
+            outgoing = Outgoing(layout.data_path(group.rank, attempt), placed)
+            files = [reply["file"] for reply in replies]
+            replicate(group, where, manifests, outgoing, files, partners, same_host=bool(knobs.SHARE_MEMORY))
     except Exception as exc:
         error = exc
-    if _any_rank(group, error is not None):
-        replies = [_unpack(reply) for reply in _all_gather(group, _pack({"error": _describe(error)} if error else {}))]
+    if calls.vote(group, error is not None):
+        replies = [
+            calls.unpack(reply)
+            for reply in calls.all_gather(group, calls.pack({"error": calls.describe(error)} if error else {}))
+        ]
         _raise_failures(replies, error)
     built = None
     if group.rank == 0:
@@ -104,11 +113,11 @@ def save_local(
             homes = [reply["home"] for reply in replies]
             recorded = {JOB_KEY: job, NODES_KEY: list(nodes), HOMES_KEY: homes, PEERS_KEY: peers}
             manifest_bytes, marker_bytes = build_manifest(where.url, raws, attempt, step, recorded)
-            built = _pack({"manifest": manifest_bytes, "marker": marker_bytes})
+            built = calls.pack({"manifest": manifest_bytes, "marker": marker_bytes})
         except Exception as exc:
             error = exc
-            built = _pack({"error": _describe(exc)})
-    message = _unpack(_broadcast(group, built, 0))
+            built = calls.pack({"error": calls.describe(exc)})
+    message = calls.unpack(calls.broadcast(group, built, 0))
     if "error" in message:
         raise DistributedError("local save", {0: message["error"]}) from error
     try:
@@ -118,88 +127,12 @@ def save_local(
             commit_node(where, raws, attempt, message["manifest"], message["marker"], held)
     except Exception as exc:
         error = exc
-    replies = [_unpack(reply) for reply in _all_gather(group, _pack({"error": _describe(error)} if error else {}))]
+    replies = [
+        calls.unpack(reply)
+        for reply in calls.all_gather(group, calls.pack({"error": calls.describe(error)} if error else {}))
+    ]
     _raise_failures(replies, error)
     return name, decode_global_manifest(message["manifest"], where.describe(layout.global_manifest_path(attempt)))
-
-
-def _replicate(
-    group: Group,
-    where: Storage,
-    raws: Sequence[bytes],
-    attempt: str,
-    partners: list[tuple[int, ...]],
-    budget: int = knobs.LOCAL_TIER_IN_FLIGHT,
-) -> None:
-    """(all) Each rank's data file to each of its partners, which write it under its own name: in rounds of one
-    all_to_all each, a chunk of every file per round, so a rank holds about `budget` bytes of it at a time. A rank
-    that fails (its read, a write) still takes part in every round, then raises."""
-    rank, world = group.rank, group.size
-    sizes = [
-        decode_local_manifest(raw, where.describe(layout.local_manifest_path(r, attempt))).data_size
-        for r, raw in enumerate(raws)
-    ]
-    sources = [source for source in range(world) if rank in partners[source]]
-    fan = 1 + max(len(chosen) for chosen in partners) + max(sum(1 for c in partners if r in c) for r in range(world))
-    chunk = max(1 << 12, budget // fan)  # the same on every rank: all run the same rounds
-    rounds = max((size + chunk - 1) // chunk for size in sizes)
-    error: BaseException | None = None
-    handles: dict[int, NewFile | None] = {}
-    try:
-        for source in sources:
-            handles[source] = _open_replica(where, layout.data_path(source, attempt), sizes[source])
-    except Exception as exc:
-        error = exc
-    for number in range(rounds):
-        low = number * chunk
-        piece = max(0, min(sizes[rank], low + chunk) - low)
-        data = np.zeros(piece, dtype=np.uint8)
-        if piece and error is None:
-            try:
-                where.read_range_into(layout.data_path(rank, attempt), low, data.data)
-            except Exception as exc:
-                error = exc
-        send_sizes = [piece if target in partners[rank] else 0 for target in range(world)]
-        receive_sizes = [
-            max(0, min(sizes[source], low + chunk) - low) if source in sources else 0 for source in range(world)
-        ]
-        received, position = swap(group, [data for size in send_sizes if size], send_sizes, receive_sizes), 0
-        for source in range(world):
-            size = receive_sizes[source]
-            handle = handles.get(source)
-            if size and handle is not None and error is None:
-                try:
-                    handle.write(received[position : position + size].data)
-                except Exception as exc:
-                    error = exc
-            position += size
-    for handle in handles.values():
-        if handle is None:
-            continue
-        if error is None:
-            try:
-                handle.close()
-            except Exception as exc:
-                error = exc
-        else:
-            handle.abort()
-    if error is not None:
-        raise error
-
-
-def _open_replica(where: Storage, path: str, size: int) -> NewFile | None:
-    """A new replica file; None when the very file is there already (two simulated nodes sharing one directory:
-    its source wrote it), which must then have its size (every byte is verified against its CRCs when read)."""
-    try:
-        return where.open_new(path)
-    except AlreadyExistsError:
-        if where.size(path) != size:
-            raise IntegrityError(f"{where.describe(path)} exists with another size than this save's file") from None
-        return None
-
-
-def _describe(exc: BaseException | None) -> str:
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _raise_failures(replies: Sequence[Mapping[str, Any]], error: BaseException | None) -> None:

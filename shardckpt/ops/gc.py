@@ -8,8 +8,10 @@ outside ROOT. The listing, the order and the deletion itself are catalog's, shar
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -18,6 +20,7 @@ from shardckpt.catalog import DIRECTORIES, Entry, Listing, delete_objects, layou
 from shardckpt.catalog.chain import require_exists
 from shardckpt.catalog.claims import BY_COLLECTOR, BY_COMMIT, claim, holder, release
 from shardckpt.catalog.deletion import attempt_of, is_successor
+from shardckpt.catalog.local_tier import TAGGED_LOCAL_NAME, LocalTierWarning, inventory
 from shardckpt.crashpoints import crash_point
 from shardckpt.errors import NotFoundError, ShardckptError, ShardckptUsageError
 from shardckpt.format import layout, limits
@@ -138,11 +141,12 @@ def plan_gc(
         if stale:
             _plan_leftovers(plan, name, checkpoint, stale, now)
     doomed = []
+    parts = _by_job(listing) if keep_last is not None and not unknown else [listing]
     if keep_last is not None and unknown:
         reason = f"no committed checkpoint pruned: what a save in progress references is unreadable ({unknown[0]})"
         plan.skipped.append(Skipped(unknown[0].split(":", 1)[0], reason))
     elif keep_last is not None:
-        doomed = listing.to_prune(keep_last, grace=grace, now=now, pinned=pinned)
+        doomed = [entry for part in parts for entry in part.to_prune(keep_last, grace=grace, now=now, pinned=pinned)]
     pruned = {entry.name for entry in doomed}
     plan.actions = [action for action in plan.actions if action.checkpoint not in pruned]  # pruning covers them
     plan.skipped = [skipped for skipped in plan.skipped if skipped.checkpoint not in pruned]
@@ -150,16 +154,36 @@ def plan_gc(
         checkpoint = root.child(entry.name)
         marker_object = Doomed(layout.COMMITTED, _size(checkpoint, layout.COMMITTED))
         doomed_objects = [marker_object, *_sized(checkpoint, [path for path, _ in layout_objects(checkpoint)])]
-        reason = f"committed, older than the newest {keep_last}"
+        reason = f"committed, older than the newest {keep_last}" + (" of its job" if len(parts) > 1 else "")
         plan.actions.append(Action(entry.name, "prune", reason, doomed_objects, list(DIRECTORIES)))
     plan.kept = [entry.name for entry in listing.committed() if entry.owned and entry.name not in pruned]
     if keep_last is not None and not unknown:
-        owned = [entry for entry in listing.committed() if entry.owned]
-        for entry in owned[: max(0, len(owned) - keep_last)]:
-            if entry.name not in pruned:  # beyond keep_last yet kept: say why, or it looks like gc did nothing
-                why = _why_kept(listing, entry, pinned, pruned, grace, now)
-                plan.skipped.append(Skipped(entry.name, f"committed, older than the newest {keep_last}, but {why}"))
+        for part in parts:
+            owned = [entry for entry in part.committed() if entry.owned]
+            for entry in owned[: max(0, len(owned) - keep_last)]:
+                if entry.name not in pruned:  # beyond keep_last yet kept: say why, or it looks like gc did nothing
+                    why = _why_kept(part, entry, pinned, pruned, grace, now)
+                    plan.skipped.append(Skipped(entry.name, f"committed, older than the newest {keep_last}, but {why}"))
     return plan
+
+
+def _by_job(listing: Listing) -> list[Listing]:
+    """The root's listing as retention counts it: on a node-local tier's root, one part per job that its local
+    checkpoints' manifests name (keep_last is per job, as the Checkpointer's local retention: another job's newer
+    steps never push this one's out); elsewhere the whole listing. A local name carries its job's tag, so other
+    roots are told apart without reading a manifest."""
+    if not any(TAGGED_LOCAL_NAME.fullmatch(entry.name) for entry in listing.committed()):
+        return [listing]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LocalTierWarning)  # a copy that does not read counts with no job
+        jobs = {copy.name: copy.job for copy in inventory(listing.root)}
+    committed = {entry.name for entry in listing.committed()}
+    parts: dict[str | None, list[Entry]] = {}
+    for entry in listing.entries:
+        if entry.name in committed:
+            parts.setdefault(jobs.get(entry.name), []).append(entry)
+    rest = [entry for entry in listing.entries if entry.name not in committed]
+    return [dataclasses.replace(listing, entries=tuple(rest + part)) for part in parts.values()]
 
 
 def _why_kept(listing: Listing, entry: Entry, pinned: set[str], pruned: set[str], grace: float, now: float) -> str:

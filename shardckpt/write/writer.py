@@ -296,6 +296,9 @@ class ShardWriter:
         self._closed = False
         self.stats: WriteStats | None = None
         self.encoded_manifest: bytes | None = None  # the local manifest exactly as written, after close()
+        # After close(), of a raw file: each piece's offset in the data file and the tensor its bytes were written
+        # from (a replica can be sent from that memory rather than read back); empty when the file is compressed.
+        self.placed: tuple[tuple[int, torch.Tensor], ...] = ()
 
     # ------------------------------------------------------------------------------------------ adding
 
@@ -416,6 +419,8 @@ class ShardWriter:
         if stored != position:  # a backend that lost bytes without an error must not get this far
             raise IntegrityError(f"{self.storage.describe(data_path)} holds {stored} bytes after writing {position}")
         specs, pieces = self._table(offsets)
+        if self.compression is None and self.parent is None:
+            self.placed = tuple(zip(offsets, (piece.tensor for piece in self._pieces)))
         references = None
         if digests is not None:
             if len(digests) != pieces.count:  # a lost hash would make a later save reference the wrong bytes

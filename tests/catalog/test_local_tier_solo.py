@@ -160,6 +160,36 @@ def test_two_jobs_sharing_a_local_root_keep_their_own_newest_local_checkpoints(t
     assert all(torch.equal(restored[k], state(3)[k]) for k in restored)
 
 
+def test_a_local_root_whose_name_is_not_utf8_saves_and_resumes(tmp_path) -> None:
+    # A directory name with a byte that is not UTF-8 (os.fsdecode gives a surrogate): the node's directory and the
+    # file's path are recorded and exchanged all the same (msgpack refused the str: an untyped crash on every save).
+    options = {"every_steps": 4, "local_every_steps": 1, "preemption_signals": ()}
+    local = os.path.join(str(tmp_path), "local-\udcff")
+    saver = shardckpt.Checkpointer(str(tmp_path / "persistent"), local_root=local, **options)
+    saver.maybe_save(1, state(1))
+    saver.close()
+    restored = state(0)
+    assert (
+        shardckpt.Checkpointer(str(tmp_path / "persistent"), local_root=local, **options).restore_latest(restored) == 1
+    )
+    assert all(torch.equal(restored[k], state(1)[k]) for k in restored)
+
+
+def test_gc_on_a_shared_local_root_keeps_the_newest_of_each_job(tmp_path) -> None:
+    # As the Checkpointer's local retention: `gc --keep-last 1` on a node's local root keeps each job's newest local
+    # checkpoint, however much newer another job's steps are (a root-wide count would delete job a's and c's only ones).
+    from shardckpt.ops.gc import collect, plan_gc
+
+    run(tmp_path, range(1, 4), local_job="a", every_steps=100)
+    run(tmp_path, range(4, 6), local_job="b", every_steps=100)
+    run(tmp_path, range(1, 2), local_job="c", every_steps=100)
+    local = str(tmp_path / "local")
+    plan = plan_gc(local, keep_last=1)
+    assert sorted(action.reason for action in plan.actions) == ["committed, older than the newest 1 of its job"] * 2
+    collect(plan)
+    assert sorted((c.job, c.step) for c in inventory(open_storage(local))) == [("a", 3), ("b", 5), ("c", 1)]
+
+
 def test_a_failed_local_save_leaves_nothing_behind_so_a_full_tmpfs_recovers(tmp_path, monkeypatch) -> None:
     # tmpfs full mid-save: the failed attempt's partial files, kept for the grace period, would keep it full and
     # fail every later local save (pruning runs only after a save that succeeds). The node deletes them at once.

@@ -25,7 +25,9 @@ if __name__ == "__main__":
     os.environ.update(json.loads(sys.argv[2]).get("env_by_rank", {}).get(os.environ["RANK"], {}))
 
 import shardckpt
+from shardckpt.distributed.protocol import resolve_group
 from shardckpt.format import layout
+from shardckpt.local_tier import LocalTier
 from shardckpt.storage.local import LocalStorage
 from tests.helpers.launch import serve_rank
 
@@ -107,6 +109,111 @@ def scenario_restore(args: dict[str, Any], rank: int, world: int) -> dict[str, A
             "warnings": [str(w.message)[:300] for w in caught],
         }
     return outcome
+
+
+def scenario_replicate(args: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    """Local saves with every rank its own node (peers=2 on 3 ranks: each rank sends its file to two and receives
+    two), first through the group, then with the kernel copying between ranks of this host. Every point-to-point
+    message is recorded: where a receive lands (a mapping of which file, per /proc/self/maps), whether a send comes
+    from the state's own memory, and every buffer the replication allocates (tier_replicate.scratch)."""
+    from shardckpt import knobs
+    from shardckpt.distributed import tier_replicate
+
+    os.environ["SHARDCKPT_NODE"] = f"n{rank}"
+    generator = torch.Generator().manual_seed(7)  # the same values on every rank: plain tensors are replicated
+    # Replicated tensors are written by one rank each, the largest first: one 2.5 MiB tensor per rank (split by the
+    # 1 MiB window into several rounds, sent from this memory), then rank 0 the 2 MiB non-contiguous one (read back
+    # from the file), and small ones (merged into one message, read back). No DTensor: its first use costs seconds.
+    state: dict[str, Any] = {f"big{index}": torch.randn(640, 1024, generator=generator) for index in range(world)}
+    state["t"] = torch.randn(512, 1024, generator=generator).t()
+    for index in range(6):
+        state[f"s{index}"] = torch.randn(30, generator=generator)
+    memory = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in state.values()]
+    seen: dict[str, list[Any]] = {"recv": [], "send": [], "scratch": [], "other": []}
+    original = {name: getattr(dist, name) for name in ("isend", "irecv", "all_to_all_single", "send", "recv")}
+    original_scratch = tier_replicate.scratch
+
+    def recording(name: str) -> Any:
+        def call(*call_args: Any, **kwargs: Any) -> Any:
+            tensor = call_args[0]  # all_to_all_single: the output
+            low = tensor.data_ptr()
+            high = low + tensor.numel() * tensor.element_size()
+            if name in ("irecv", "recv", "all_to_all_single"):
+                seen["recv"].append([name, high - low, _mapped_file(low, high)])
+            if name in ("isend", "send", "all_to_all_single"):
+                sent = call_args[1] if name == "all_to_all_single" else tensor
+                start = sent.data_ptr()
+                end = start + sent.numel() * sent.element_size()
+                seen["send"].append([name, end - start, any(a <= start and end <= b for a, b in memory)])
+            return original[name](*call_args, **kwargs)
+
+        return call
+
+    def counted_scratch(size: int) -> Any:
+        seen["scratch"].append(size)
+        return original_scratch(size)
+
+    outcome: dict[str, Any] = {}
+    root = os.path.join(args["base"], "local")
+    group = resolve_group(None)
+    tier = LocalTier(os.path.join(root, f"n{rank}"), group=group, job="replicate", every_steps=1, keep=1, peers=2)
+    # The ranks' environments disagree on the window: every rank must still cut the files alike (the smallest).
+    knobs.LOCAL_TIER_IN_FLIGHT = knobs.LOCAL_TIER_IN_FLIGHT * (1 + 3 * (rank % 2))
+    for mode, share in (("group", 0), ("host", 1)):
+        knobs.SHARE_MEMORY = share
+        for key in seen:
+            seen[key] = []
+        for name in original:
+            setattr(dist, name, recording(name))
+        tier_replicate.scratch = counted_scratch  # type: ignore[assignment]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # a failed local save only warns: here it must not fail
+                name = tier.save(state, 1 if mode == "group" else 2, group)
+        finally:
+            for key, function in original.items():
+                setattr(dist, key, function)
+            tier_replicate.scratch = original_scratch  # type: ignore[assignment]
+        dist.barrier()
+        copies = {}
+        for source in range(world):  # every node's copy of each rank's file: how many, how many distinct
+            contents = []
+            for node in range(world):
+                data = os.path.join(root, f"n{node}", str(name), layout.DATA_DIR)
+                for file in os.listdir(data):
+                    if file.startswith(f"{source:05d}-"):
+                        with open(os.path.join(data, file), "rb") as handle:
+                            contents.append(handle.read())
+            copies[source] = [len(contents), len(set(contents))]
+        outcome[mode] = {**seen, "copies": copies, "root": os.path.realpath(root)}
+        if mode == "host":
+            # Rank 1 cannot create a replica (a full tmpfs): no byte moves, every rank learns why, nothing commits.
+            opened = tier_replicate.open_mapped
+            if rank == 1:
+                tier_replicate.open_mapped = _no_room  # type: ignore[assignment]
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                refused = tier.save(state, 3, group)
+            tier_replicate.open_mapped = opened  # type: ignore[assignment]
+            outcome["refused"] = {"name": refused, "warnings": [str(w.message) for w in caught]}
+    dist.barrier()
+    outcome["left"] = sorted(os.listdir(os.path.join(root, f"n{rank}")))
+    return outcome
+
+
+def _no_room(where: Any, path: str, size: int) -> Any:
+    raise shardckpt.errors.StorageError(f"{where.describe(path)}: no room left (injected)")
+
+
+def _mapped_file(low: int, high: int) -> str | None:
+    """The file whose shared mapping holds addresses [low, high) whole, or None (anonymous memory)."""
+    with open("/proc/self/maps", encoding="utf-8") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            start, end = (int(value, 16) for value in fields[0].split("-"))
+            if start <= low and high <= end:
+                return fields[5].strip() if len(fields) == 6 and fields[1].endswith("s") else None
+    return None
 
 
 class counting_reads:

@@ -21,13 +21,14 @@ class Geometry:
     """The boxes of a piece table, start and length of shape (count, k), read-only; shared by every table of one
     manifest whose start and length columns are the same bytes (under FSDP, every tensor of one shape)."""
 
-    __slots__ = ("_axis", "_ends", "_nbytes", "checked", "count", "k", "length", "start")
+    __slots__ = ("_axis", "_axis_ends", "_axis_starts", "_ends", "_nbytes", "checked", "count", "k", "length", "start")
 
     def __init__(self, start: Int64Array, length: Int64Array) -> None:
         self.start, self.length = _frozen(start), _frozen(length)
         self.count, self.k = (int(n) for n in self.start.shape)
         self._ends: Int64Array | None = None
         self._axis: int | None = -1  # -1: not looked for yet; None: no dimension orders the pieces
+        self._axis_starts = self._axis_ends = np.zeros(0, np.int64)  # along the axis, contiguous (searchsorted)
         self._nbytes: dict[int, Int64Array] = {}
         self.checked: set[tuple[tuple[int, ...], str]] = set()  # (shape, layout) the boxes were checked against
 
@@ -58,6 +59,9 @@ class Geometry:
                             self._axis = dim
                         if s[0] != s[-1]:
                             break
+                if self._axis is not None:
+                    self._axis_starts = np.ascontiguousarray(start[:, self._axis])
+                    self._axis_ends = np.ascontiguousarray(ends[:, self._axis])
         return self._axis
 
     def overlapping(self, lo: Sequence[int], hi: Sequence[int]) -> Int64Array:
@@ -67,10 +71,18 @@ class Geometry:
         start, ends = self.start, self.ends
         if axis is not None:
             # Ends never decrease: those past lo are a suffix; starts never decrease: those before hi a prefix.
-            first = int(np.searchsorted(ends[:, axis], lo[axis], side="right"))
-            last = int(np.searchsorted(start[:, axis], hi[axis], side="left"))
+            first = int(np.searchsorted(self._axis_ends, lo[axis], side="right"))
+            last = int(np.searchsorted(self._axis_starts, hi[axis], side="left"))
             if last <= first:
                 return np.zeros(0, np.int64)
+            if last - first <= SCAN_PIECES:  # a few candidates (a row tiling's one or two): plain integers
+                rows = zip(start[first:last].tolist(), ends[first:last].tolist())
+                hits = [
+                    first + i
+                    for i, (s, e) in enumerate(rows)
+                    if all(a < b for a, b in zip(s, hi)) and all(a > b for a, b in zip(e, lo))
+                ]
+                return np.array(hits, dtype=np.int64)
             start, ends = start[first:last], ends[first:last]
         if not self.k:
             return np.arange(first, first + start.shape[0], dtype=np.int64)

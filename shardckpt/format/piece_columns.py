@@ -102,10 +102,11 @@ class Geometry:
 
 
 def _frozen(array: Int64Array) -> Int64Array:
-    """`array`, contiguous and read-only: tables share it, so a writer through one table would change others."""
-    array = np.ascontiguousarray(array, dtype=np.int64)
-    array.flags.writeable = False
-    return array
+    """A contiguous, read-only view of `array`: tables share it, so a write through one would change the others. A
+    view, so that the caller's own array stays writable."""
+    view: Int64Array = np.ascontiguousarray(array, dtype=np.int64).view()
+    view.flags.writeable = False
+    return view
 
 
 class SharedColumns:

@@ -141,3 +141,13 @@ def test_a_shared_column_still_refuses_a_tensor_it_does_not_fit() -> None:
     broken.tensors[0].pieces.arrays()
     with pytest.raises(Exception, match="extends past shape"):
         broken.tensors[1].pieces.arrays()
+
+
+def test_boxes_of_a_table_built_in_memory_leave_its_arrays_writable() -> None:
+    start = np.arange(0, 60, 3, dtype=np.int64).reshape(-1, 1)
+    length = np.full((20, 1), 3, dtype=np.int64)
+    table = PieceTable(np.zeros(20, np.int64), np.arange(20, dtype=np.int64) * 12 + 8, start, length)
+    assert table.overlapping((4,), (7,)).tolist() == [1, 2]
+    start[0, 0] = 0  # the caller's array: still its own to write
+    with pytest.raises(ValueError):
+        table.geometry().start[0, 0] = 1

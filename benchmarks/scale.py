@@ -44,6 +44,7 @@ from shardckpt.format.manifest import (
 from shardckpt.format.piece_index import FIRST_VERSION as INDEX_VERSION
 from shardckpt.planner import Box, Target, plan_reads
 from shardckpt.write.merge import merge_tensors
+from shardckpt.write.parent import holder_ranks
 
 BLOCK = 64 << 10
 
@@ -166,6 +167,32 @@ def saving_names(model: str, world: int, ep: int, config: MoeConfig) -> list[str
     return [state.specs[i].name for i in declared.tolist()]
 
 
+def saving_boxes(model: str, world: int, ep: int, config: MoeConfig) -> dict[str, set[tuple[tuple[int, ...], ...]]]:
+    """The (start, length) of each piece that rank of saving_names writes (its parent pieces of the same mesh)."""
+    if model == "dense":
+        boxes: dict[str, set[tuple[tuple[int, ...], ...]]] = {}
+        rank = world // 2
+        for index, spec in enumerate(tensor_specs()):
+            if not spec.shape:
+                if rank == index % world:
+                    boxes[spec.name] = {((), ())}
+                continue
+            chunk = math.ceil(spec.shape[0] / world)
+            lo = min(rank * chunk, spec.shape[0])
+            hi = min(lo + chunk, spec.shape[0])
+            if hi > lo:
+                boxes[spec.name] = {((lo,) + (0,) * (len(spec.shape) - 1), (hi - lo, *spec.shape[1:]))}
+        return boxes
+    state = moe_state(model, config)
+    _, owners, starts, lengths = state.boxes(Mesh(world, ep), world // 2)
+    boxes = {}
+    ids = owners.tolist()
+    rows = [row for start, length in zip(starts, lengths) for row in zip(start.tolist(), length.tolist())]
+    for tensor, (start, length) in zip(ids, rows):
+        boxes.setdefault(state.specs[tensor].name, set()).add((tuple(start), tuple(length)))
+    return boxes
+
+
 def write_indexed(scratch: Path, manifest: GlobalManifest) -> dict[str, Any]:
     """The commit's encode of the manifest with a piece index, written beside the plain one."""
     indexed = dataclasses.replace(manifest, version=INDEX_VERSION, index_block=max(1, knobs.PIECE_INDEX_BLOCK))
@@ -265,6 +292,7 @@ def index_phase(scratch: Path, model: str, world: int, ep: int, config: MoeConfi
     head_size = json.loads((scratch / "indexed.json").read_text())["head"]
     targets = [] if parent else load_targets(model, world, ep, config, None)
     names = saving_names(model, world, ep, config) if parent else [target.name for target in targets]
+    boxes = saving_boxes(model, world, ep, config) if parent else {}
     reset_peak_rss()
     before = current_rss()
     began = time.process_time()
@@ -282,10 +310,9 @@ def index_phase(scratch: Path, model: str, world: int, ep: int, config: MoeConfi
             for number in range(begin, end):
                 blocks[number] = run[offsets[number] - at : offsets[number] - at + index.size[number]]
     manifest = decode_index_blocks(manifest, blocks, "indexed")
-    if parent:  # open_parent decodes the file column of every wanted tensor
-        entries = manifest.tensor_index()
-        for name in dict.fromkeys(names):
-            entries[name].pieces.arrays()
+    holders = 0
+    if parent:  # open_parent then finds the pieces of the rank's own boxes, and whose local manifests hold them
+        holders = len(holder_ranks(manifest, set(names), boxes))
     # A load's plan decodes the piece columns of its own tensors when it first uses them: counted in the plan, as a
     # block's other entries stay undecoded.
     decode = time.process_time() - began
@@ -307,6 +334,7 @@ def index_phase(scratch: Path, model: str, world: int, ep: int, config: MoeConfi
         f"{prefix}_plan_seconds": plan_seconds,
         f"{prefix}_plan_requests": requests,
         f"{prefix}_rss_delta": peak_rss() - before,
+        **({"parent_local_manifests": holders} if parent else {}),
     }
 
 
@@ -430,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"({row['index_blocks_read']} of {row['index_blocks']} blocks), decode "
                     f"{row['index_decode_seconds']:.2f}s + plan {row['index_plan_seconds']:.2f}s, RSS "
                     f"+{row['index_rss_delta'] / 2**20:.0f}Mi; a parent open reads "
-                    f"{row['parent_bytes_read'] / 2**20:.2f}Mi, decode {row['parent_decode_seconds']:.2f}s, RSS "
+                    f"{row['parent_bytes_read'] / 2**20:.2f}Mi and {row['parent_local_manifests']} local manifest(s), "
+                    f"decode {row['parent_decode_seconds']:.2f}s, RSS "
                     f"+{row['parent_rss_delta'] / 2**20:.0f}Mi",
                     flush=True,
                 )

@@ -22,6 +22,7 @@ from shardckpt.format.codec import CODECS, BlockDecoder, BlockPlace
 from shardckpt.format.compressed import BlockMap, LocalCompression
 from shardckpt.format.local_manifest import LocalManifest, decode_local_manifest
 from shardckpt.format.manifest import CommitMarker, GlobalManifest, TensorEntry, crc32c_of
+from shardckpt.format.piece_columns import Geometry
 from shardckpt.format.references import GlobalReference, ReferencedPieces, check_local_references, compressed_rows
 from shardckpt.format.whole import whole_pieces
 from shardckpt.planner import Box, VerifySpan, check_cover
@@ -174,6 +175,9 @@ class StoredCheckpoint:
         self._referenced_checked = False
         self._by_rank: dict[int, list[GlobalReference]] | None = None
         self._checked: set[str] = set()
+        # Piece boxes found to cover a shape exactly, by the shared boxes' identity (kept here, so ids stay theirs):
+        # under FSDP every tensor of one shape has the same boxes, checked once rather than once per tensor.
+        self._covers: dict[tuple[int, tuple[int, ...], str], Geometry] = {}
         self._indexes: dict[int, FileIndex] = {}
         self._index_failures: dict[int, ShardckptError] = {}
         self._sized: set[int] = set()
@@ -209,7 +213,11 @@ class StoredCheckpoint:
         if name not in self._checked:
             # One whole piece (most tensors) covers its tensor exactly once: decided without numpy.
             if not entry.pieces.is_whole(entry.shape, entry.layout):
-                check_cover(name, entry.shape, entry.layout, entry.pieces.start, entry.pieces.length)
+                geometry = entry.pieces.geometry()
+                key = (id(geometry), entry.shape, entry.layout)
+                if key not in self._covers:
+                    check_cover(name, entry.shape, entry.layout, geometry.start, geometry.length)
+                    self._covers[key] = geometry
             if entry.numel == 0:
                 self._check_declared(entry)
             self._checked.add(name)
@@ -417,16 +425,15 @@ class StoredCheckpoint:
         in time proportional to those pieces: before planning or allocating anything sized by the manifest."""
         if box.volume == 0:
             return
-        file, _, start, length = entry.pieces.arrays()
+        file = entry.pieces.file
         if entry.layout == "flat":
             lo, hi = (
                 linear_index(entry.shape, box.offsets),
                 linear_index(entry.shape, tuple(e - 1 for e in box.end)) + 1,
             )
-            hit = np.nonzero((start[:, 0] < hi) & (start[:, 0] + length[:, 0] > lo))[0]
+            hit = entry.pieces.overlapping((lo,), (hi,))
         else:
-            wanted_lo, wanted_hi = np.array(box.offsets, dtype=np.int64), np.array(box.end, dtype=np.int64)
-            hit = np.nonzero(((start < wanted_hi) & (start + length > wanted_lo)).all(axis=1))[0]
+            hit = entry.pieces.overlapping(box.offsets, box.end)
         for number in np.unique(file[hit]).tolist():
             self.file_index(int(number))
             self._check_data_size(int(number))

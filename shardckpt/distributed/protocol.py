@@ -59,7 +59,7 @@ from shardckpt.statedict.step import NoStepWarning, inferred_step, no_step_messa
 from shardckpt.storage import Storage, open_storage
 from shardckpt.write.commit import already_committed, commit
 from shardckpt.write.encode_ahead import check_pace
-from shardckpt.write.parent import open_parent, parent_of
+from shardckpt.write.parent import open_parent, parent_of, piece_boxes
 from shardckpt.write.writer import ShardWriter
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -214,7 +214,11 @@ def save(
         assert storage is not None
         items = save_items(leaves, group.rank, group.size)
         # Every rank reads the parent's manifests it needs itself (its own boxes): nothing to ship between ranks.
-        parent_pieces = None if root is None else open_parent(root, parent_name, {name for name, _, _ in items.pieces})
+        parent_pieces = (
+            None
+            if root is None
+            else open_parent(root, parent_name, {name for name, _, _ in items.pieces}, piece_boxes(items.pieces))
+        )
         writer = ShardWriter(
             storage,
             rank=group.rank,

@@ -84,6 +84,11 @@ def _header(column: object, where: str, expected_enc: str, expected_n: int | Non
     return n, data
 
 
+def column_data(column: object, where: str, n: int) -> bytes:
+    """The data of a delta-zlib column of `n` values, its header checked as decode_int_column checks it."""
+    return _header(column, where, DELTA_ZLIB, n)[1]
+
+
 def decode_int_column(column: object, where: str, expected_n: int | None = None) -> Int64Array:
     """Decode a delta-zlib column; the output is bounded by the declared length, never by the input."""
     n, raw = _inflate(column, where, expected_n)

@@ -16,7 +16,7 @@ import crc32c
 import msgpack
 import numpy as np
 
-from shardckpt.errors import CoverageError, FormatError
+from shardckpt.errors import FormatError
 from shardckpt.format import limits
 from shardckpt.format.bulk import gc_paused
 from shardckpt.format.columns import (
@@ -24,7 +24,6 @@ from shardckpt.format.columns import (
     SMALL_COLUMN,
     Int64Array,
     column_values,
-    decode_int_column,
     decode_int_list,
     encode_int_column,
     encode_small_int_column,
@@ -38,6 +37,9 @@ from shardckpt.format.local_manifest import LAYOUTS, NAME_SEPARATOR
 from shardckpt.format.marker import CommitMarker as CommitMarker
 from shardckpt.format.marker import decode_commit_marker as decode_commit_marker
 from shardckpt.format.marker import encode_commit_marker as encode_commit_marker
+from shardckpt.format.piece_columns import SCAN_PIECES as _FEW_PIECES
+from shardckpt.format.piece_columns import Geometry, SharedColumns
+from shardckpt.format.piece_columns import PieceCheck as _PieceCheck
 from shardckpt.format.piece_index import (
     FEATURE as INDEX_FEATURE,
 )
@@ -89,7 +91,7 @@ class PieceTable:
     start/length have shape (count, k): k = ndim for layout "box", 1 for layout "flat".
     """
 
-    __slots__ = ("_arrays", "_check", "_encoded", "_lists", "count", "k")
+    __slots__ = ("_arrays", "_check", "_encoded", "_geometry", "_lists", "count", "k")
 
     def __init__(
         self,
@@ -110,6 +112,7 @@ class PieceTable:
         self._encoded: dict[str, Any] | None = None
         self._check: Any = None
         self._lists: PieceLists | None = None
+        self._geometry: Geometry | None = None
 
     @classmethod
     def from_lists(
@@ -119,13 +122,14 @@ class PieceTable:
         table = cls.__new__(cls)
         table.count, table.k = len(file), k
         table._arrays, table._encoded, table._check, table._lists = None, None, None, (file, offset, start, length)
+        table._geometry = None
         return table
 
     @classmethod
     def lazy(cls, encoded: dict[str, Any], count: int, k: int, check: Any) -> PieceTable:
         table = cls.__new__(cls)
         table.count, table.k = count, k
-        table._arrays, table._encoded, table._check, table._lists = None, encoded, check, None
+        table._arrays, table._encoded, table._check, table._lists, table._geometry = None, encoded, check, None, None
         return table
 
     def arrays(self) -> tuple[Int64Array, Int64Array, Int64Array, Int64Array]:
@@ -134,10 +138,10 @@ class PieceTable:
             if self._lists is None and self.count > _FEW_PIECES:
                 assert self._encoded is not None
                 self._check.before_decoding(self.count)
-                decoded = _decode_piece_columns(self._encoded, self.count, self.k, self._check.where)
-                self._check(*decoded)
-                self._arrays, self._encoded = decoded, None
-                return decoded
+                file, offset, geometry = self._check.decode(self._encoded, self.count, self.k)
+                self._arrays = file, offset, geometry.start, geometry.length  # file, start, length: shared, read-only
+                self._geometry, self._encoded = geometry, None
+                return self._arrays
             file, offset, start, length = self.small_arrays()
             self._arrays = (
                 np.array(file, dtype=np.int64),
@@ -179,6 +183,19 @@ class PieceTable:
             tuple(starts[number].tolist()),
             tuple(lengths[number].tolist()),
         )
+
+    def geometry(self) -> Geometry:
+        """The pieces' boxes, with a search for those that overlap a box (shared by tables of the same boxes)."""
+        if self._geometry is None:
+            _, _, start, length = self.arrays()
+            if self._geometry is None:
+                self._geometry = Geometry(start, length)
+        return self._geometry
+
+    def overlapping(self, lo: Sequence[int], hi: Sequence[int]) -> Int64Array:
+        """The numbers, increasing, of the pieces with start < hi and start + length > lo in every stored dimension
+        (layout "flat": the one, of the flattened tensor), without a scan of a tiling that orders them."""
+        return self.geometry().overlapping(lo, hi)
 
     def is_whole(self, shape: tuple[int, ...], layout: str) -> bool:
         """Whether this is one piece holding the whole tensor (the cover check's first case), cheaply decided."""
@@ -356,120 +373,7 @@ def _shared_columns(
     return None if None in values else values  # type: ignore[return-value]
 
 
-def _decode_piece_columns(
-    raw: dict[str, Any], count: int, k: int, where: str
-) -> tuple[Int64Array, Int64Array, Int64Array, Int64Array]:
-    file = decode_int_column(raw.get("file"), f"{where} pieces.file", count)
-    offset = decode_int_column(raw.get("offset"), f"{where} pieces.offset", count)
-    start = decode_int_column(raw.get("start"), f"{where} pieces.start", count * k).reshape(k, count).T
-    length = decode_int_column(raw.get("length"), f"{where} pieces.length", count * k).reshape(k, count).T
-    return file, offset, np.ascontiguousarray(start), np.ascontiguousarray(length)
-
-
-class _PieceCheck:
-    """Range checks of one tensor's decoded piece columns against its shape and the file table."""
-
-    def __init__(
-        self, where: str | tuple[str, str], entry_shape: tuple[int, ...], layout: str, size: int, file_sizes: list[int]
-    ):
-        """where: the text errors start with, or (manifest, tensor name) to make it from when an error needs it."""
-        self._where, self.shape, self.layout, self.size, self.file_sizes = (
-            where,
-            entry_shape,
-            layout,
-            size,
-            file_sizes,
-        )
-
-    @property
-    def where(self) -> str:
-        where = self._where
-        if isinstance(where, tuple):
-            where = self._where = f"{where[0]} tensor {where[1]!r}"
-        return where
-
-    def before_decoding(self, count: int) -> None:
-        """Pieces hold at least one element each and must not overlap: refuse more pieces than elements at once."""
-        numel = math.prod(self.shape)
-        if count > numel:
-            raise CoverageError(f"{self.where}: {count} pieces for {numel} element(s): pieces overlap")
-
-    def __call__(self, file: Int64Array, offset: Int64Array, start: Int64Array, length: Int64Array) -> None:
-        if file.size <= _FEW_PIECES:  # most tensors: numpy's per-call cost would dominate; same checks, same order
-            self.check_lists(file.tolist(), offset.tolist(), start.tolist(), length.tolist())
-            return
-        where = self.where
-        if file.size and (file.min() < 0 or file.max() >= len(self.file_sizes)):
-            raise FormatError(f"{where}: a piece names a file index outside 0..{len(self.file_sizes) - 1}")
-        extents = [math.prod(self.shape)] if self.layout == "flat" else list(self.shape)
-        bound = np.array(extents, dtype=np.int64).reshape(1, -1) if extents else np.zeros((1, 0), np.int64)
-        if start.size and (start.min() < 0 or length.min() < 1 or (length > bound).any() or (start > bound).any()):
-            raise FormatError(f"{where}: a piece has a negative start, an empty length or lies outside the shape")
-        if start.size and (start + length > bound).any():
-            bad = int(np.nonzero((start + length > bound).any(axis=1))[0][0])
-            raise FormatError(
-                f"{where}: piece {bad} (start {start[bad].tolist()}, length {length[bad].tolist()}) "
-                f"extends past shape {list(self.shape)}"
-            )
-        # Lengths are bounded by the shape (numel < 2^62), so the products below cannot overflow int64.
-        nbytes = np.prod(length, axis=1, dtype=np.int64) * self.size
-        sizes = np.array(self.file_sizes, dtype=np.int64)[file] if file.size else np.zeros(0, np.int64)
-        if offset.size and (offset.min() < 0 or (offset > sizes).any() or (offset + nbytes > sizes).any()):
-            raise FormatError(f"{where}: a piece's bytes lie outside its data file")
-
-    def check_lists(
-        self,
-        file: Sequence[int],
-        offset: Sequence[int],
-        start: Sequence[Sequence[int]],
-        length: Sequence[Sequence[int]],
-    ) -> None:
-        """__call__ for a handful of pieces, in plain integers (no overflow to reason about)."""
-        where = self.where
-        if len(file) == 1 and len(start) == 1 and len(length) == 1:  # one piece (most tensors): no generators
-            self._check_one(file[0], offset[0], start[0], length[0])
-            return
-        if any(f < 0 or f >= len(self.file_sizes) for f in file):
-            raise FormatError(f"{where}: a piece names a file index outside 0..{len(self.file_sizes) - 1}")
-        extents = [math.prod(self.shape)] if self.layout == "flat" else list(self.shape)
-        for starts, lengths in zip(start, length):
-            if any(a < 0 or n < 1 or n > b or a > b for a, n, b in zip(starts, lengths, extents)):
-                raise FormatError(f"{where}: a piece has a negative start, an empty length or lies outside the shape")
-        for bad, (starts, lengths) in enumerate(zip(start, length)):
-            if any(a + n > b for a, n, b in zip(starts, lengths, extents)):
-                raise FormatError(
-                    f"{where}: piece {bad} (start {starts}, length {lengths}) extends past shape {list(self.shape)}"
-                )
-        for f, at, lengths in zip(file, offset, length):
-            size = self.file_sizes[f]
-            if at < 0 or at > size or at + math.prod(lengths) * self.size > size:
-                raise FormatError(f"{where}: a piece's bytes lie outside its data file")
-
-    def _check_one(self, file: int, at: int, starts: Sequence[int], lengths: Sequence[int]) -> None:
-        """check_lists of one piece: the same checks, in the same order, with the same messages."""
-        where = self.where
-        if file < 0 or file >= len(self.file_sizes):
-            raise FormatError(f"{where}: a piece names a file index outside 0..{len(self.file_sizes) - 1}")
-        extents = (math.prod(self.shape),) if self.layout == "flat" else self.shape
-        for a, n, b in zip(starts, lengths, extents):
-            if a < 0 or n < 1 or n > b or a > b:
-                raise FormatError(f"{where}: a piece has a negative start, an empty length or lies outside the shape")
-        for a, n, b in zip(starts, lengths, extents):
-            if a + n > b:
-                raise FormatError(
-                    f"{where}: piece 0 (start {starts}, length {lengths}) extends past shape {list(self.shape)}"
-                )
-        size = self.file_sizes[file]
-        if at < 0 or at > size or at + math.prod(lengths) * self.size > size:
-            raise FormatError(f"{where}: a piece's bytes lie outside its data file")
-
-    _check_few = check_lists
-
-
-_FEW_PIECES = 16
-
-
-def _decode_tensor(raw: object, where: str, file_sizes: list[int]) -> TensorEntry:
+def _decode_tensor(raw: object, where: str, file_sizes: SharedColumns) -> TensorEntry:
     fields = Fields(raw, where)
     name = check_name(fields.get("name", str), where)
     where = f"{where.rsplit(' tensors', 1)[0]} tensor {name!r}"
@@ -502,7 +406,7 @@ _Signature = tuple[str, str, tuple[int, ...]]
 
 
 def _plain_tensor(
-    raw: object, base: str, index: int, file_sizes: list[int], checked: dict[_Signature, tuple[int, int]]
+    raw: object, base: str, index: int, file_sizes: SharedColumns, checked: dict[_Signature, tuple[int, int]]
 ) -> TensorEntry | None:
     """_decode_tensor of an entry that has exactly the shape a writer gives it (these keys, these types, nothing
     nested further, so it needs no depth walk), else None for the general path. The same checks in the same order
@@ -563,7 +467,7 @@ def _plain_tensor(
     )
 
 
-def _decode_tensors(raw: list[Any], where: str, file_sizes: list[int]) -> tuple[TensorEntry, ...]:
+def _decode_tensors(raw: list[Any], where: str, file_sizes: SharedColumns) -> tuple[TensorEntry, ...]:
     """Decode the tensor entries; the document was unpacked with "tensors" shallow, so entries of any other shape
     than a writer's are checked for depth here, before anything reads them."""
     decoded = []
@@ -686,7 +590,7 @@ def decode_global_manifest(data: bytes, where: str = "manifest", *, head_only: b
     references = decode_global_references(fields, version, attempt, world_size)
     compressed = any(f.logical_size is not None for f in files)
     check_compression(fields, version, compressed or any(e.file.logical_size is not None for e in references))
-    sizes = [f.extent for f in files] + [entry.file.extent for entry in references]
+    sizes = SharedColumns([f.extent for f in files] + [entry.file.extent for entry in references])
     tensors = _decode_tensors(fields.get("tensors", list), where, sizes)
     if index is not None and tensors:
         raise FormatError(f"{where}: a manifest with a piece index keeps its tensors there; 'tensors' must be empty")
@@ -735,7 +639,7 @@ def decode_index_blocks(manifest: GlobalManifest, blocks: Mapping[int, bytes], w
     size- and CRC32C-checked against the fence, then decoded strictly. All blocks: no longer partial."""
     index = manifest.piece_index
     assert index is not None
-    sizes = [f.extent for f in manifest.files] + [entry.file.extent for entry in manifest.references]
+    sizes = SharedColumns([f.extent for f in manifest.files] + [e.file.extent for e in manifest.references])
     known = {entry.name: entry for entry in manifest.tensors}
     for number in sorted(blocks):
         if not 0 <= number < index.blocks:

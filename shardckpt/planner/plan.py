@@ -206,20 +206,12 @@ class _Layout(NamedTuple):
 
 def _stored_boxes(entry: TensorEntry, want: Box) -> Iterator[tuple[Box, int, tuple[int, ...], int, int, int, int]]:
     """(box, byte offset of its first element, element strides, piece, file, piece offset, piece bytes)."""
-    file, offset, start, length = entry.pieces.arrays()
+    pieces = entry.pieces
+    file, offset, start, length = pieces.arrays()
     size = itemsize(entry.dtype)
     if entry.layout == "box":
-        if want.ndim:
-            # Dimension 0 first (it rules out almost every piece of a row-sharded tensor), the rest on survivors.
-            end0 = start[:, 0] + length[:, 0]
-            hit = np.nonzero((start[:, 0] < want.end[0]) & (end0 > want.offsets[0]))[0]
-            if want.ndim > 1 and hit.size:
-                lo = np.array(want.offsets[1:], dtype=np.int64)
-                hi = np.array(want.end[1:], dtype=np.int64)
-                rest_start, rest_length = start[hit, 1:], length[hit, 1:]
-                hit = hit[((rest_start < hi) & (rest_start + rest_length > lo)).all(axis=1)]
-        else:
-            hit = np.arange(entry.pieces.count)
+        # Binary search along a dimension the tiling orders (a row tiling's rows), a scan of the rest otherwise.
+        hit = pieces.overlapping(want.offsets, want.end) if want.ndim else np.arange(pieces.count)
         for i in hit.tolist():
             box = Box(tuple(start[i].tolist()), tuple(length[i].tolist()))
             piece_bytes = box.volume * size
@@ -229,7 +221,7 @@ def _stored_boxes(entry: TensorEntry, want: Box) -> Iterator[tuple[Box, int, tup
     lo_lin = linear_index(entry.shape, want.offsets)
     hi_lin = linear_index(entry.shape, tuple(e - 1 for e in want.end)) + 1
     flat_start, flat_len = start[:, 0], length[:, 0]
-    hit = np.nonzero((flat_start < hi_lin) & (flat_start + flat_len > lo_lin))[0]
+    hit = pieces.overlapping((lo_lin,), (hi_lin,))
     strides = row_major_strides(entry.shape)
     for i in hit.tolist():
         first, count = int(flat_start[i]), int(flat_len[i])

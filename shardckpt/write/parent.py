@@ -9,8 +9,9 @@ the reference names the file that physically holds the bytes, never the parent's
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -20,7 +21,7 @@ from shardckpt.errors import FormatError, IntegrityError, NotCommittedError, Sha
 from shardckpt.format import limits
 from shardckpt.format.compressed import BlockMap
 from shardckpt.format.local_manifest import LocalManifest, decode_local_manifest
-from shardckpt.format.manifest import FileEntry, crc32c_of
+from shardckpt.format.manifest import FileEntry, GlobalManifest, crc32c_of
 from shardckpt.format.references import (
     HASH_ALG,
     HASH_BYTES,
@@ -96,22 +97,26 @@ def parent_of(url: str, parent: str, storage_options: dict[str, object] | None =
     return root, name
 
 
-def open_parent(root: Storage, name: str, tensors: Collection[str]) -> ParentPieces:
+Boxes = Mapping[str, Collection[tuple[tuple[int, ...], tuple[int, ...]]]]  # (start, length) by tensor
+
+
+def open_parent(root: Storage, name: str, tensors: Collection[str], boxes: Boxes | None = None) -> ParentPieces:
     """Open the committed checkpoint `name` of `root` (COMMITTED, global manifest, checked) and read the local
     manifests of the ranks that hold pieces of `tensors` (each checked against the global manifest). Of a manifest
-    with a piece index only the head and the blocks of `tensors` are read."""
+    with a piece index only the head and the blocks of `tensors` are read.
+
+    boxes: the (start, length) of every piece the save will write, by tensor (piece_boxes): only the parent's pieces
+    of exactly those boxes can be referenced, so only the local manifests of the ranks that hold them are read (on
+    the mesh that saved the parent, one: the rank's own) rather than those of every rank holding a piece of a
+    tensor (under FSDP, all)."""
     storage = root.child(name)
     opening = read_opening(storage, head_only=True)
     wanted = set(tensors)
     # A piece index (SPEC 11.1): the entries of these tensors only, from the blocks that hold them.
     manifest = read_index_entries(storage, opening.marker, opening.manifest, wanted)
     attempt = opening.marker.attempt
-    ranks: set[int] = set()
-    own_files = len(manifest.files)
-    for entry in manifest.tensors:
-        if entry.name in wanted and entry.pieces.count:
-            for file in np.unique(entry.pieces.arrays()[0]).tolist():
-                ranks.add(file if file < own_files else manifest.references[file - own_files].rank)
+    ranks = holder_ranks(manifest, wanted, boxes)
+    keys = None if boxes is None else {(tensor, *box) for tensor, held in boxes.items() for box in held}
     holders: dict[PieceKey, Holder] = {}
     resolved: dict[str, str] = {}
 
@@ -143,7 +148,7 @@ def open_parent(root: Storage, name: str, tensors: Collection[str]) -> ParentPie
         if local.references is not None and local.references.hash_alg != HASH_ALG:
             other_alg.setdefault(local.references.hash_alg, []).append(rank)
             continue
-        _add_holders(holders, local, name, wanted, real_holder)
+        _add_holders(holders, local, name, wanted, real_holder, keys)
     if unhashed:
         warnings.warn(
             f"{storage.url}: the parent's ranks {unhashed} recorded no piece hashes, so none of their pieces can be "
@@ -161,6 +166,22 @@ def open_parent(root: Storage, name: str, tensors: Collection[str]) -> ParentPie
             stacklevel=3,
         )
     return ParentPieces(name, attempt, holders, root)
+
+
+def holder_ranks(manifest: GlobalManifest, wanted: Collection[str], boxes: Boxes | None = None) -> set[int]:
+    """The ranks whose local manifests record the parent's pieces of `wanted` tensors (of these `boxes` only, if
+    given): the rank of each piece's file, or of the parent's reference to it."""
+    ranks: set[int] = set()
+    own_files = len(manifest.files)
+    for entry in manifest.tensors:
+        if entry.name in wanted and entry.pieces.count:
+            files = entry.pieces.file
+            if boxes is not None:  # the pieces of these boxes, found by search (format/piece_columns.py)
+                rows = [entry.pieces.geometry().matching(*box) for box in boxes.get(entry.name, ())]
+                files = files[np.concatenate(rows)] if rows else files[:0]
+            for file in np.unique(files).tolist():
+                ranks.add(file if file < own_files else manifest.references[file - own_files].rank)
+    return ranks
 
 
 class UnhashedParentWarning(UserWarning):
@@ -195,7 +216,9 @@ def _add_holders(
     name: str,
     wanted: set[str],
     real: Callable[[ReferencedFile], ReferencedFile],
+    keys: set[tuple[str, tuple[int, ...], tuple[int, ...]]] | None = None,
 ) -> None:
+    """Add the holders of `local`'s pieces of `wanted` tensors (of these (name, start, length) `keys` only, if any)."""
     block = local.block_size
     refs = local.references
     specs = local.tensors
@@ -215,6 +238,8 @@ def _add_holders(
             at, k = int(pieces.position[row]), int(pieces.k[row])
             key = (spec.name, spec.dtype, spec.shape, spec.layout, _ints(pieces.start[at : at + k]),
                    _ints(pieces.length[at : at + k]))  # fmt: skip
+            if keys is not None and (spec.name, key[4], key[5]) not in keys:
+                continue
             nbytes = int(pieces.nbytes[row])
             blocks = -(-nbytes // block)
             digest = refs.piece_hash[HASH_BYTES * row : HASH_BYTES * (row + 1)]
@@ -236,6 +261,8 @@ def _add_holders(
         if spec.name not in wanted:
             continue
         start, length = table.box(row)
+        if keys is not None and (spec.name, start, length) not in keys:
+            continue
         nbytes = int(table.nbytes[row])
         first_block = int(table.first_block[row])
         crcs = table.crc32c[first_block : first_block + -(-nbytes // block)]
@@ -248,6 +275,30 @@ def _add_holders(
             holder = replace(holder, stored_offset=int(mapped[0][lo]), stored=mapped[1][lo:hi].astype(np.uint32),
                              logical_crc32c=mapped[2][lo:hi])  # fmt: skip
         holders[key] = holder
+
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (start, length) as a piece table records it
+
+
+def piece_boxes(pieces: Iterable[tuple[str, Any, Mapping[str, Any]]]) -> dict[str, set[Box]]:
+    """The (start, length) of each piece of ShardWriter.add's arguments (name, tensor, placement), by tensor, as the
+    writer will record it. A placement it cannot read is left out: the writer refuses it, naming it, and a piece
+    left out here is only written rather than referenced."""
+    boxes: dict[str, set[Box]] = {}
+    for name, tensor, placement in pieces:
+        box: Box
+        try:
+            shape, numel = tuple(int(n) for n in tensor.shape), int(tensor.numel())
+            if "flat_offset" in placement:
+                box = ((int(placement["flat_offset"]),), (numel,))
+            elif "offsets" in placement:
+                box = (tuple(int(o) for o in placement["offsets"]), shape)
+            else:
+                box = ((0,) * len(shape), shape)
+        except (TypeError, ValueError, AttributeError):
+            continue
+        boxes.setdefault(name, set()).add(box)
+    return boxes
 
 
 def _ints(values: np.ndarray) -> tuple[int, ...]:

@@ -33,6 +33,7 @@ def test_scale_benchmark_smoke(tmp_path) -> None:
         assert row["index_head_bytes"] < row["index_bytes_read"] <= row["index_manifest_bytes"]
         assert row["index_plan_requests"] > 0 and 0 < row["index_blocks_read"] <= row["index_blocks"]
         assert row["index_head_bytes"] < row["parent_bytes_read"] <= row["index_manifest_bytes"]
+        assert row["parent_local_manifests"] == 1  # on the mesh that saved the parent: the rank's own pieces only
     # 3 MoE layers x 8 experts x 3 matrices, each with AdamW state (x3) and a step: 288 tensors, 3 in a grouped layer
     assert rows["moe-experts"]["tensors"] - rows["moe-grouped"]["tensors"] == 3 * (8 - 1) * 3 * 4
 

@@ -210,3 +210,22 @@ def test_a_save_to_the_same_s3_url_supersedes_with_a_conditional_create(s3_url) 
     dcp.save(_state(60.0), storage_writer=shardckpt.dcp.StorageWriter(url))
     assert torch.equal(_load(url)["w"], torch.full((3, 4), 60.0))
     assert shardckpt.latest(s3_url) == url
+
+
+def test_read_metadata_makes_the_chunks_of_only_the_tensors_a_load_asks_for(tmp_path, monkeypatch) -> None:
+    """DCP's planner takes every name of the metadata, but a rank's chunks (one object per stored piece: 14 M for a
+    per-expert DeepSeek-V3 on 4,096 ranks) only of the tensors it loads: made when asked for (issue 27)."""
+    from shardckpt.dcp import reader as reader_module
+
+    state = {f"t{i}": torch.full((3, 4), float(i)) for i in range(5)} | {"meta": {"step": 3}}
+    shardckpt.save(state, str(tmp_path / "ckpt"))
+    made: list[str] = []
+    real = reader_module._tensor_metadata
+    monkeypatch.setattr(reader_module, "_tensor_metadata", lambda name, *rest: made.append(name) or real(name, *rest))
+    metadata = shardckpt.dcp.StorageReader(str(tmp_path / "ckpt")).read_metadata()
+    entries = metadata.state_dict_metadata
+    assert made == [] and sorted(entries) == ["meta.step", "t0", "t1", "t2", "t3", "t4"] and len(entries) == 6
+    assert "t3" in entries and "nothing" not in entries and entries.get("nothing") is None
+    partial = {"t3": torch.zeros(3, 4), "meta": {"step": 0}}
+    dcp.load(partial, storage_reader=shardckpt.dcp.StorageReader(str(tmp_path / "ckpt")))
+    assert made == ["t3"] and torch.equal(partial["t3"], state["t3"]) and partial["meta"]["step"] == 3

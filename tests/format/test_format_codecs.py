@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardckpt.errors import CoverageError, FormatError
-from shardckpt.format import columns, layout
+from shardckpt.format import columns, layout, piece_columns
 from shardckpt.format import manifest as manifest_module
 from shardckpt.format.columns import decode_int_column, decode_u32_column, encode_int_column, encode_u32_column
 from shardckpt.format.limits import MAX_DEPTH
@@ -960,13 +960,25 @@ def test_piece_range_checks_for_few_pieces_match_the_array_path(data) -> None:
     )
     check = manifest_module._PieceCheck("t", shape, layout, 4, file_sizes)
     few = _outcome(lambda: check._check_few(*(a.tolist() for a in arrays)))
-    saved = manifest_module._FEW_PIECES
-    manifest_module._FEW_PIECES = -1  # every table through the numpy path
+    saved = piece_columns.SCAN_PIECES
+    piece_columns.SCAN_PIECES = -1  # every table through the numpy path
     try:
         many = _outcome(lambda: check(*arrays))
     finally:
-        manifest_module._FEW_PIECES = saved
+        piece_columns.SCAN_PIECES = saved
     assert few == many
+    # A decoded manifest's path: columns shared between its tables, checks made once per distinct column. Twice,
+    # so the second table of the same columns takes the shared verdicts (a refusal is never remembered as a pass).
+    encoded = {
+        "file": encode_int_column(arrays[0]),
+        "offset": encode_int_column(arrays[1]),
+        "start": encode_int_column(arrays[2].T.reshape(-1)),
+        "length": encode_int_column(arrays[3].T.reshape(-1)),
+    }
+    shared = piece_columns.SharedColumns(file_sizes)
+    for _ in range(2):
+        table = piece_columns.PieceCheck("t", shape, layout, 4, shared)
+        assert _outcome(lambda table=table: table.decode(encoded, count, k)) == few
 
 
 def test_a_value_of_shared_lists_is_refused_without_walking_every_path(monkeypatch) -> None:

@@ -158,3 +158,28 @@ def test_bytes_after_the_blocks_or_missing_from_them_are_refused_by_a_load_as_by
             shardckpt.open(indexed)
         with pytest.raises(FormatError, match=r"bytes follow the head, its piece index has"):
             shardckpt.load({"model.layers.0001.weight": torch.zeros(2, 3)}, indexed)
+
+
+def test_tensors_of_the_same_boxes_are_checked_for_cover_once_and_load_exactly(tmp_path: Path, monkeypatch) -> None:
+    """Under FSDP every tensor of one shape has the same boxes (shared columns, format/piece_columns.py): a load checks
+    their cover once, not once per tensor (at 16,384 ranks: thousands of sorts of 16,384 pieces), and reads them
+    exactly, rows split unevenly over 20 files, into a box that crosses 14 of them."""
+    from shardckpt.catalog import stored
+
+    state = {f"w{i:02d}": torch.arange(40 * 7, dtype=torch.float32).reshape(40, 7) + i for i in range(12)}
+    url = str(tmp_path / "ckpt")
+    bounds = [0, 1, 3, 4, *range(6, 41, 2)]  # 20 files (a table of more pieces than a scan takes), rows uneven
+    for rank in range(len(bounds) - 1):
+        writer = shardckpt.ShardWriter(url, rank=rank, world_size=len(bounds) - 1, attempt="a")
+        for name, tensor in state.items():
+            lo, hi = bounds[rank], bounds[rank + 1]
+            writer.add(name, tensor[lo:hi].clone(), global_shape=(40, 7), offsets=(lo, 0))
+        writer.close()
+    shardckpt.commit(url, world_size=len(bounds) - 1, attempt="a", piece_index=True)
+    checked: list[str] = []
+    real = stored.check_cover
+    monkeypatch.setattr(stored, "check_cover", lambda name, *rest: checked.append(name) or real(name, *rest))
+    checkpoint = shardckpt.open(url)
+    for name, tensor in state.items():
+        assert torch.equal(checkpoint.read(name, offsets=(2, 2), shape=(25, 4)), tensor[2:27, 2:6])
+    assert checked == ["w00"]

@@ -263,3 +263,51 @@ def test_a_parent_hashed_with_blake2b_references_nothing_warns_once_and_its_chil
     shardckpt.save(state, str(tmp_path / "step-3"), block_size=BLOCK, parent=str(tmp_path / "step-2"))
     assert written_names(tmp_path / "step-3") == []
     assert sorted(referenced_rows(tmp_path / "step-3")) == sorted(state)
+
+
+def test_a_rank_opening_its_parent_reads_only_the_local_manifests_of_the_pieces_it_may_reference(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Under FSDP every rank holds a piece of every tensor: a rank of the next save, which can reference only pieces
+    of its own boxes, reads the local manifest of the one rank holding them, not the job's (issue 27)."""
+    from shardckpt.write import parent as parent_module
+
+    gen = torch.Generator().manual_seed(5)
+    w, flat = torch.randn(8, 40, generator=gen), torch.randn(400, generator=gen)
+    writers = [
+        shardckpt.ShardWriter(str(tmp_path / "step-1"), rank=r, world_size=4, attempt="p1", piece_hashes=True)
+        for r in range(4)
+    ]
+    for rank, writer in enumerate(writers):
+        writer.add("w", w[2 * rank : 2 * rank + 2].clone(), global_shape=(8, 40), offsets=(2 * rank, 0))
+        writer.add("flat", flat[100 * rank : 100 * rank + 100].clone(), global_shape=(400,), flat_offset=100 * rank)
+        writer.close()
+    shardckpt.commit(str(tmp_path / "step-1"), world_size=4, attempt="p1")
+    read: list[str] = []
+    real = parent_module._local_manifest
+    monkeypatch.setattr(
+        parent_module, "_local_manifest", lambda storage, entry: read.append(entry.index) or real(storage, entry)
+    )
+    items = [
+        ("w", w[4:6], {"global_shape": (8, 40), "offsets": (4, 0)}),
+        ("flat", flat[200:300], {"global_shape": (400,), "flat_offset": 200}),
+    ]
+    opened = open_parent(open_storage(str(tmp_path)), "step-1", {"w", "flat"}, parent_module.piece_boxes(items))
+    assert read == ["ranks/00002-p1.msgpack"]
+    assert set(opened.holders) == {
+        ("w", "F32", (8, 40), "box", (4, 0), (2, 40)),
+        ("flat", "F32", (400,), "flat", (200,), (100,)),
+    }
+    read.clear()
+    unrestricted = open_parent(open_storage(str(tmp_path)), "step-1", {"w", "flat"})  # as before: every holder rank
+    assert len(read) == 4 and len(unrestricted.holders) == 8
+    # A box no parent piece has (another mesh) reads nothing and references nothing: the save writes it.
+    read.clear()
+    other = parent_module.piece_boxes([("w", w[1:5], {"global_shape": (8, 40), "offsets": (1, 0)})])
+    assert open_parent(open_storage(str(tmp_path)), "step-1", {"w"}, other).holders == {} and read == []
+    # A child writer given that parent references exactly its own pieces, as with the unrestricted one.
+    child = shardckpt.ShardWriter(str(tmp_path / "step-2"), rank=2, world_size=4, attempt="c1", parent=opened)
+    for name, tensor, placement in items:
+        child.add(name, tensor.clone(), **placement)
+    child.close()
+    assert child.stats is not None and child.stats.referenced_bytes == (2 * 40 + 100) * 4

@@ -6,15 +6,17 @@ caller's thread writes finished ones (encode_ahead.py); at most 2T + 1 jobs of H
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from shardckpt import knobs
+from shardckpt.errors import ShardckptError
 from shardckpt.format.codec import BlockEncoder
 from shardckpt.format.compressed import LocalCompression
 from shardckpt.write.encode_ahead import EncodeAhead, Encoder, Stored
@@ -65,6 +67,7 @@ def write_compressed(
     progress: Callable[[], None] | None = None,
     encoder: Callable[[], Encoder] | None = None,
     write_threads: int = 1,
+    where: str = "the data file",
 ) -> Written:
     """Write header and compressed pieces to `handle`; each piece a U8 entry of its stored size (SPEC 4.1).
 
@@ -75,7 +78,8 @@ def write_compressed(
     as they fill; a streaming handle that can do neither holds the rank's stored bytes until the end.
     pace: "codec" waits for every block's encoder; "storage" (positional handles only) writes a block that no encoder
     has started raw (encode_ahead.py). encoder: makes one block encoder per thread (default: BlockEncoder(level)).
-    write_threads: threads writing a positional handle at once (pwrite), as a raw save's large files are."""
+    write_threads: threads writing a positional handle at once (pwrite), as a raw save's large files are.
+    where: the file, as errors name it: an encoder's failure is a ShardckptError naming it, the tensor and block."""
     sizes = [memoryview(source.data).nbytes for source in sources]
     placeholder = header_bytes(metadata, [(s.key, "U8", [n], n) for s, n in zip(sources, sizes)])
     header_size = len(placeholder)
@@ -104,7 +108,7 @@ def write_compressed(
         storage_pace=pace == "storage" and positional,
     )
     writes = _Positional(handle, header_size, write_threads if positional else 0)
-    with ahead, writes:
+    with ahead, writes, _encoder_failure(ahead, sources, sizes, block_size, where):
         for number in range(len(jobs)):
             blocks = ahead.take(number)
             for data in _joined(chunks[number], jobs[number], blocks, block_size):
@@ -141,6 +145,31 @@ def write_compressed(
     )
     stored_crc = np.array(stored_crcs, dtype=np.uint32)
     return Written(header_size + sum(stored_sizes), header, offsets, stored_crc, table, ahead.raw_blocks)
+
+
+@contextlib.contextmanager
+def _encoder_failure(
+    ahead: EncodeAhead, sources: Sequence[Source], sizes: list[int], block_size: int, where: str
+) -> Iterator[None]:
+    """An encoder's exception (a bug, or memory running out) as a ShardckptError naming the file, the tensor and the
+    block it was compressing, not a bare RuntimeError or zstd error from a worker thread."""
+    try:
+        yield
+    except ShardckptError:
+        raise
+    except Exception as exc:
+        if exc is not ahead.error:  # the handle's own failures are typed and described already
+            raise
+        what = "a block"
+        if ahead.failed_block is not None:
+            block = ahead.failed_block
+            for source, size in zip(sources, sizes):
+                count = -(-size // block_size)
+                if block < count:
+                    what = f"tensor {source.key!r}, block {block} of the piece"
+                    break
+                block -= count
+        raise ShardckptError(f"{where}: {what} could not be compressed: {type(exc).__name__}: {exc}") from exc
 
 
 class _Positional:

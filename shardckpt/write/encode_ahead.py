@@ -59,6 +59,7 @@ class EncodeAhead:
         self._taken = 0  # jobs the writer has entered (at the storage's pace, those are its own)
         self._stop = False
         self._error: BaseException | None = None
+        self.failed_block: int | None = None  # the block whose encoder raised (None: none, or not in a block)
         self.raw_blocks = 0  # blocks the writer took as they were (storage pace only)
         self._threads = [
             threading.Thread(target=self._encode_jobs, name=f"shardckpt-compress-{n}", daemon=True)
@@ -76,6 +77,11 @@ class EncodeAhead:
             self._cond.notify_all()
         for thread in self._threads:
             thread.join()
+
+    @property
+    def error(self) -> BaseException | None:
+        """What an encoder raised, if one did."""
+        return self._error
 
     def take(self, number: int) -> list[Stored]:
         """Job `number`'s blocks as stored; jobs are taken in order, each once."""
@@ -126,6 +132,7 @@ class EncodeAhead:
 
     def _encode_jobs(self) -> None:
         encoder: Encoder | None = None
+        block: int | None = None
         if self._storage_pace:
             _lowest_priority()
         try:
@@ -138,9 +145,11 @@ class EncodeAhead:
                         if self._stop or self._state[first + offset] != _PENDING:
                             break  # the writer took this block raw: it is ahead, so jump ahead of it
                         self._state[first + offset] = _STARTED
+                    block = first + offset
                     data = encoder.encode(raw, dtype)
                     logical = crc32c.crc32c(raw)
                     stored = Stored(data, logical if len(data) == len(raw) else crc32c.crc32c(data), logical)
+                    block = None
                     with self._cond:
                         if self._state[first + offset] == _RAW:
                             break  # the writer took it meanwhile (storage pace): it is ahead, so jump ahead of it
@@ -149,7 +158,8 @@ class EncodeAhead:
                         self._cond.notify_all()
         except BaseException as exc:  # the writer raises it; the other encoders end
             with self._cond:
-                self._error = exc
+                if self._error is None:  # the first failure is the one the writer reports
+                    self._error, self.failed_block = exc, block
                 self._cond.notify_all()
 
 

@@ -510,6 +510,7 @@ class ShardWriter:
                 pace=self.compression_pace,
                 write_threads=self.write_threads,
                 progress=lambda: crash_point("writing_data", self.rank),
+                where=self.storage.describe(data_path),
             )
 
     # ------------------------------------------------------------------------------------- incremental

@@ -193,3 +193,41 @@ def test_compressed_s3_ranges_are_decoded_while_later_ranges_are_on_the_wire(s3_
     checkpoint.read_into([(name, Box((0,), tuple(t.shape)), target[name]) for name, t in state.items()])
     assert waited and all(waited), "a range was decoded only after every range of the wave had arrived"
     assert all(torch.equal(target[name], tensor) for name, tensor in state.items())
+
+
+@pytest.mark.parametrize("pace", ["codec", "storage"])
+def test_an_encoder_that_fails_is_a_shardckpt_error_naming_the_file_tensor_and_block(
+    tmp_path, monkeypatch, pace
+) -> None:
+    """An encoder's exception (a bug, memory running out) fails the save as a ShardckptError that names the data file,
+    the tensor and the block, with the cause; before, the worker thread's bare RuntimeError came out of save()."""
+    original = writer_module.write_compressed
+    failed = threading.Event()
+
+    class Broken(BlockEncoder):
+        def encode(self, raw, dtype):
+            if dtype == "I64":  # the second piece's blocks
+                failed.set()
+                raise RuntimeError("encoder exploded")
+            return super().encode(raw, dtype)
+
+    def gated_progress(progress):
+        def wait_for_the_failure() -> None:  # at the storage's pace the writer reports it at its next job
+            assert failed.wait(GIVE_UP), "no encoder reached the failing piece"
+            progress()
+
+        return wait_for_the_failure
+
+    def patched(*args, **kwargs):
+        return original(
+            *args, **{**kwargs, "encoder": lambda: Broken(1), "progress": gated_progress(kwargs["progress"])}
+        )
+
+    monkeypatch.setattr(writer_module, "write_compressed", patched)
+    state = {"a": _weights(1 << 10, 1), "b": torch.arange(3 << 18), "c": _weights(3 << 18, 2)}
+    url = tmp_path / "ck"
+    match = r"data/00000-\w+\.safetensors: tensor 'b', block \d+ of the piece could not be compressed: RuntimeError"
+    with pytest.raises(shardckpt.ShardckptError, match=match) as caught:
+        shardckpt.save(state, str(url), step=1, compression="zstd", compression_pace=pace, block_size=4096)
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    assert not (url / "COMMITTED").exists()

@@ -58,6 +58,8 @@ class LocalTier:
                 f"local_root {root!r} and the persistent root {persistent!r} overlap: give the local tier a "
                 "directory of its own, outside the persistent root (e.g. /dev/shm/<job>)"
             )
+        if isinstance(group, Group):
+            _check_one_job(group, job)
         self.storage = open_local_tier(root, durable)
         self.job, self.every_steps, self.keep, self.peers, self.block_size = job, every_steps, keep, peers, block_size
         # Each rank's node: SHARDCKPT_NODE, else torchrun's GROUP_RANK; without either, one node for all ranks.
@@ -210,6 +212,22 @@ class LocalTier:
         if restored is not None:
             self.last_step, self.last_restore = restored.step, restored
         return restored
+
+
+def _check_one_job(group: Group, job: str) -> None:
+    """(all) ShardckptUsageError on every rank when the ranks name different jobs. The job tags every local save's
+    name and decides which copies a restore pools: ranks that disagree would save under different names and, at the
+    restore, choose different saves (one restoring from the tier, another not), their collectives then mismatched."""
+    # As bytes: a job from a path that is not UTF-8 holds surrogates (os.fsdecode), which do not pack as a str.
+    mine = job.encode("utf-8", "surrogatepass")
+    jobs = [raw.decode("utf-8", "surrogatepass") for raw in calls.all_gather(group, mine)]
+    if len(set(jobs)) > 1:
+        named = ", ".join(f"rank {rank}: {other!r}" for rank, other in enumerate(jobs) if other != jobs[0])
+        raise ShardckptUsageError(
+            f"the ranks disagree on the local tier's job (rank 0: {jobs[0]!r}, {named}): its default is the "
+            "persistent root's real path, which differs where nodes reach it by other paths (mount points, links); "
+            "pass local_job= with one string on every rank"
+        )
 
 
 def _nested(local: str, persistent: str) -> bool:

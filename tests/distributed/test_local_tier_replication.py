@@ -51,6 +51,21 @@ def test_replicas_are_received_into_their_files_and_sent_from_the_state(tmp_path
         assert len(result["value"]["left"]) == 1 and result["value"]["left"][0].startswith("step-00000002-"), result
 
 
+def test_ranks_that_name_different_jobs_are_refused_on_every_rank(tmp_path) -> None:
+    # Nodes reaching the persistent root by other paths (/fsx vs /mnt/fsx) made the default job differ: each rank
+    # saved under its own job's name, and at the restore one rank took a local save while another found none and
+    # went on to the persistent tier, their collectives mismatched (a hang, or a peer's reset).
+    from pathlib import Path
+
+    results = run_ranks("jobs", 2, {"base": str(tmp_path)}, timeout=60, worker=Path(WORKER_FILE))
+    assert all(r is not None and r["ok"] for r in results), results
+    for result in results:
+        assert result is not None
+        error = result["value"]["error"]
+        assert error is not None and error.startswith("ShardckptUsageError: the ranks disagree on the local tier's job")
+        assert "'/fsx/run'" in error and "'/mnt/fsx/run'" in error and "local_job=" in error, error
+
+
 @pytest.mark.unit
 @given(
     pieces=st.lists(st.integers(1, 3 << 20), max_size=40),

@@ -201,6 +201,20 @@ def scenario_replicate(args: dict[str, Any], rank: int, world: int) -> dict[str,
     return outcome
 
 
+def scenario_jobs(args: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    """Ranks whose local tier names different jobs (the default job, the persistent root's real path, differs where
+    nodes mount it at other paths): each rank's error, or None when the tier was made."""
+    os.environ["SHARDCKPT_NODE"] = f"n{rank}"
+    job = "/fsx/run" if rank == 0 else "/mnt/fsx/run"
+    try:
+        LocalTier(
+            os.path.join(args["base"], f"n{rank}"), group=resolve_group(None), job=job, every_steps=1, keep=1, peers=1
+        )
+    except shardckpt.errors.ShardckptError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"error": None}
+
+
 def _no_room(where: Any, path: str, size: int) -> Any:
     raise shardckpt.errors.StorageError(f"{where.describe(path)}: no room left (injected)")
 

@@ -51,19 +51,27 @@ def test_replicas_are_received_into_their_files_and_sent_from_the_state(tmp_path
         assert len(result["value"]["left"]) == 1 and result["value"]["left"][0].startswith("step-00000002-"), result
 
 
-def test_ranks_that_name_different_jobs_are_refused_on_every_rank(tmp_path) -> None:
+def test_ranks_that_disagree_on_the_job_peers_or_cadence_are_refused_on_every_rank(tmp_path) -> None:
     # Nodes reaching the persistent root by other paths (/fsx vs /mnt/fsx) made the default job differ: each rank
     # saved under its own job's name, and at the restore one rank took a local save while another found none and
-    # went on to the persistent tier, their collectives mismatched (a hang, or a peer's reset).
+    # went on to the persistent tier, their collectives mismatched (a hang, or a peer's reset). Peers or a cadence
+    # that differ made one rank replicate or save while another did not. local_keep may differ (each node prunes).
     from pathlib import Path
 
-    results = run_ranks("jobs", 2, {"base": str(tmp_path)}, timeout=60, worker=Path(WORKER_FILE))
+    results = run_ranks("disagree", 2, {"base": str(tmp_path)}, timeout=60, worker=Path(WORKER_FILE))
     assert all(r is not None and r["ok"] for r in results), results
     for result in results:
         assert result is not None
-        error = result["value"]["error"]
-        assert error is not None and error.startswith("ShardckptUsageError: the ranks disagree on the local tier's job")
-        assert "'/fsx/run'" in error and "'/mnt/fsx/run'" in error and "local_job=" in error, error
+        errors = result["value"]
+        assert errors["agreed"] is None, errors
+        job = errors["job"]
+        assert job is not None and job.startswith("ShardckptUsageError: the ranks disagree on the local tier's job")
+        assert "'/fsx/run'" in job and "'/mnt/fsx/run'" in job and "local_job=" in job, job
+        assert errors["peers"] == (
+            "ShardckptUsageError: the ranks disagree on the local tier's peers (rank 0: 0, rank 1: 1): give every "
+            "rank the same"
+        ), errors
+        assert errors["every"] is not None and "local_every_steps (rank 0: 1, rank 1: 2)" in errors["every"], errors
 
 
 @pytest.mark.unit

@@ -201,18 +201,25 @@ def scenario_replicate(args: dict[str, Any], rank: int, world: int) -> dict[str,
     return outcome
 
 
-def scenario_jobs(args: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
-    """Ranks whose local tier names different jobs (the default job, the persistent root's real path, differs where
-    nodes mount it at other paths): each rank's error, or None when the tier was made."""
+def scenario_disagree(args: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    """Ranks whose local tiers disagree on what must be one (the job: its default, the persistent root's real path,
+    differs where nodes mount it at other paths; peers; the cadence): each case's error per rank, None when made."""
     os.environ["SHARDCKPT_NODE"] = f"n{rank}"
-    job = "/fsx/run" if rank == 0 else "/mnt/fsx/run"
-    try:
-        LocalTier(
-            os.path.join(args["base"], f"n{rank}"), group=resolve_group(None), job=job, every_steps=1, keep=1, peers=1
-        )
-    except shardckpt.errors.ShardckptError as exc:
-        return {"error": f"{type(exc).__name__}: {exc}"}
-    return {"error": None}
+    cases = {
+        "job": {"job": "/fsx/run" if rank == 0 else "/mnt/fsx/run", "peers": 1, "every_steps": 1},
+        "peers": {"job": "run", "peers": rank, "every_steps": 1},
+        "every": {"job": "run", "peers": 1, "every_steps": 1 + rank},
+        "agreed": {"job": "run", "peers": 1, "every_steps": 1},
+    }
+    errors: dict[str, str | None] = {}
+    for case, options in cases.items():
+        try:
+            LocalTier(os.path.join(args["base"], f"n{rank}"), group=resolve_group(None), keep=1 + rank, **options)
+        except shardckpt.errors.ShardckptError as exc:
+            errors[case] = f"{type(exc).__name__}: {exc}"
+        else:
+            errors[case] = None
+    return errors
 
 
 def _no_room(where: Any, path: str, size: int) -> Any:

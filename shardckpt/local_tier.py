@@ -58,6 +58,8 @@ class LocalTier:
                 f"local_root {root!r} and the persistent root {persistent!r} overlap: give the local tier a "
                 "directory of its own, outside the persistent root (e.g. /dev/shm/<job>)"
             )
+        if isinstance(group, Group):
+            _check_agreement(group, job, peers, every_steps)
         self.storage = open_local_tier(root, durable)
         self.job, self.every_steps, self.keep, self.peers, self.block_size = job, every_steps, keep, peers, block_size
         # Each rank's node: SHARDCKPT_NODE, else torchrun's GROUP_RANK; without either, one node for all ranks.
@@ -210,6 +212,32 @@ class LocalTier:
         if restored is not None:
             self.last_step, self.last_restore = restored.step, restored
         return restored
+
+
+def _check_agreement(group: Group, job: str, peers: int, every_steps: int) -> None:
+    """(all) ShardckptUsageError on every rank when the ranks name different jobs, peers or local_every_steps. The
+    job tags every local save's name and decides which copies a restore pools: ranks that disagree saved under
+    different names and, at the restore, chose different saves (one restoring from the tier, another not); peers
+    and the cadence decide which collectives a save runs. Either way the ranks' collectives mismatched: a hang."""
+    # The job as bytes: one from a path that is not UTF-8 holds surrogates (os.fsdecode), which do not pack as a str.
+    mine = calls.pack([job.encode("utf-8", "surrogatepass"), peers, every_steps])
+    settings = [calls.unpack(raw) for raw in calls.all_gather(group, mine)]
+    jobs = [raw.decode("utf-8", "surrogatepass") for raw, _, _ in settings]
+    if len(set(jobs)) > 1:
+        named = ", ".join(f"rank {rank}: {other!r}" for rank, other in enumerate(jobs) if other != jobs[0])
+        raise ShardckptUsageError(
+            f"the ranks disagree on the local tier's job (rank 0: {jobs[0]!r}, {named}): its default is the "
+            "persistent root's real path, which differs where nodes reach it by other paths (mount points, links); "
+            "pass local_job= with one string on every rank"
+        )
+    for what, index in (("peers", 1), ("local_every_steps", 2)):
+        values = [setting[index] for setting in settings]
+        if len(set(values)) > 1:
+            named = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values) if value != values[0])
+            raise ShardckptUsageError(
+                f"the ranks disagree on the local tier's {what} (rank 0: {values[0]}, {named}): "
+                "give every rank the same"
+            )
 
 
 def _nested(local: str, persistent: str) -> bool:

@@ -177,7 +177,7 @@ def fetch_shared(
     """
     rank = group.rank
     assembly = _Assembly(plan.requests)
-    kept: list[tuple[ReadRequest, ByteArray]] = []
+    kept: list[tuple[int, ByteArray]] = []  # (the request's number in the plan, its bytes)
     failure: BaseException | None = None
     # Half the budget a round (at most SHARE_ROUND): the next round's reads (into the other half of a region, or a
     # buffer of their own) run while this round's bytes are still in use.
@@ -213,7 +213,7 @@ def fetch_shared(
             ahead = reading.submit(read_round, number + 1) if number + 1 < len(rounds) else None
             own_region = links.region(rank, number) is not None
             positions = _positions(segments)
-            ready: list[tuple[ReadRequest, ByteArray]] = []
+            ready: list[tuple[int, ByteArray]] = []
             # A failure of this rank's own (a checksum; memory to assemble or copy out) ends its own work, not its
             # part in the rounds: it still hands over what it fetched and joins every collective the others run, and
             # raises after them (a rank leaving early would leave them waiting for the group's timeout). What it
@@ -226,8 +226,11 @@ def fetch_shared(
             _exchange(group, segments, fetched, positions, links, assembly if failure is None else None)
             if failure is None:
                 try:
-                    ready = [(plan.requests[n], data) for n, data in assembly.settle(keep=finish is None)]
-                    run_all([functools.partial(_check, checkpoint, req, data, finish) for req, data in ready], pool)
+                    ready = assembly.settle(keep=finish is None)
+                    checks = [
+                        functools.partial(_check, checkpoint, plan.requests[n], data, finish) for n, data in ready
+                    ]
+                    run_all(checks, pool)
                 except Exception as exc:
                     failure = exc
             if finish is None:
@@ -237,7 +240,9 @@ def fetch_shared(
     missing = [n for n, request in enumerate(plan.requests) if assembly.filled[n] != request.size]
     if missing:  # every byte of a request arrives exactly once (planner.share): a broken plan, never silent
         raise DistributedError("load", {rank: f"shared read left {len(missing)} requests incomplete"})
-    return kept
+    # In the plan's order (what PendingRead.use takes): requests complete in the order their last bytes arrive, those
+    # from a linked region before those through the group within a round.
+    return [(plan.requests[number], data) for number, data in sorted(kept, key=lambda item: item[0])]
 
 
 def _take(

@@ -146,7 +146,13 @@ def plan_gc(
         reason = f"no committed checkpoint pruned: what a save in progress references is unreadable ({unknown[0]})"
         plan.skipped.append(Skipped(unknown[0].split(":", 1)[0], reason))
     elif keep_last is not None:
-        doomed = [entry for part in parts for entry in part.to_prune(keep_last, grace=grace, now=now, pinned=pinned)]
+        tiered = _is_local_tier(listing)
+        doomed = [
+            entry
+            for part in parts
+            for entry in part.to_prune(keep_last, grace=grace, now=now, pinned=pinned)
+            if not (tiered and _newer_is_young(part, entry, grace, now))
+        ]
     pruned = {entry.name for entry in doomed}
     plan.actions = [action for action in plan.actions if action.checkpoint not in pruned]  # pruning covers them
     plan.skipped = [skipped for skipped in plan.skipped if skipped.checkpoint not in pruned]
@@ -167,12 +173,26 @@ def plan_gc(
     return plan
 
 
+def _is_local_tier(listing: Listing) -> bool:
+    """Whether the root is a node-local tier's: a committed checkpoint there has a local save's name (its job's tag)."""
+    return any(TAGGED_LOCAL_NAME.fullmatch(entry.name) for entry in listing.committed())
+
+
+def _newer_is_young(listing: Listing, entry: Entry, grace: float, now: float) -> bool:
+    """On a node-local tier: whether the next newer local checkpoint of the job was committed here within the grace
+    period. Each node commits its copy of a save on its own; until every node has, the newer one may be incomplete
+    across the nodes (a kill then leaves it so), and this one is the newest that a restore can still take whole."""
+    committed = listing.committed()
+    newer = committed[committed.index(entry) + 1]
+    return newer.marker is not None and now - newer.marker.created < grace
+
+
 def _by_job(listing: Listing) -> list[Listing]:
     """The root's listing as retention counts it: on a node-local tier's root, one part per job that its local
     checkpoints' manifests name (keep_last is per job, as the Checkpointer's local retention: another job's newer
     steps never push this one's out); elsewhere the whole listing. A local name carries its job's tag, so other
     roots are told apart without reading a manifest."""
-    if not any(TAGGED_LOCAL_NAME.fullmatch(entry.name) for entry in listing.committed()):
+    if not _is_local_tier(listing):
         return [listing]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LocalTierWarning)  # a copy that does not read counts with no job
@@ -196,6 +216,12 @@ def _why_kept(listing: Listing, entry: Entry, pinned: set[str], pruned: set[str]
     committed = listing.committed()
     newer = committed[committed.index(entry) + 1]
     age = now - newer.marker.created if newer.marker is not None else math.inf
+    if age < grace and _is_local_tier(listing):
+        return (
+            f"within the grace period: the next newer, {newer.name}, was committed here {max(age, 0):.0f} s ago (grace "
+            f"{grace:g} s), maybe not yet on every node, so this one may be the newest a restore can take whole "
+            "(--grace 0 when no save is running)"
+        )
     if age < grace:
         return (
             f"within the grace period: the next newer, {newer.name}, was committed {max(age, 0):.0f} s ago (grace "

@@ -184,10 +184,30 @@ def test_gc_on_a_shared_local_root_keeps_the_newest_of_each_job(tmp_path) -> Non
     run(tmp_path, range(4, 6), local_job="b", every_steps=100)
     run(tmp_path, range(1, 2), local_job="c", every_steps=100)
     local = str(tmp_path / "local")
-    plan = plan_gc(local, keep_last=1)
+    plan = plan_gc(local, keep_last=1, grace=0)  # every copy just committed: no grace, as when no save is running
     assert sorted(action.reason for action in plan.actions) == ["committed, older than the newest 1 of its job"] * 2
     collect(plan)
     assert sorted((c.job, c.step) for c in inventory(open_storage(local))) == [("a", 3), ("b", 5), ("c", 1)]
+
+
+def test_gc_on_a_local_root_keeps_a_copy_while_the_next_newer_one_is_young(tmp_path) -> None:
+    # Each node commits its copy of a local save on its own. `gc --keep-last 1` on a node that had just committed
+    # step 3 deleted step 2 there while other nodes had not committed step 3 yet: a kill then (a spot loss mid-save)
+    # left step 3 incomplete across the nodes and step 2 too (peers=0, or 4+ nodes with gc on several): the local
+    # tier lost. Within the grace period the older copy stays, and gc says why.
+    import time
+
+    from shardckpt.ops.gc import plan_gc
+
+    run(tmp_path, range(1, 4), every_steps=100)  # local_keep=2: steps 2 and 3, just committed
+    local = str(tmp_path / "local")
+    names = sorted(os.listdir(local))
+    plan = plan_gc(local, keep_last=1)
+    assert plan.actions == [], plan.actions
+    assert [skipped.checkpoint for skipped in plan.skipped] == [names[0]], plan.skipped
+    assert "maybe not yet on every node" in plan.skipped[0].reason, plan.skipped[0].reason
+    later = plan_gc(local, keep_last=1, now=time.time() + knobs.GC_GRACE + 1)
+    assert [action.checkpoint for action in later.actions] == [names[0]], later.actions
 
 
 def test_a_failed_local_save_leaves_nothing_behind_so_a_full_tmpfs_recovers(tmp_path, monkeypatch) -> None:

@@ -51,6 +51,36 @@ def test_replicas_are_received_into_their_files_and_sent_from_the_state(tmp_path
         assert len(result["value"]["left"]) == 1 and result["value"]["left"][0].startswith("step-00000002-"), result
 
 
+def test_ranks_that_disagree_are_refused_and_one_sharing_no_memory_restores_like_the_others(tmp_path) -> None:
+    # Nodes reaching the persistent root by other paths (/fsx vs /mnt/fsx) made the default job differ: each rank
+    # saved under its own job's name, and at the restore one rank took a local save while another found none and
+    # went on to the persistent tier, their collectives mismatched (a hang, or a peer's reset). Peers or a cadence
+    # that differ made one rank replicate or save while another did not. local_keep may differ (each node prunes).
+    # Then rank 1's environment says SHARDCKPT_SHARE_MEMORY=0: it takes its bytes through the group while its host's
+    # other ranks take theirs from a reader's shared region. The shared-read exchange returned a rank's requests in
+    # the order they completed (a region's before the group's within a round), which the restore refused with an
+    # untyped ValueError on some ranks while another had restored: now in the plan's order, on every rank.
+    from pathlib import Path
+
+    args = {"base": str(tmp_path), "env_by_rank": {"1": {"SHARDCKPT_SHARE_MEMORY": "0"}}}
+    results = run_ranks("share_differs", 3, args, timeout=90, worker=Path(WORKER_FILE))
+    assert all(r is not None and r["ok"] for r in results), results
+    for result in results:
+        assert result is not None
+        errors = result["value"]["refused"]
+        assert errors["agreed"] is None, errors
+        job = errors["job"]
+        assert job is not None and job.startswith("ShardckptUsageError: the ranks disagree on the local tier's job")
+        assert "(rank 0: '/fsx/run', rank 1: '/mnt/fsx/run', rank 2: '/mnt/fsx/run')" in job, job
+        assert "local_job=" in job, job
+        assert errors["peers"] == (
+            "ShardckptUsageError: the ranks disagree on the local tier's peers (rank 0: 0, rank 1: 1, rank 2: 2): give "
+            "every rank the same"
+        ), errors
+        assert errors["every"] is not None and "local_every_steps (rank 0: 1, rank 1: 2, rank 2: 3)" in errors["every"]
+        assert result["value"]["restore"] == {"error": None, "step": 1, "exact": True}, result["value"]
+
+
 @pytest.mark.unit
 @given(
     pieces=st.lists(st.integers(1, 3 << 20), max_size=40),

@@ -201,6 +201,50 @@ def scenario_replicate(args: dict[str, Any], rank: int, world: int) -> dict[str,
     return outcome
 
 
+def scenario_disagree(args: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    """Ranks whose local tiers disagree on what must be one (the job: its default, the persistent root's real path,
+    differs where nodes mount it at other paths; peers; the cadence): each case's error per rank, None when made."""
+    os.environ["SHARDCKPT_NODE"] = f"n{rank}"
+    cases = {
+        "job": {"job": "/fsx/run" if rank == 0 else "/mnt/fsx/run", "peers": 1, "every_steps": 1},
+        "peers": {"job": "run", "peers": rank, "every_steps": 1},
+        "every": {"job": "run", "peers": 1, "every_steps": 1 + rank},
+        "agreed": {"job": "run", "peers": 1, "every_steps": 1},
+    }
+    errors: dict[str, str | None] = {}
+    for case, options in cases.items():
+        try:
+            LocalTier(os.path.join(args["base"], f"n{rank}"), group=resolve_group(None), keep=1 + rank, **options)
+        except shardckpt.errors.ShardckptError as exc:
+            errors[case] = f"{type(exc).__name__}: {exc}"
+        else:
+            errors[case] = None
+    return errors
+
+
+def scenario_share_differs(args: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    """scenario_disagree's cases, then a local save and a restore from it, every rank its own node, where rank 1's
+    environment says SHARDCKPT_SHARE_MEMORY=0 (args' env_by_rank): the step restored, whether it came back exact."""
+    refused = scenario_disagree(args, rank, world)
+    generator = torch.Generator().manual_seed(11)  # plain tensors, the same on every rank: one writer each
+    state = {f"t{index}": torch.randn(64, 1024, generator=generator) for index in range(world)}
+    group = resolve_group(None)
+    tier = LocalTier(os.path.join(args["base"], f"n{rank}"), group=group, job="share", every_steps=1, keep=1, peers=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed local save only warns: here it must not fail
+        assert tier.save(state, 1, group) is not None
+    restored = {name: torch.zeros_like(tensor) for name, tensor in state.items()}
+    try:
+        found = tier.restore(restored, group, newer_than=None)
+    except Exception as exc:
+        return {"refused": refused, "restore": {"error": f"{type(exc).__name__}: {exc}"}}
+    exact = all(torch.equal(restored[name], tensor) for name, tensor in state.items())
+    return {
+        "refused": refused,
+        "restore": {"error": None, "step": None if found is None else found.step, "exact": exact},
+    }
+
+
 def _no_room(where: Any, path: str, size: int) -> Any:
     raise shardckpt.errors.StorageError(f"{where.describe(path)}: no room left (injected)")
 

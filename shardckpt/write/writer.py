@@ -116,6 +116,12 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def _auto_compression_threads(pace: str) -> int:
+    """Encoder threads when none are asked for: one per core, at most 8; at the storage's pace one core fewer (at
+    least one), since the writer's thread needs a core and every encoder also contends with it for the GIL."""
+    return min(8, _cores()) if pace == "codec" else max(1, min(8, _cores() - 1))
+
+
 def piece_digest(data: Any) -> bytes:
     """BLAKE3-128 of a piece's bytes (SPEC 6.3). The bindings release the GIL from 2 KiB on, so the hash threads
     overlap each other and the writes; a piece of HASH_SPLIT_MIN bytes or more is also split over BLAKE3's threads."""
@@ -277,7 +283,7 @@ class ShardWriter:
             threads = knobs.COMPRESSION_THREADS if compression_threads is None else compression_threads
             self.compression_level = _whole("compression_level", level, MIN_COMPRESSION_LEVEL, MAX_COMPRESSION_LEVEL)
             threads = _whole("compression_threads", threads, 0, MAX_COMPRESSION_THREADS)
-            self.compression_threads = threads or min(8, _cores())
+            self.compression_threads = threads or _auto_compression_threads(self.compression_pace)
         self.storage = open_storage(url, storage_options)
         self.rank, self.world_size, self.block_size, self.step = rank, world_size, block_size, step
         self.write_threads = max(1, write_threads)

@@ -116,12 +116,6 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _auto_compression_threads(pace: str) -> int:
-    """Encoder threads when none are asked for: one per core, at most 8; at the storage's pace one core fewer (at
-    least one), since the writer's thread needs a core and every encoder also contends with it for the GIL."""
-    return min(8, _cores()) if pace == "codec" else max(1, min(8, _cores() - 1))
-
-
 def piece_digest(data: Any) -> bytes:
     """BLAKE3-128 of a piece's bytes (SPEC 6.3). The bindings release the GIL from 2 KiB on, so the hash threads
     overlap each other and the writes; a piece of HASH_SPLIT_MIN bytes or more is also split over BLAKE3's threads."""
@@ -274,7 +268,7 @@ class ShardWriter:
         if not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE or block_size & (block_size - 1):
             raise ShardckptUsageError(f"block_size must be a power of two in {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE}")
         self.compression = check_codec(compression)
-        self.compression_level, self.compression_threads = knobs.COMPRESSION_LEVEL, 1
+        self.compression_level, self.compression_threads, self.paced_threads = knobs.COMPRESSION_LEVEL, 1, 1
         if compression_pace is None:
             compression_pace = "storage" if knobs.COMPRESSION_STORAGE_PACE else "codec"
         self.compression_pace = check_pace(compression_pace)
@@ -283,7 +277,10 @@ class ShardWriter:
             threads = knobs.COMPRESSION_THREADS if compression_threads is None else compression_threads
             self.compression_level = _whole("compression_level", level, MIN_COMPRESSION_LEVEL, MAX_COMPRESSION_LEVEL)
             threads = _whole("compression_threads", threads, 0, MAX_COMPRESSION_THREADS)
-            self.compression_threads = threads or _auto_compression_threads(self.compression_pace)
+            self.compression_threads = threads or min(8, _cores())
+            # Where the storage's pace is in effect (a local file), one fewer by default: the writer's thread keeps a
+            # core, and fewer encoders contend with it for the GIL. Uploads compress at the codec's pace: all cores.
+            self.paced_threads = threads or max(1, min(8, _cores() - 1))
         self.storage = open_storage(url, storage_options)
         self.rank, self.world_size, self.block_size, self.step = rank, world_size, block_size, step
         self.write_threads = max(1, write_threads)
@@ -512,6 +509,7 @@ class ShardWriter:
                 block_size=self.block_size,
                 level=self.compression_level,
                 threads=self.compression_threads,
+                paced_threads=self.paced_threads,
                 codec=self.compression or "zstd",
                 pace=self.compression_pace,
                 write_threads=self.write_threads,

@@ -15,6 +15,7 @@ from shardckpt.format.codec import BlockEncoder, decode_block
 from shardckpt.ops.verify import verify
 from shardckpt.planner import Box
 from shardckpt.read.checkpoint import open_checkpoint
+from shardckpt.write import compressed as compressed_module
 from shardckpt.write import encode_ahead
 from shardckpt.write import writer as writer_module
 from shardckpt.write.encode_ahead import EncodeAhead
@@ -239,16 +240,15 @@ def test_the_storage_pace_leaves_the_writer_a_core_and_its_raw_checksums_keep_th
     encoder, not 2), and the CRC32Cs of the blocks it takes raw never let go of the GIL (before, 32 releases per 2 MiB
     job, each a chance for an encoder to take the GIL and, preempted at nice 19, hold it)."""
 
-    def threads(pace: str, cores: int) -> int:
+    def threads(pace: str, cores: int) -> tuple[int, int]:
         monkeypatch.setattr(writer_module, "_cores", lambda: cores)
         url = str(tmp_path / f"{pace}-{cores}")
         writer = ShardWriter(
             url, rank=0, world_size=1, compression="zstd", compression_pace=pace, compression_threads=0
         )
-        return writer.compression_threads
+        return writer.compression_threads, writer.paced_threads
 
-    assert [threads("codec", cores) for cores in (1, 2, 16)] == [1, 2, 8]
-    assert [threads("storage", cores) for cores in (1, 2, 3, 16)] == [1, 1, 2, 8]
+    assert [threads("storage", cores) for cores in (1, 2, 3, 16)] == [(1, 1), (2, 1), (3, 2), (8, 8)]
     given = ShardWriter(
         str(tmp_path / "given"),
         rank=0,
@@ -257,7 +257,23 @@ def test_the_storage_pace_leaves_the_writer_a_core_and_its_raw_checksums_keep_th
         compression_pace="storage",
         compression_threads=2,
     )
-    assert given.compression_threads == 2  # a count given is taken as it is
+    assert given.compression_threads == given.paced_threads == 2  # a count given is taken as it is
+
+    # The paced count where the storage's pace is in effect (a local file); an upload compresses at the codec's pace,
+    # on all the threads.
+    counts: list[int] = []
+
+    class Counting(EncodeAhead):
+        def __init__(self, *args, threads, **kwargs):  # type: ignore[no-untyped-def]
+            counts.append(threads)
+            super().__init__(*args, threads=threads, **kwargs)
+
+    monkeypatch.setattr(compressed_module, "EncodeAhead", Counting)
+    monkeypatch.setattr(writer_module, "_cores", lambda: 2)
+    state = {"w": _weights(1 << 12, 0)}
+    for url in (str(tmp_path / "local"), f"memory://shardckpt-tests/{tmp_path.name}/paced"):
+        shardckpt.save(state, url, step=1, compression="zstd", compression_pace="storage")
+    assert counts == [1, 2]
 
     modes: list[int] = []
     real = encode_ahead.crc32c.crc32c

@@ -34,8 +34,9 @@ WRITE_THREADS = int(_knob("WRITE_THREADS", 2))  # streams filling one large data
 PARALLEL_MIN_BYTES = int(_knob("PARALLEL_MIN_BYTES", 64 << 20))  # below this one stream is as fast as several
 # save(..., compression="zstd"): the zstd level of every group stream (format 1.2, SPEC 4.1; 1 measured best).
 COMPRESSION_LEVEL = int(_knob("COMPRESSION_LEVEL", 1))
-# Threads compressing one rank's blocks; 0: the cores this process may run on, at most 8. zstd is CPU-bound (about
-# 0.1-0.3 GB/s per core on grouped exponent bytes), so a save keeps pace with a disk only with enough of them.
+# Threads compressing one rank's blocks; 0: the cores this process may run on, at most 8 (at compression_pace="storage"
+# on local files one fewer, at least 1: the writer keeps a core). zstd is CPU-bound (about 0.1-0.3 GB/s per core on
+# grouped exponent bytes), so a save keeps pace with a disk only with enough of them.
 COMPRESSION_THREADS = int(_knob("COMPRESSION_THREADS", 0))
 # 1: compressed saves default to compression_pace="storage" (a block no encoder has started when the writer reaches it
 # is written raw: the save never waits for the codec, the ratio depends on the spare cores); 0 (default): "codec".

@@ -62,6 +62,7 @@ def write_compressed(
     block_size: int,
     level: int,
     threads: int,
+    paced_threads: int | None = None,
     codec: str = "zstd",
     pace: str = "codec",
     progress: Callable[[], None] | None = None,
@@ -77,7 +78,8 @@ def write_compressed(
     flight). An object store's upload holds its first part (header included) until the end and sends the others
     as they fill; a streaming handle that can do neither holds the rank's stored bytes until the end.
     pace: "codec" waits for every block's encoder; "storage" (positional handles only) writes a block that no encoder
-    has started raw (encode_ahead.py). encoder: makes one block encoder per thread (default: BlockEncoder(level)).
+    has started raw (encode_ahead.py), on `paced_threads` encoders (default: `threads`). encoder: makes one block
+    encoder per thread (default: BlockEncoder(level)).
     write_threads: threads writing a positional handle at once (pwrite), as a raw save's large files are.
     where: the file, as errors name it: an encoder's failure is a ShardckptError naming it, the tensor and block."""
     sizes = [memoryview(source.data).nbytes for source in sources]
@@ -100,12 +102,14 @@ def write_compressed(
     # Only a local file's writes wait for the storage itself: an upload's return at once while max_in_flight bytes
     # are on the wire (a held stream's, always), so at the storage's pace most blocks would go raw. Those go at the
     # codec's pace whatever was asked (the link is the limit there, and the upload overlaps the encoders).
+    storage_pace = pace == "storage" and positional
+    count = paced_threads if storage_pace and paced_threads else threads
     ahead = EncodeAhead(
         jobs,
         encoder or (lambda: BlockEncoder(level)),
-        threads=threads,
-        window=2 * max(1, threads) + 1,
-        storage_pace=pace == "storage" and positional,
+        threads=count,
+        window=2 * max(1, count) + 1,
+        storage_pace=storage_pace,
     )
     writes = _Positional(handle, header_size, write_threads if positional else 0)
     with ahead, writes, _encoder_failure(ahead, sources, sizes, block_size, where):

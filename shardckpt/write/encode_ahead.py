@@ -104,7 +104,9 @@ class EncodeAhead:
         for index in range(first, end):
             if self._state[index] == _RAW:  # only this thread sets RAW: its logical bytes are its stored bytes
                 raw = self._jobs[number][index - first][0]
-                crc = crc32c.crc32c(raw)
+                # Without letting go of the GIL (a 64 KiB CRC takes microseconds): each release is a chance for an
+                # encoder to take it, and one at nice 19 that a busy machine preempts holds it for milliseconds.
+                crc = crc32c.crc32c(raw, gil_release_mode=0)
                 blocks.append(Stored(raw, crc, crc))
                 continue
             with self._cond:

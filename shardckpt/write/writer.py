@@ -268,7 +268,7 @@ class ShardWriter:
         if not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE or block_size & (block_size - 1):
             raise ShardckptUsageError(f"block_size must be a power of two in {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE}")
         self.compression = check_codec(compression)
-        self.compression_level, self.compression_threads = knobs.COMPRESSION_LEVEL, 1
+        self.compression_level, self.compression_threads, self.paced_threads = knobs.COMPRESSION_LEVEL, 1, 1
         if compression_pace is None:
             compression_pace = "storage" if knobs.COMPRESSION_STORAGE_PACE else "codec"
         self.compression_pace = check_pace(compression_pace)
@@ -278,6 +278,9 @@ class ShardWriter:
             self.compression_level = _whole("compression_level", level, MIN_COMPRESSION_LEVEL, MAX_COMPRESSION_LEVEL)
             threads = _whole("compression_threads", threads, 0, MAX_COMPRESSION_THREADS)
             self.compression_threads = threads or min(8, _cores())
+            # Where the storage's pace is in effect (a local file), one fewer by default: the writer's thread keeps a
+            # core, and fewer encoders contend with it for the GIL. Uploads compress at the codec's pace: all cores.
+            self.paced_threads = threads or max(1, min(8, _cores() - 1))
         self.storage = open_storage(url, storage_options)
         self.rank, self.world_size, self.block_size, self.step = rank, world_size, block_size, step
         self.write_threads = max(1, write_threads)
@@ -506,6 +509,7 @@ class ShardWriter:
                 block_size=self.block_size,
                 level=self.compression_level,
                 threads=self.compression_threads,
+                paced_threads=self.paced_threads,
                 codec=self.compression or "zstd",
                 pace=self.compression_pace,
                 write_threads=self.write_threads,

@@ -15,6 +15,8 @@ from shardckpt.format.codec import BlockEncoder, decode_block
 from shardckpt.ops.verify import verify
 from shardckpt.planner import Box
 from shardckpt.read.checkpoint import open_checkpoint
+from shardckpt.write import compressed as compressed_module
+from shardckpt.write import encode_ahead
 from shardckpt.write import writer as writer_module
 from shardckpt.write.encode_ahead import EncodeAhead
 from shardckpt.write.writer import ShardWriter
@@ -231,3 +233,67 @@ def test_an_encoder_that_fails_is_a_shardckpt_error_naming_the_file_tensor_and_b
         shardckpt.save(state, str(url), step=1, compression="zstd", compression_pace=pace, block_size=4096)
     assert isinstance(caught.value.__cause__, RuntimeError)
     assert not (url / "COMMITTED").exists()
+
+
+def test_the_storage_pace_leaves_the_writer_a_core_and_its_raw_checksums_keep_the_gil(tmp_path, monkeypatch) -> None:
+    """The writer of a storage-paced save must not wait on its encoders: by default they leave it a core (2 cores: 1
+    encoder, not 2), and the CRC32Cs of the blocks it takes raw never let go of the GIL (before, 32 releases per 2 MiB
+    job, each a chance for an encoder to take the GIL and, preempted at nice 19, hold it)."""
+
+    def threads(pace: str, cores: int) -> tuple[int, int]:
+        monkeypatch.setattr(writer_module, "_cores", lambda: cores)
+        url = str(tmp_path / f"{pace}-{cores}")
+        writer = ShardWriter(
+            url, rank=0, world_size=1, compression="zstd", compression_pace=pace, compression_threads=0
+        )
+        return writer.compression_threads, writer.paced_threads
+
+    assert [threads("storage", cores) for cores in (1, 2, 3, 16)] == [(1, 1), (2, 1), (3, 2), (8, 8)]
+    given = ShardWriter(
+        str(tmp_path / "given"),
+        rank=0,
+        world_size=1,
+        compression="zstd",
+        compression_pace="storage",
+        compression_threads=2,
+    )
+    assert given.compression_threads == given.paced_threads == 2  # a count given is taken as it is
+
+    # The paced count where the storage's pace is in effect (a local file); an upload compresses at the codec's pace,
+    # on all the threads.
+    counts: list[int] = []
+
+    class Counting(EncodeAhead):
+        def __init__(self, *args, threads, **kwargs):  # type: ignore[no-untyped-def]
+            counts.append(threads)
+            super().__init__(*args, threads=threads, **kwargs)
+
+    monkeypatch.setattr(compressed_module, "EncodeAhead", Counting)
+    monkeypatch.setattr(writer_module, "_cores", lambda: 2)
+    state = {"w": _weights(1 << 12, 0)}
+    for url in (str(tmp_path / "local"), f"memory://shardckpt-tests/{tmp_path.name}/paced"):
+        shardckpt.save(state, url, step=1, compression="zstd", compression_pace="storage")
+    assert counts == [1, 2]
+
+    modes: list[int] = []
+    real = encode_ahead.crc32c.crc32c
+
+    class Recording:
+        @staticmethod
+        def crc32c(data, **kwargs):  # type: ignore[no-untyped-def]
+            modes.append(kwargs.get("gil_release_mode", -1))  # -1, the default: released from 32 KiB on
+            return real(data, **kwargs)
+
+    monkeypatch.setattr(encode_ahead, "crc32c", Recording)
+    gate = threading.Event()
+
+    def waiting() -> BlockEncoder:  # no block is encoded: the writer takes every one raw
+        assert gate.wait(GIVE_UP)
+        return BlockEncoder(1)
+
+    jobs = _jobs([_weights(1 << 15, 0), _weights(1 << 15, 1)], 65536)
+    with EncodeAhead(jobs, waiting, threads=1, window=3, storage_pace=True) as ahead:
+        stored = [ahead.take(number) for number in range(len(jobs))]
+        gate.set()
+    assert ahead.raw_blocks == 4 and modes == [0] * 4
+    assert [block.crc32c for job in stored for block in job] == [real(raw) for job in jobs for raw, _ in job]

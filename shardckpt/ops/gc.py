@@ -304,7 +304,10 @@ def _claim_incomplete(checkpoint: Storage, action: Action) -> bool:
 
 def _plan_incomplete(plan: GcPlan, name: str, checkpoint: Storage, objects: list[tuple[str, str]], now: float) -> bool:
     """Plan deleting an uncommitted checkpoint untouched for the grace period; False when it may be a running save."""
-    committing = sorted(a for path, a in objects if path == layout.claim_path(a) and holder(checkpoint, a) == BY_COMMIT)
+    # An object whose name carries no attempt (a leftover of a killed save, a stray file) is no claim.
+    committing = sorted(
+        a for path, a in objects if a and path == layout.claim_path(a) and holder(checkpoint, a) == BY_COMMIT
+    )
     if committing:
         reason = (
             f"attempt(s) {', '.join(committing)} claimed by their commit: committing now, or a commit that crashed "
@@ -313,7 +316,9 @@ def _plan_incomplete(plan: GcPlan, name: str, checkpoint: Storage, objects: list
         plan.skipped.append(Skipped(name, reason))
         return False
     # An attempt a collector claimed can never commit (SPEC 14): what an interrupted gc left of it goes at once.
-    collected = {a for path, a in objects if path == layout.claim_path(a) and holder(checkpoint, a) == BY_COLLECTOR}
+    collected = {
+        a for path, a in objects if a and path == layout.claim_path(a) and holder(checkpoint, a) == BY_COLLECTOR
+    }
     ages = [_age(checkpoint, path, now) for path, attempt in objects if attempt not in collected]
     youngest = math.nan if any(math.isnan(age) for age in ages) else min(ages, default=math.inf)
     if not youngest >= plan.grace:

@@ -136,3 +136,16 @@ def test_a_commit_that_crashed_holding_its_claim_is_left_whole_and_said_so(tmp_p
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == before
     with pytest.raises(ShardckptError):
         shardckpt.open(url)
+
+
+def test_gc_collects_an_uncommitted_checkpoint_holding_a_temporary_commit_marker(tmp_path: Path) -> None:
+    """A save killed while committing leaves COMMITTED's temporary file (`COMMITTED.tmp-<hex>`, no attempt in its
+    name) in an uncommitted checkpoint: gc collects it instead of failing on an empty attempt id (seen in the
+    incremental soak)."""
+    root = tmp_path / "run"
+    shardckpt.save({"w": torch.ones(2)}, str(root / "step-00000001"), step=1)
+    leftover = root / "step-00000002"
+    leftover.mkdir()
+    (leftover / "COMMITTED.tmp-0123abcd").write_bytes(b"{")
+    gc(str(root), keep_last=3, grace=0)
+    assert not leftover.exists() and (root / "step-00000001" / "COMMITTED").exists()

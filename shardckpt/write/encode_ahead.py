@@ -19,10 +19,16 @@ from shardckpt.errors import ShardckptUsageError
 
 PACES = ("codec", "storage")  # what compression_pace= accepts; "codec" is the default (guide: "Save pace")
 _PENDING, _STARTED, _DONE, _RAW = 0, 1, 2, 3
+UNCHECKSUMMED = -1  # the CRCs of a block take(checksum_raw=False) returned raw: the caller computes them
 
 
 class Encoder(Protocol):
     def encode(self, raw: bytes | memoryview, dtype: str) -> bytes | memoryview: ...
+
+
+# Logical bytes an encoder claims and encodes at once (one hand-off, and with a run encoder one grouping pass and one
+# zstd call): about 1 ms of one core, short enough that a writer overtaking it drops little work.
+STRETCH = 256 << 10
 
 
 class Stored(NamedTuple):
@@ -33,10 +39,19 @@ class Stored(NamedTuple):
     logical_crc32c: int
 
 
+class _Stretch(NamedTuple):
+    first: int  # index of its first block in the flat block arrays
+    count: int
+    run: int  # which run of the job
+    start: int  # byte offsets in the run
+    end: int
+
+
 class EncodeAhead:
-    """Encoder threads over `jobs` (each a run of (logical bytes, dtype) blocks), at most `window` jobs ahead of the
-    writer; `take(j)` returns job j's stored blocks in order. A context manager: leaving it stops and joins the
-    threads, whether the writer finished or failed; an encoder's exception is raised by the writer's next take()."""
+    """Encoder threads over `jobs` (each a sequence of runs: (logical bytes, dtype)), at most `window` jobs ahead of
+    the writer; `take(j)` returns job j's stored blocks in order. A run is cut into blocks of `block_size` bytes
+    (None: every run is one block). A context manager: leaving it stops and joins the threads, whether the writer
+    finished or failed; an encoder's exception is raised by the writer's next take()."""
 
     def __init__(
         self,
@@ -46,16 +61,25 @@ class EncodeAhead:
         threads: int,
         window: int,
         storage_pace: bool,
+        block_size: int | None = None,
+        stretch: int = STRETCH,
     ) -> None:
         self._jobs = jobs
+        self._block_size = block_size
+        self._blocks: list[list[memoryview]] = []  # every job's blocks, in file order
+        self._stretches: list[list[_Stretch]] = []
         self._first = [0]  # index of each job's first block in the flat block arrays
         for job in jobs:
-            self._first.append(self._first[-1] + len(job))
+            blocks, stretches = _cut(job, self._first[-1], block_size, stretch)
+            self._blocks.append(blocks)
+            self._stretches.append(stretches)
+            self._first.append(self._first[-1] + len(blocks))
         self._state = bytearray(self._first[-1])
         self._results: dict[int, Stored] = {}
         self._make_encoder, self._window, self._storage_pace = make_encoder, max(1, window), storage_pace
         self._cond = threading.Condition()
-        self._next_job = 0  # the next job an idle encoder takes
+        self._next_job = 0  # the next job an idle encoder takes (codec pace)
+        self._claimed = bytearray(len(jobs))  # jobs an encoder took (storage pace)
         self._taken = 0  # jobs the writer has entered (at the storage's pace, those are its own)
         self._stop = False
         self._error: BaseException | None = None
@@ -83,8 +107,9 @@ class EncodeAhead:
         """What an encoder raised, if one did."""
         return self._error
 
-    def take(self, number: int) -> list[Stored]:
-        """Job `number`'s blocks as stored; jobs are taken in order, each once."""
+    def take(self, number: int, *, checksum_raw: bool = True) -> list[Stored]:
+        """Job `number`'s blocks as stored; jobs are taken in order, each once. checksum_raw=False: a block the
+        writer took raw comes with both CRCs UNCHECKSUMMED, for the caller to compute where it writes the block."""
         first, end = self._first[number], self._first[number + 1]
         with self._cond:
             if self._error is not None:  # at the storage's pace too: a failing encoder is a bug to report
@@ -103,10 +128,8 @@ class EncodeAhead:
         blocks: list[Stored] = []
         for index in range(first, end):
             if self._state[index] == _RAW:  # only this thread sets RAW: its logical bytes are its stored bytes
-                raw = self._jobs[number][index - first][0]
-                # Without letting go of the GIL (a 64 KiB CRC takes microseconds): each release is a chance for an
-                # encoder to take it, and one at nice 19 that a busy machine preempts holds it for milliseconds.
-                crc = crc32c.crc32c(raw, gil_release_mode=0)
+                raw = self._blocks[number][index - first]
+                crc = raw_crc32c(raw) if checksum_raw else UNCHECKSUMMED
                 blocks.append(Stored(raw, crc, crc))
                 continue
             with self._cond:
@@ -123,13 +146,23 @@ class EncodeAhead:
             while True:
                 if self._stop or self._error is not None:
                     return None
-                if self._storage_pace:  # jobs the writer already entered are its own
-                    self._next_job = max(self._next_job, self._taken)
-                if self._next_job >= len(self._jobs):
-                    return None
-                if self._next_job < max(self._taken - 1, 0) + self._window:  # the job being written and after
-                    self._next_job += 1
-                    return self._next_job - 1
+                if not self._storage_pace:  # in order: the writer waits for each job's blocks in turn
+                    if self._next_job >= len(self._jobs):
+                        return None
+                    if self._next_job < max(self._taken - 1, 0) + self._window:  # the job being written and after
+                        self._next_job += 1
+                        return self._next_job - 1
+                else:
+                    # Jobs the writer entered are its own. Of the others in the window, the farthest first: the
+                    # nearest is overtaken before much of it is encoded when the storage is faster than the encoders
+                    # (that work is dropped), and when it is slower every job in the window is encoded anyway.
+                    if self._taken >= len(self._jobs):
+                        return None
+                    end = min(max(self._taken - 1, 0) + self._window, len(self._jobs))
+                    for number in range(end - 1, self._taken - 1, -1):
+                        if not self._claimed[number]:
+                            self._claimed[number] = 1
+                            return number
                 self._cond.wait()
 
     def _encode_jobs(self) -> None:
@@ -141,28 +174,70 @@ class EncodeAhead:
             while (number := self._claim_job()) is not None:
                 if encoder is None:  # made in this thread: an encoder is not thread-safe
                     encoder = self._make_encoder()
-                first = self._first[number]
-                for offset, (raw, dtype) in enumerate(self._jobs[number]):
+                for stretch in self._stretches[number]:
+                    first, count = stretch.first, stretch.count
                     with self._cond:
-                        if self._stop or self._state[first + offset] != _PENDING:
-                            break  # the writer took this block raw: it is ahead, so jump ahead of it
-                        self._state[first + offset] = _STARTED
-                    block = first + offset
-                    data = encoder.encode(raw, dtype)
-                    logical = crc32c.crc32c(raw)
-                    stored = Stored(data, logical if len(data) == len(raw) else crc32c.crc32c(data), logical)
+                        if self._stop or self._state[first] != _PENDING:
+                            break  # the writer took the job raw: it is ahead, so jump ahead of it
+                        self._state[first : first + count] = bytes([_STARTED]) * count
+                    block = first  # a failure names the stretch's first block
+                    stored = self._encode(encoder, number, stretch)
                     block = None
                     with self._cond:
-                        if self._state[first + offset] == _RAW:
-                            break  # the writer took it meanwhile (storage pace): it is ahead, so jump ahead of it
-                        self._results[first + offset] = stored
-                        self._state[first + offset] = _DONE
+                        if self._state[first] == _RAW:  # the writer takes a job's blocks all at once
+                            break  # it took these meanwhile (storage pace): it is ahead, so jump ahead of it
+                        for index, result in enumerate(stored, first):
+                            self._results[index] = result
+                        self._state[first : first + count] = bytes([_DONE]) * count
                         self._cond.notify_all()
         except BaseException as exc:  # the writer raises it; the other encoders end
             with self._cond:
                 if self._error is None:  # the first failure is the one the writer reports
                     self._error, self.failed_block = exc, block
                 self._cond.notify_all()
+
+    def _encode(self, encoder: Encoder, number: int, stretch: _Stretch) -> list[Stored]:
+        """A stretch's blocks as stored, with their CRCs: in one call where the encoder encodes runs."""
+        first = stretch.first - self._first[number]
+        raws = self._blocks[number][first : first + stretch.count]
+        run, dtype = self._jobs[number][stretch.run]
+        encode_run = getattr(encoder, "encode_run", None)
+        if encode_run is not None and self._block_size is not None:
+            datas = encode_run(memoryview(run).cast("B")[stretch.start : stretch.end], dtype, self._block_size)
+        else:
+            datas = [encoder.encode(raw, dtype) for raw in raws]
+        out = []
+        for raw, data in zip(raws, datas):
+            logical = crc32c.crc32c(raw)
+            out.append(Stored(data, logical if len(data) == len(raw) else crc32c.crc32c(data), logical))
+        return out
+
+
+def _cut(
+    job: Sequence[tuple[memoryview, str]], first: int, block_size: int | None, stretch: int
+) -> tuple[list[memoryview], list[_Stretch]]:
+    """A job's blocks (views of its runs) and its stretches: runs of consecutive blocks of one run, about `stretch`
+    bytes each, whose first block is flat index `first` onwards."""
+    blocks: list[memoryview] = []
+    stretches: list[_Stretch] = []
+    for number, (run, _) in enumerate(job):
+        view = memoryview(run).cast("B")
+        size = len(view)
+        step = block_size or max(size, 1)
+        per = max(stretch // step, 1)
+        starts = range(0, size, step) if size or block_size else range(1)  # without block_size: a block per run
+        for at in range(0, len(starts), per):
+            group = starts[at : at + per]
+            stretches.append(_Stretch(first + len(blocks), len(group), number, group[0], min(group[-1] + step, size)))
+            blocks.extend(view[start : min(start + step, size)] for start in group)
+    return blocks, stretches
+
+
+def raw_crc32c(raw: bytes | memoryview) -> int:
+    """The CRC32C of a block stored raw at the storage's pace, without letting go of the GIL (a 64 KiB CRC takes
+    microseconds): each release is a chance for an encoder to take it, and one at nice 19 that a busy machine
+    preempts holds it for milliseconds."""
+    return int(crc32c.crc32c(raw, gil_release_mode=0))
 
 
 def _lowest_priority() -> None:

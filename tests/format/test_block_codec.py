@@ -46,6 +46,27 @@ def test_round_trip_any_dtype_any_length(dtype: str, data: bytes) -> None:
     assert bytes(decode_block(stored, len(data), WHERE)) == data
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    dtype=st.sampled_from(sorted(DTYPE_SIZES)),
+    elements=st.integers(0, 3000),
+    block_size=st.sampled_from([8, 24, 96, 1000, 1024, 4096]),
+    seed=st.integers(0, 2**16),
+    weights=st.booleans(),
+)
+def test_a_run_encodes_to_exactly_its_blocks_encoded_one_by_one(
+    dtype: str, elements: int, block_size: int, seed: int, weights: bool
+) -> None:
+    """encode_run (one grouping pass and one zstd call for many blocks) is only a faster way to the same bytes."""
+    width = DTYPE_SIZES[dtype]
+    if weights and dtype in ("BF16", "F16", "F32", "F64", "C64"):
+        data = _weights(dtype, elements, seed)[: elements * width]
+    else:
+        data = np.random.default_rng(seed).integers(0, 4, elements * width, dtype=np.uint8).tobytes()
+    one_by_one = [bytes(ENCODER.encode(data[at : at + block_size], dtype)) for at in range(0, len(data), block_size)]
+    assert [bytes(block) for block in ENCODER.encode_run(data, dtype, block_size)] == one_by_one
+
+
 @pytest.mark.parametrize("dtype", ["BF16", "F16", "F32", "F64", "C64"])
 def test_float_weights_shrink_and_round_trip(dtype: str) -> None:
     data = _weights(dtype, 16384, seed=1)[:65536]

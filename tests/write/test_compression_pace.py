@@ -213,6 +213,10 @@ def test_an_encoder_that_fails_is_a_shardckpt_error_naming_the_file_tensor_and_b
                 raise RuntimeError("encoder exploded")
             return super().encode(raw, dtype)
 
+        def encode_run(self, run, dtype, block_size):
+            self.encode(run[:0], dtype)  # fails the same way on a whole stretch of blocks
+            return super().encode_run(run, dtype, block_size)
+
     def gated_progress(progress):
         def wait_for_the_failure() -> None:  # at the storage's pace the writer reports it at its next job
             assert failed.wait(GIVE_UP), "no encoder reached the failing piece"

@@ -21,6 +21,7 @@ from shardckpt import knobs
 from shardckpt.catalog.chain import Opening, read_opening, verify_global_manifest
 from shardckpt.distributed.collectives import Group, any_ranks
 from shardckpt.distributed.group_calls import Solo as _Solo
+from shardckpt.distributed.group_calls import agree_on_coordinator as _agree_on_coordinator
 from shardckpt.distributed.group_calls import all_gather as _all_gather
 from shardckpt.distributed.group_calls import broadcast as _broadcast
 from shardckpt.distributed.group_calls import collective as _collective
@@ -130,6 +131,7 @@ def save(
     Plain values are shared (all ranks must agree); wrap a value in PerRank to keep one per rank. Returns when
     the checkpoint is durable and committed; on any failure every rank raises the same DistributedError.
     process_group: the group to save over; default: the default group if torch.distributed is initialized.
+    coordinator: the rank that commits; the same on every rank (else every rank raises ShardckptUsageError).
     state_dict may be a callable returning the state: it is built inside the protocol, so a failure to build it
     on one rank reaches every rank.
     step: recorded in COMMITTED, it orders latest(), ls, retention and gc; without it, the state's top-level 'step',
@@ -155,8 +157,7 @@ def save(
     stored raw (local disk; the ratio then depends on the cores left over). Reads are the same either way.
     """
     group = resolve_group(process_group)
-    if not 0 <= coordinator < group.size:
-        raise ShardckptUsageError(f"coordinator {coordinator} is not a rank of the group of {group.size}")
+    coordinator = _agree_on_coordinator(group, coordinator, "save")
     solo = isinstance(group, _Solo)
     # Whatever fails on one rank (its storage, its state dict, the coordinator's existence check) is carried
     # through the protocol's own collectives, so every rank raises the same DistributedError, never waits.
@@ -319,6 +320,8 @@ def load(
 
     Each rank reads only the boxes its tensors hold (DTensor shards are filled through their local tensor)
     and restores plain values (PerRank values: its own). strict: every entry must be in the checkpoint.
+    coordinator: the rank that reads COMMITTED and the global manifest for all; the same on every rank (else every
+    rank raises ShardckptUsageError).
 
     After a failed load (a ShardckptError; DistributedError over a group) the caller's state holds:
     - nothing new, when the failure is in what every rank checks before it writes a byte: COMMITTED, the global
@@ -405,8 +408,7 @@ def _load(
         stats = pending.apply()
         assign()
         return stats
-    if not 0 <= coordinator < group.size:
-        raise ShardckptUsageError(f"coordinator {coordinator} is not a rank of the group of {group.size}")
+    coordinator = _agree_on_coordinator(group, coordinator, "load")
     local_error: BaseException | None = failed
     storage: Storage | None = None
     try:

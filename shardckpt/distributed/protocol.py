@@ -30,7 +30,8 @@ from shardckpt.distributed.group_calls import gather as _gather
 from shardckpt.distributed.group_calls import pack as _pack
 from shardckpt.distributed.group_calls import unpack as _unpack
 from shardckpt.distributed.group_calls import vote as _any_rank
-from shardckpt.distributed.shared_reads import PeerFailed, fetch_shared, plan_exchange
+from shardckpt.distributed.host_memory import PeerFailed
+from shardckpt.distributed.shared_reads import fetch_shared, plan_exchange
 from shardckpt.errors import AlreadyExistsError, DistributedError, ShardckptUsageError
 from shardckpt.format import layout
 from shardckpt.format.bulk import gc_paused

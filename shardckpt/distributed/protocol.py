@@ -60,7 +60,7 @@ from shardckpt.statedict.stateful import loadable_states, saved_states
 from shardckpt.statedict.step import NoStepWarning, inferred_step, no_step_message
 from shardckpt.storage import Storage, open_storage
 from shardckpt.write.commit import already_committed, commit
-from shardckpt.write.encode_ahead import check_pace
+from shardckpt.write.encode_ahead import given_pace
 from shardckpt.write.parent import open_parent, parent_of, piece_boxes
 from shardckpt.write.writer import ShardWriter
 
@@ -155,7 +155,8 @@ def save(
     None (default): raw. Every reader of this build reads either; older readers refuse a compressed checkpoint.
     compression_pace: "codec" (default; "storage" with SHARDCKPT_COMPRESSION_STORAGE_PACE=1) tries every block;
     "storage" never lets the disk wait for the codec: a block no encoder has finished when the writer reaches it is
-    stored raw (local disk; the ratio then depends on the cores left over). Reads are the same either way.
+    stored raw (local disk; the ratio then depends on the cores left over). Reads are the same either way. Only with
+    compression="zstd": given without it, a ShardckptUsageError (the knob is ignored there).
     """
     group = resolve_group(process_group)
     coordinator = _agree_on_coordinator(group, coordinator, "save")
@@ -170,8 +171,7 @@ def save(
     digest: Digest = []
     try:
         check_codec(compression)  # before any rank writes a byte
-        if compression_pace is not None:
-            check_pace(compression_pace)
+        given_pace(compression_pace, compression)
         storage = open_storage(url, storage_options)
         if parent is not None:
             root, parent_name = parent_of(storage.url, parent, storage_options)

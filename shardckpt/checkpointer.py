@@ -50,7 +50,7 @@ from shardckpt.local_tier import LocalTier, job_of
 from shardckpt.read.checkpoint import DEFAULT_MAX_IN_FLIGHT
 from shardckpt.statedict.staging import StagingBuffers, stage
 from shardckpt.storage import open_storage
-from shardckpt.write.encode_ahead import check_pace
+from shardckpt.write.encode_ahead import given_pace
 
 State = Mapping[str, Any] | Callable[[], Mapping[str, Any]]
 # The global manifest's metadata key under which an incremental series records each save's place in it.
@@ -151,7 +151,7 @@ class Checkpointer:
         compression_pace: str | None = None,
     ) -> None:
         self.compression = check_codec(compression)  # every save of the manager: save(..., compression=)
-        self.compression_pace = None if compression_pace is None else check_pace(compression_pace)
+        self.compression_pace = given_pace(compression_pace, self.compression)
         self.auto = every_steps == "auto"
         self.bounds = Bounds(min_every_steps, max_every_steps, min_every_seconds, max_every_seconds)
         if self.auto and isinstance(default_every_steps, int) and default_every_steps >= 1:

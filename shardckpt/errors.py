@@ -60,11 +60,11 @@ class DistributedError(ShardckptError):
         ranks_of: dict[str, list[int]] = {}
         for rank, cause in self.failures.items():
             ranks_of.setdefault(cause, []).append(rank)
-        details = "; ".join(f"{_ranks(ranks)}: {cause}" for cause, ranks in ranks_of.items())
+        details = "; ".join(f"{rank_list(ranks)}: {cause}" for cause, ranks in ranks_of.items())
         super().__init__(f"{operation} failed on {len(self.failures)} rank(s): {details}")
 
 
-def _ranks(ranks: list[int]) -> str:
+def rank_list(ranks: list[int]) -> str:
     """'rank 3', 'ranks 0-2', 'ranks 0, 2, 5-7' (sorted ranks)."""
     if len(ranks) == 1:
         return f"rank {ranks[0]}"

@@ -1,29 +1,34 @@
 """Every tunable default of shardckpt in one place, each overridable by a SHARDCKPT_<NAME> environment variable.
 
 Format limits (what a reader refuses) live in format/limits.py; these are speeds and sizes a user may tune.
-Keyword arguments of the API win over both; an override that does not parse fails at import, naming itself.
+Keyword arguments of the API win over both; an override that does not parse is a ShardckptUsageError naming the
+variable, its value and what is valid, raised where the knob is first read (see the end of this module).
 """
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from shardckpt.errors import ShardckptUsageError
 
+_REFUSED: dict[str, str] = {}  # knob -> why its SHARDCKPT_ override was refused (filled at import, then read only)
 
-def _knob(name: str, default: int | float) -> int | float:
-    """`default`, unless SHARDCKPT_<name> holds a number of the same kind (bytes or counts: int; seconds: float)."""
+
+def _knob(name: str, default: int | float, *, flag: bool = False) -> int | float:
+    """`default`, unless SHARDCKPT_<name> holds a number of the same kind (bytes or counts: int; seconds: float;
+    flag: 0 or 1). A value that does not parse is recorded in _REFUSED and the default returned for now."""
     text = os.environ.get(f"SHARDCKPT_{name}")
     if text is None:
         return default
     try:
         value = type(default)(text)
     except ValueError:
-        raise ShardckptUsageError(
-            f"SHARDCKPT_{name}={text!r} is not a {type(default).__name__} (default {default})"
-        ) from None
-    if not value >= 0:
-        raise ShardckptUsageError(f"SHARDCKPT_{name}={text!r} must be >= 0 (default {default})")
+        value = -1
+    if not value >= 0 or (flag and value not in (0, 1)):
+        valid = "0 or 1" if flag else "a whole number >= 0" if isinstance(default, int) else "a number >= 0"
+        _REFUSED[name] = f"SHARDCKPT_{name}={text!r} is not valid: {valid} (default {default}); fix or unset it"
+        return default
     return value
 
 
@@ -40,16 +45,16 @@ COMPRESSION_LEVEL = int(_knob("COMPRESSION_LEVEL", 1))
 COMPRESSION_THREADS = int(_knob("COMPRESSION_THREADS", 0))
 # 1: compressed saves default to compression_pace="storage" (a block no encoder has started when the writer reaches it
 # is written raw: the save never waits for the codec, the ratio depends on the spare cores); 0 (default): "codec".
-COMPRESSION_STORAGE_PACE = int(_knob("COMPRESSION_STORAGE_PACE", 0))
+COMPRESSION_STORAGE_PACE = int(_knob("COMPRESSION_STORAGE_PACE", 0, flag=True))
 HOT_CHUNK = int(_knob("HOT_CHUNK", 2 << 20))  # checksummed then written while still in the CPU cache
 # 1: every save records a BLAKE3-128 hash of every piece written (format 1.1, SPEC 6.3), what incremental saves
 # compare. 0 (default): only saves that may be parents hash (parent= given, piece_hashes=True, Checkpointer(
 # incremental=True)); the others write 1.0 local manifests and skip the hashing pass.
-PIECE_HASHES = int(_knob("PIECE_HASHES", 0))
+PIECE_HASHES = int(_knob("PIECE_HASHES", 0, flag=True))
 # 1 (default): an incremental save reads the holder bytes of every piece it would store by reference and checks their
 # block CRC32Cs; a damaged piece is written anew (its bytes are in memory) instead of referenced, with a warning, so
 # one flipped bit never spreads to every later child. Costs one read of the referenced bytes per save; 0: trust them.
-VERIFY_REFERENCED = int(_knob("VERIFY_REFERENCED", 1))
+VERIFY_REFERENCED = int(_knob("VERIFY_REFERENCED", 1, flag=True))
 # Seconds a holder range this process found intact is trusted without reading it again (0: check at every save):
 # a run whose saves all reference one frozen base reads it once an hour, not once per save.
 VERIFY_REFERENCED_EVERY = float(_knob("VERIFY_REFERENCED_EVERY", 3600.0))
@@ -79,7 +84,7 @@ VERIFY_CHUNK = int(_knob("VERIFY_CHUNK", 64 << 20))  # bytes `verify` reads per 
 # 1 (default): in a shared read, ranks proved to share a host hand bytes over through the reader's /dev/shm region
 # (one memcpy, or none) rather than the process group's sockets, and a local tier's replica of a file that the
 # receiving rank opens on its own host is copied by the kernel; 0: always through the group.
-SHARE_MEMORY = int(_knob("SHARE_MEMORY", 1))
+SHARE_MEMORY = int(_knob("SHARE_MEMORY", 1, flag=True))
 # Bytes a rank fetches plus receives per round of a shared read (and max_in_flight / 2): smaller rounds overlap one
 # round's reads with the previous one's checks sooner, each costs one collective (HSDP 4x1, 128 MiB: 32 MiB rounds
 # 0.35 s vs 0.43-0.53 s in one round); the /dev/shm a reader holds is two rounds.
@@ -129,3 +134,16 @@ INSPECT_GROUP_MIN = int(_knob("INSPECT_GROUP_MIN", 4))
 CADENCE_MTBF_PRIOR = float(_knob("CADENCE_MTBF_PRIOR", 3600.0))  # seconds: one prior failure per this long
 CADENCE_WINDOW = int(_knob("CADENCE_WINDOW", 16))  # recent saves and steps whose median cost and step time count
 CADENCE_MAX_EVENTS = int(_knob("CADENCE_MAX_EVENTS", 256))  # newest failure-history events read (and kept x2)
+
+# A refused override is withheld, not raised at import: importing shardckpt, the CLI (`shardckpt --help`) or a
+# read-only command must not fail over a knob it never reads (SHARDCKPT_BLOCK_SIZE=abc and `shardckpt ls`). Reading
+# the knob raises instead, naming it; a module that reads one at its own import (a default argument) fails there.
+for _name in _REFUSED:
+    del globals()[_name]
+
+if not TYPE_CHECKING:  # hidden from mypy, so that a misspelt knob stays a type error
+
+    def __getattr__(name: str) -> int | float:
+        if name in _REFUSED:
+            raise ShardckptUsageError(_REFUSED[name])
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,5 +1,5 @@
 """knobs: every tunable default in one module, each overridable by SHARDCKPT_<NAME>; a bad override is a usage
-error naming the variable, raised when the package is imported."""
+error naming the variable, its value and what is valid, raised where the knob is read (not at import)."""
 
 from __future__ import annotations
 
@@ -30,14 +30,46 @@ def test_a_malformed_override_is_a_usage_error_naming_the_variable() -> None:
         assert "ShardckptUsageError" in result.stderr and "SHARDCKPT_MAX_REQUEST" in result.stderr, result.stderr
 
 
+def _command(env: dict[str, str], *arguments: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "shardckpt.cli", *arguments], capture_output=True, text=True, env=env, timeout=60
+    )
+
+
+def test_a_malformed_knob_fails_only_what_reads_it_with_a_typed_error(tmp_path) -> None:
+    """Before, a malformed knob failed `import shardckpt.knobs` with a traceback, and so every CLI command, --help
+    included (cli/gc read SHARDCKPT_GC_GRACE as its parser was built); now what reads it raises, saying what is
+    valid."""
+    import os
+
+    bad = {"SHARDCKPT_BLOCK_SIZE": "abc", "SHARDCKPT_COMPRESSION_STORAGE_PACE": "sometimes", "SHARDCKPT_GC_GRACE": "?"}
+    env = {**os.environ, **bad, "SHARDCKPT_WRITE_BEHIND_MIN": "-5", "SHARDCKPT_INSPECT_GROUP_MIN": "x"}
+    for arguments in (["--help"], ["ls", str(tmp_path)]):
+        shown = _command(env, *arguments)
+        assert shown.returncode == 0 and "Traceback" not in shown.stderr, (arguments, shown.stderr)
+    refused = _command(env, "gc", str(tmp_path), "--dry-run")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert "SHARDCKPT_GC_GRACE='?' is not valid: a number >= 0 (default 3600.0)" in refused.stderr
+    result = _knob(env, "knobs.MAX_GAP")
+    assert result.returncode == 0 and result.stdout.split() == ["32768"], result.stderr
+    for name, valid in (("BLOCK_SIZE", "a whole number >= 0"), ("COMPRESSION_STORAGE_PACE", "0 or 1")):
+        result = _knob(env, f"knobs.{name}")
+        assert "ShardckptUsageError" in result.stderr, result.stderr
+        assert f"SHARDCKPT_{name}={bad['SHARDCKPT_' + name]!r} is not valid: {valid}" in result.stderr
+    result = _knob({**os.environ, "SHARDCKPT_SHARE_MEMORY": "2"}, "knobs.SHARE_MEMORY")  # a flag: 0 or 1 only
+    assert "SHARDCKPT_SHARE_MEMORY='2' is not valid: 0 or 1" in result.stderr, result.stderr
+
+
 def test_the_defaults_users_see_come_from_knobs() -> None:
     import inspect
 
     import shardckpt
     from shardckpt import knobs
-    from shardckpt.cli import gc as gc_command
+    from shardckpt.cli.main import build_parser
     from shardckpt.ops import gc
 
     assert inspect.signature(shardckpt.save).parameters["block_size"].default == knobs.BLOCK_SIZE
     assert inspect.signature(shardckpt.load).parameters["max_gap"].default == knobs.MAX_GAP
-    assert gc.DEFAULT_GRACE == gc_command.DEFAULT_GRACE == knobs.GC_GRACE
+    assert gc.DEFAULT_GRACE == knobs.GC_GRACE
+    commands = next(a for a in build_parser()._actions if a.dest == "command").choices
+    assert f"(default {knobs.GC_GRACE:g})" in " ".join(commands["gc"].format_help().split())

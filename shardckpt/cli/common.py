@@ -29,6 +29,7 @@ from rich.progress import (
 )
 from rich.text import Text
 
+from shardckpt import knobs
 from shardckpt.errors import ShardckptUsageError
 
 # The exit codes of every command (the --help epilog lists them): a failed check or a difference is an answer, an
@@ -269,3 +270,13 @@ def progress_bar(console: Console, description: str, enabled: bool) -> Iterator[
     with Progress(*transfer_columns(), TimeRemainingColumn(), console=console, transient=True) as bar:
         task = bar.add_task(description, total=None)
         yield lambda nbytes, total: bar.update(task, advance=nbytes, total=total)
+
+
+def knob_text(name: str) -> str:
+    """A knob's value for a help text, or its variable's name when its override is malformed: every command's parser
+    is built for any command line, so one command's bad knob must not fail the others or --help (it fails the
+    command that reads it, naming the variable)."""
+    try:
+        return f"{getattr(knobs, name):g}"
+    except ShardckptUsageError:
+        return f"SHARDCKPT_{name}, not valid now"

@@ -18,6 +18,7 @@ from shardckpt.cli.common import (
     EXIT_OK,
     description_column,
     human_bytes,
+    knob_text,
     new_command,
     print_json,
     storage_options,
@@ -29,7 +30,6 @@ if TYPE_CHECKING:
     from shardckpt.ops.gc import Action, GcPlan
 
 NAME = "gc"
-DEFAULT_GRACE = knobs.GC_GRACE
 
 
 def register(subparsers: Any) -> None:
@@ -55,9 +55,8 @@ def register(subparsers: Any) -> None:
     command.add_argument(
         "--grace",
         type=_seconds,
-        default=DEFAULT_GRACE,
         help="keep uncommitted checkpoints and leftovers modified within this many seconds (default "
-        f"{DEFAULT_GRACE:g}), and, under incremental checkpoints, the parent a save starting now may choose",
+        f"{knob_text('GC_GRACE')}), and, under incremental checkpoints, the parent a save starting now may choose",
     )
     command.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
 
@@ -66,7 +65,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from shardckpt.ops.gc import collect, plan_gc
 
     root = open_storage(args.root, storage_options(args.storage_option))
-    plan = plan_gc(root, keep_last=args.keep_last, grace=args.grace)
+    grace = knobs.GC_GRACE if args.grace is None else args.grace  # a malformed SHARDCKPT_GC_GRACE fails here
+    plan = plan_gc(root, keep_last=args.keep_last, grace=grace)
     if not args.dry_run and not args.json and not args.quiet and console.is_terminal:
         with Progress(description_column(), BarColumn(), console=console, transient=True) as bar:
             task = bar.add_task("collecting", total=plan.objects)

@@ -18,6 +18,7 @@ from shardckpt.cli.common import (
     EXIT_OK,
     JSON_ENCODING_HELP,
     human_bytes,
+    knob_text,
     new_command,
     parse_regex,
     plural,
@@ -66,7 +67,8 @@ def register(subparsers: Any) -> None:
         "--all-objects",
         action="store_true",
         help="one row per object (by default objects named alike, e.g. one learning rate per parameter, "
-        f"optimizer.param_groups.*.lr, share one row when at least {knobs.INSPECT_GROUP_MIN} do; --json lists all)",
+        f"optimizer.param_groups.*.lr, share one row when at least {knob_text('INSPECT_GROUP_MIN')} do; --json lists "
+        "all)",
     )
 
 

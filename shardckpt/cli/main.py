@@ -120,6 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     json_output = "--json" in arguments
     try:
         args = build_parser().parse_args(arguments)
+    except ShardckptUsageError as exc:  # a malformed SHARDCKPT_* knob a command reads as its parser is built
+        return _fail(type(exc).__name__, str(exc), EXIT_USAGE, json_output)
     except _UsageError as exc:
         exc.parser.print_usage(sys.stderr)
         print(f"{exc.parser.prog}: error: {printable(str(exc))}", file=sys.stderr)  # argparse's own words

@@ -29,7 +29,7 @@ from shardckpt.format.codec import check_codec
 from shardckpt.format.values import check_plain
 from shardckpt.storage import Storage, open_storage
 from shardckpt.write.commit import already_committed, commit
-from shardckpt.write.encode_ahead import check_pace
+from shardckpt.write.encode_ahead import given_pace
 from shardckpt.write.writer import ShardWriter
 
 # A cached plan would carry the attempt of an earlier save to every rank (README: "Using it from DCP").
@@ -103,7 +103,7 @@ class StorageWriter(_DCPStorageWriter):
     ) -> None:
         super().__init__()
         self.compression = check_codec(compression)
-        self.compression_pace = None if compression_pace is None else check_pace(compression_pace)
+        self.compression_pace = given_pace(compression_pace, self.compression)
         if step is not None and (
             isinstance(step, bool) or not isinstance(step, int) or not -(1 << 63) <= step < 1 << 63
         ):

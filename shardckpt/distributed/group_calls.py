@@ -10,8 +10,15 @@ from typing import Any, TypeVar
 
 import msgpack
 
-from shardckpt.distributed.collectives import Group, all_gather_bytes, any_rank, broadcast_bytes, gather_bytes
-from shardckpt.errors import DistributedError
+from shardckpt.distributed.collectives import (
+    Group,
+    all_gather_bytes,
+    all_gather_sizes,
+    any_rank,
+    broadcast_bytes,
+    gather_bytes,
+)
+from shardckpt.errors import DistributedError, ShardckptUsageError, rank_list
 
 T = TypeVar("T")
 
@@ -48,6 +55,27 @@ def all_gather(group: Group | Solo, data: bytes) -> list[bytes]:
     if isinstance(group, Solo):
         return [data]
     return collective(lambda: all_gather_bytes(group, data), group)
+
+
+def agree_on_coordinator(group: Group | Solo, coordinator: int, operation: str) -> int:
+    """`coordinator`, once every rank named the same rank of the group; else the same ShardckptUsageError on every
+    rank. Ranks that named different coordinators would each wait in a broadcast from another rank until the
+    group's timeout (and one whose value is out of range would raise alone), so this small all-gather comes first."""
+    valid = isinstance(coordinator, int) and not isinstance(coordinator, bool)
+    named = coordinator if valid else -1  # the others need a number; this rank says what it was given below
+    named_by = [named] if isinstance(group, Solo) else collective(lambda: all_gather_sizes(group, named), group)
+    if len(set(named_by)) > 1:
+        ranks_of: dict[int, list[int]] = {}
+        for rank, value in enumerate(named_by):
+            ranks_of.setdefault(value, []).append(rank)
+        choices = "; ".join(f"{value} on {rank_list(ranks)}" for value, ranks in sorted(ranks_of.items()))
+        raise ShardckptUsageError(
+            f"{operation}: coordinator= differs between the ranks of the group ({choices}): pass the same rank "
+            "on every rank"
+        )
+    if not valid or not 0 <= named < group.size:
+        raise ShardckptUsageError(f"coordinator {coordinator!r} is not a rank of the group of {group.size}")
+    return named
 
 
 def collective(run: Callable[[], T], group: Group) -> T:

@@ -50,6 +50,11 @@ def file_identity(fd: int) -> tuple[str, int, int] | None:
     return boot, found.st_dev, found.st_ino
 
 
+class PeerFailed(Exception):
+    """Another rank failed during a shared read's exchange; its own error reaches every rank through the load's
+    final vote."""
+
+
 class HostLinks:
     """Which (reader, consumer) pairs hand bytes over through a reader's shared region, the same on every rank, and
     this rank's view of each region it maps. Collective to build (three small all-gathers); `close` drops it."""
@@ -97,33 +102,50 @@ class HostLinks:
         if not wanted:  # the same on every rank: no two ranks that need the same bytes claim one host
             return links
         own: _Region | None = None
-        if rank in wanted and enabled:
-            own = _Region.create(copies * largest[rank])
+        # A failure of this rank's own (memory to map a region, say) must not leave the others waiting in the
+        # gathers below: it offers and maps nothing, joins both, and every rank learns of it in the last one.
+        failure: BaseException | None = None
+        try:
+            if rank in wanted and enabled:
+                own = _Region.create(copies * largest[rank])
+        except Exception as exc:
+            failure = exc
+        mapped: list[int] = []
         try:
             names = [
                 b.decode("ascii", "replace") for b in all_gather_fixed(group, (own.name if own else "").encode(), 64)
             ]
-            if own is not None:
-                links.views[rank] = own.array
-            mapped = []
-            for reader, consumers in wanted.items():
-                name = names[reader]
-                if (
-                    enabled
-                    and rank in consumers
-                    and isinstance(name, str)
-                    and name.startswith(PREFIX)
-                    and "/" not in name
-                ):
-                    view = _attach(name, copies * largest[reader])
-                    if view is not None:
-                        links.views[reader] = view
-                        mapped.append(reader)
-            reached = [msgpack.unpackb(b) for b in all_gather_bytes(group, msgpack.packb(mapped))]
+            try:
+                if own is not None:
+                    links.views[rank] = own.array
+                for reader, consumers in wanted.items():
+                    name = names[reader]
+                    if (
+                        failure is None
+                        and enabled
+                        and rank in consumers
+                        and isinstance(name, str)
+                        and name.startswith(PREFIX)
+                        and "/" not in name
+                    ):
+                        view = _attach(name, copies * largest[reader])
+                        if view is not None:
+                            links.views[reader] = view
+                            mapped.append(reader)
+            except Exception as exc:
+                failure, mapped = exc, []
+            offer = [mapped, None if failure is None else f"{type(failure).__name__}: {failure}"]
+            reached = [msgpack.unpackb(b) for b in all_gather_bytes(group, msgpack.packb(offer))]
         finally:
             if own is not None:
                 own.unlink()  # every peer that maps it has opened it: nothing is left in /dev/shm from here on
-        for consumer, readers in enumerate(reached):
+        failed = {rank: cause for rank, (_, cause) in enumerate(reached) if cause is not None}
+        if failed:
+            links.close()
+            if failure is not None:
+                raise failure
+            raise PeerFailed(f"another rank failed to set up the shared memory of a shared read: {failed}")
+        for consumer, (readers, _) in enumerate(reached):
             for reader in readers:
                 if 0 <= reader < world and reader in wanted and consumer in wanted[reader]:
                     links.linked.add((reader, consumer))

@@ -21,6 +21,7 @@ from shardckpt import knobs
 from shardckpt.catalog.chain import Opening, read_opening, verify_global_manifest
 from shardckpt.distributed.collectives import Group, any_ranks
 from shardckpt.distributed.group_calls import Solo as _Solo
+from shardckpt.distributed.group_calls import agree_on_coordinator as _agree_on_coordinator
 from shardckpt.distributed.group_calls import all_gather as _all_gather
 from shardckpt.distributed.group_calls import broadcast as _broadcast
 from shardckpt.distributed.group_calls import collective as _collective
@@ -29,7 +30,8 @@ from shardckpt.distributed.group_calls import gather as _gather
 from shardckpt.distributed.group_calls import pack as _pack
 from shardckpt.distributed.group_calls import unpack as _unpack
 from shardckpt.distributed.group_calls import vote as _any_rank
-from shardckpt.distributed.shared_reads import PeerFailed, fetch_shared, plan_exchange
+from shardckpt.distributed.host_memory import PeerFailed
+from shardckpt.distributed.shared_reads import fetch_shared, plan_exchange
 from shardckpt.errors import AlreadyExistsError, DistributedError, ShardckptUsageError
 from shardckpt.format import layout
 from shardckpt.format.bulk import gc_paused
@@ -58,7 +60,7 @@ from shardckpt.statedict.stateful import loadable_states, saved_states
 from shardckpt.statedict.step import NoStepWarning, inferred_step, no_step_message
 from shardckpt.storage import Storage, open_storage
 from shardckpt.write.commit import already_committed, commit
-from shardckpt.write.encode_ahead import check_pace
+from shardckpt.write.encode_ahead import given_pace
 from shardckpt.write.parent import open_parent, parent_of, piece_boxes
 from shardckpt.write.writer import ShardWriter
 
@@ -130,6 +132,7 @@ def save(
     Plain values are shared (all ranks must agree); wrap a value in PerRank to keep one per rank. Returns when
     the checkpoint is durable and committed; on any failure every rank raises the same DistributedError.
     process_group: the group to save over; default: the default group if torch.distributed is initialized.
+    coordinator: the rank that commits; the same on every rank (else every rank raises ShardckptUsageError).
     state_dict may be a callable returning the state: it is built inside the protocol, so a failure to build it
     on one rank reaches every rank.
     step: recorded in COMMITTED, it orders latest(), ls, retention and gc; without it, the state's top-level 'step',
@@ -152,11 +155,11 @@ def save(
     None (default): raw. Every reader of this build reads either; older readers refuse a compressed checkpoint.
     compression_pace: "codec" (default; "storage" with SHARDCKPT_COMPRESSION_STORAGE_PACE=1) tries every block;
     "storage" never lets the disk wait for the codec: a block no encoder has finished when the writer reaches it is
-    stored raw (local disk; the ratio then depends on the cores left over). Reads are the same either way.
+    stored raw (local disk; the ratio then depends on the cores left over). Reads are the same either way. Only with
+    compression="zstd": given without it, a ShardckptUsageError (the knob is ignored there).
     """
     group = resolve_group(process_group)
-    if not 0 <= coordinator < group.size:
-        raise ShardckptUsageError(f"coordinator {coordinator} is not a rank of the group of {group.size}")
+    coordinator = _agree_on_coordinator(group, coordinator, "save")
     solo = isinstance(group, _Solo)
     # Whatever fails on one rank (its storage, its state dict, the coordinator's existence check) is carried
     # through the protocol's own collectives, so every rank raises the same DistributedError, never waits.
@@ -168,8 +171,7 @@ def save(
     digest: Digest = []
     try:
         check_codec(compression)  # before any rank writes a byte
-        if compression_pace is not None:
-            check_pace(compression_pace)
+        given_pace(compression_pace, compression)
         storage = open_storage(url, storage_options)
         if parent is not None:
             root, parent_name = parent_of(storage.url, parent, storage_options)
@@ -319,6 +321,8 @@ def load(
 
     Each rank reads only the boxes its tensors hold (DTensor shards are filled through their local tensor)
     and restores plain values (PerRank values: its own). strict: every entry must be in the checkpoint.
+    coordinator: the rank that reads COMMITTED and the global manifest for all; the same on every rank (else every
+    rank raises ShardckptUsageError).
 
     After a failed load (a ShardckptError; DistributedError over a group) the caller's state holds:
     - nothing new, when the failure is in what every rank checks before it writes a byte: COMMITTED, the global
@@ -405,8 +409,7 @@ def _load(
         stats = pending.apply()
         assign()
         return stats
-    if not 0 <= coordinator < group.size:
-        raise ShardckptUsageError(f"coordinator {coordinator} is not a rank of the group of {group.size}")
+    coordinator = _agree_on_coordinator(group, coordinator, "load")
     local_error: BaseException | None = failed
     storage: Storage | None = None
     try:

@@ -24,16 +24,12 @@ import torch.distributed as dist
 
 from shardckpt import knobs
 from shardckpt.distributed.collectives import Group, all_gather_bytes, any_rank, smallest
-from shardckpt.distributed.host_memory import HostLinks, host_key, links_for
+from shardckpt.distributed.host_memory import HostLinks, PeerFailed, host_key, links_for
 from shardckpt.errors import DistributedError, IntegrityError, TruncatedError
 from shardckpt.planner import ReadPlan, ReadRequest
 from shardckpt.planner.share import Segment, SharePlan, plan_shared_reads
 from shardckpt.read.checkpoint import Checkpoint
 from shardckpt.read.fetching import ByteArray, Step, run_all
-
-
-class PeerFailed(Exception):
-    """Another rank failed during the exchange; its own error reaches every rank through the load's final vote."""
 
 
 def node_ids(group: Group) -> list[int] | None:
@@ -198,9 +194,14 @@ def fetch_shared(
         for number, segments in enumerate(rounds):
             error: BaseException | None = None
             fetched: ByteArray = np.empty(0, np.uint8)
+            handover: _Handover | None = None
             try:
                 assert ahead is not None
                 fetched = ahead.result()
+                positions = _positions(segments)
+                # Its buffers are allocated before the vote, so that a rank without the memory for them says so there
+                # instead of leaving the others waiting in the round's all_to_all.
+                handover = _Handover(group, segments, positions, links)
             except Exception as exc:
                 error = exc
             # Also the moment every reader's region holds this round: consumers on its host read it after this.
@@ -211,8 +212,8 @@ def fetch_shared(
             # The next round's reads run while this one is handed over and checked: they go to the other half of a
             # region (its consumers finished with it before this round's vote) or to a buffer of their own.
             ahead = reading.submit(read_round, number + 1) if number + 1 < len(rounds) else None
+            assert handover is not None
             own_region = links.region(rank, number) is not None
-            positions = _positions(segments)
             ready: list[tuple[int, ByteArray]] = []
             # A failure of this rank's own (a checksum; memory to assemble or copy out) ends its own work, not its
             # part in the rounds: it still hands over what it fetched and joins every collective the others run, and
@@ -223,9 +224,10 @@ def fetch_shared(
                     _take(assembly, segments, fetched, positions, links, number, own_region)
                 except Exception as exc:
                     failure = exc
-            _exchange(group, segments, fetched, positions, links, assembly if failure is None else None)
+            handover.run(fetched)
             if failure is None:
                 try:
+                    handover.place(assembly)
                     ready = assembly.settle(keep=finish is None)
                     checks = [
                         functools.partial(_check, checkpoint, plan.requests[n], data, finish) for n, data in ready
@@ -315,43 +317,60 @@ def _read(checkpoint: Checkpoint, segments: Sequence[Segment], region: ByteArray
     return buffer
 
 
-def _exchange(
-    group: Group,
-    segments: Sequence[Segment],
-    fetched: ByteArray,
-    positions: dict[Segment, int],
-    links: HostLinks,
-    assembly: _Assembly | None,
-) -> None:
-    """One all_to_all for what does not go through a shared region: each reader sends each segment it fetched to
-    its other consumers, in segment order. assembly None: this rank has failed; it still sends and receives."""
-    rank, world = group.rank, group.size
-    send_parts: list[list[ByteArray]] = [[] for _ in range(world)]
-    receive: list[list[Segment]] = [[] for _ in range(world)]
-    anyone = False
-    for segment in segments:
-        for consumer in segment.consumers:
-            if consumer == segment.reader or links.links(segment.reader, consumer):
-                continue
-            anyone = True  # the same answer on every rank: all join the collective, or none
-            if segment.reader == rank:
-                at = positions[segment]
-                send_parts[consumer].append(fetched[at : at + segment.size])
-            elif consumer == rank:
-                receive[segment.reader].append(segment)
-    if not anyone:
-        return
-    send_sizes = [sum(part.size for part in parts) for parts in send_parts]
-    receive_sizes = [sum(segment.size for segment in segments) for segments in receive]
-    outgoing = np.concatenate([p for parts in send_parts for p in parts]) if any(send_sizes) else np.empty(0, np.uint8)
-    send = torch.from_numpy(outgoing).to(group.device)
-    incoming = torch.empty(sum(receive_sizes), dtype=torch.uint8, device=group.device)
-    dist.all_to_all_single(incoming, send, receive_sizes, send_sizes, group=group.handle)
-    if assembly is None:
-        return
-    received = incoming.cpu().numpy()
-    position = 0
-    for source in range(world):
-        for segment in receive[source]:
-            assembly.place(segment, received, position, False)
+class _Handover:
+    """One round's all_to_all for what does not go through a shared region: each reader sends each segment it
+    fetched to its other consumers, in segment order. Its buffers are allocated when it is made, before the round's
+    vote; `run` then only copies and joins the collective, which a rank that failed its own work still does."""
+
+    def __init__(
+        self, group: Group, segments: Sequence[Segment], positions: dict[Segment, int], links: HostLinks
+    ) -> None:
+        rank, world = group.rank, group.size
+        self.group = group
+        self.sends: list[list[tuple[int, int]]] = [[] for _ in range(world)]  # per consumer: (position, size)
+        receive: list[list[Segment]] = [[] for _ in range(world)]
+        self.anyone = False
+        for segment in segments:
+            for consumer in segment.consumers:
+                if consumer == segment.reader or links.links(segment.reader, consumer):
+                    continue
+                self.anyone = True  # the same answer on every rank: all join the collective, or none
+                if segment.reader == rank:
+                    self.sends[consumer].append((positions[segment], segment.size))
+                elif consumer == rank:
+                    receive[segment.reader].append(segment)
+        self.send_sizes = [sum(size for _, size in parts) for parts in self.sends]
+        self.receive_sizes = [sum(segment.size for segment in segments) for segments in receive]
+        self.received_segments = [segment for segments in receive for segment in segments]
+        on_host = group.device.type == "cpu"
+        send_total, receive_total = sum(self.send_sizes), sum(self.receive_sizes)
+        self.outgoing = np.empty(send_total if self.anyone else 0, dtype=np.uint8)
+        self.send = (
+            torch.from_numpy(self.outgoing)
+            if on_host
+            else torch.empty(send_total, dtype=torch.uint8, device=group.device)
+        )
+        self.incoming = torch.empty(receive_total if self.anyone else 0, dtype=torch.uint8, device=group.device)
+        self.received = self.incoming.numpy() if on_host else np.empty(self.incoming.numel(), dtype=np.uint8)
+
+    def run(self, fetched: ByteArray) -> None:
+        """Send this rank's share of `fetched` and receive the others' (nothing when no rank hands over here)."""
+        if not self.anyone:
+            return
+        position = 0
+        for parts in self.sends:
+            for at, size in parts:
+                self.outgoing[position : position + size] = fetched[at : at + size]
+                position += size
+        if self.send.device.type != "cpu":
+            self.send.copy_(torch.from_numpy(self.outgoing))
+        dist.all_to_all_single(self.incoming, self.send, self.receive_sizes, self.send_sizes, group=self.group.handle)
+        if self.incoming.device.type != "cpu":
+            torch.from_numpy(self.received).copy_(self.incoming)
+
+    def place(self, assembly: _Assembly) -> None:
+        """The received segments into this rank's requests."""
+        position = 0
+        for segment in self.received_segments:
+            assembly.place(segment, self.received, position, False)
             position += segment.size

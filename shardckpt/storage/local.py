@@ -19,7 +19,6 @@ from shardckpt import knobs
 from shardckpt.errors import AlreadyExistsError, NotFoundError, ShardckptError, StorageError, TruncatedError
 from shardckpt.storage.base import NewFile, RangeReader, Storage, check_length
 
-WRITE_BEHIND_MIN = knobs.WRITE_BEHIND_MIN  # smaller writes are left to the kernel's own writeback
 _SYNC_FILE_RANGE_WRITE = 2
 
 
@@ -44,7 +43,9 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
     into the writeback throttling a large buffered write otherwise meets, so fsync at the end finds little left
     (one stream into one file measured 1.4 -> 2.0 GiB/s here). Only a hint: errors surface in the final fsync.
     """
-    if _sync_file_range is not None and length >= WRITE_BEHIND_MIN:
+    # Smaller writes are left to the kernel's own writeback. Read here, not at import: a read-only command opens
+    # local storage too, and must not fail over a malformed write knob.
+    if _sync_file_range is not None and length >= knobs.WRITE_BEHIND_MIN:
         _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 

@@ -139,7 +139,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "of one resume in the other",
     )
     parser.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.compression_pace is not None and args.compression is None:
+        parser.error("--compression-pace applies only with --compression zstd")  # as save(compression_pace=) says
+    return args
 
 
 def _every(text: str) -> int | str:

@@ -249,6 +249,21 @@ def _lowest_priority() -> None:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
+def given_pace(pace: Any, compression: str | None) -> str | None:
+    """An explicit compression_pace= checked with the compression it comes with: None stays None (the writer then
+    follows SHARDCKPT_COMPRESSION_STORAGE_PACE, which an uncompressed save ignores); a pace without compression
+    means nothing, so it is refused rather than silently dropped."""
+    if pace is None:
+        return None
+    checked = check_pace(pace)
+    if compression is None:
+        raise ShardckptUsageError(
+            f'compression_pace={checked!r} applies only with compression="zstd" (without compression every block is '
+            'stored raw): drop compression_pace or pass compression="zstd"'
+        )
+    return checked
+
+
 def check_pace(pace: Any) -> str:
     """A compression_pace value (given, or from its knob) if valid, else ShardckptUsageError naming the valid ones."""
     if pace in PACES:

@@ -46,7 +46,7 @@ from shardckpt.format.values import check_plain
 from shardckpt.storage import Storage, open_storage
 from shardckpt.torch_bytes import by_value, check_dense, format_dtype, host_bytes
 from shardckpt.write.compressed import Source, Written, write_compressed
-from shardckpt.write.encode_ahead import check_pace
+from shardckpt.write.encode_ahead import check_pace, given_pace
 from shardckpt.write.holders import DamagedHolderWarning, damaged_holders, mark_intact, unchecked
 from shardckpt.write.parent import Holder, ParentPieces
 
@@ -269,8 +269,9 @@ class ShardWriter:
             raise ShardckptUsageError(f"block_size must be a power of two in {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE}")
         self.compression = check_codec(compression)
         self.compression_level, self.compression_threads, self.paced_threads = knobs.COMPRESSION_LEVEL, 1, 1
+        compression_pace = given_pace(compression_pace, self.compression)
         if compression_pace is None:
-            compression_pace = "storage" if knobs.COMPRESSION_STORAGE_PACE else "codec"
+            compression_pace = "storage" if self.compression and knobs.COMPRESSION_STORAGE_PACE else "codec"
         self.compression_pace = check_pace(compression_pace)
         if self.compression is not None:  # unused otherwise: a raw save never fails over a compression knob
             level = knobs.COMPRESSION_LEVEL if compression_level is None else compression_level

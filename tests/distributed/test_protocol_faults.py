@@ -34,6 +34,13 @@ CASES = {  # case -> (failed ranks, words every cause must contain)
     "ckpt_latest_fault": ({"0"}, ["StorageError", "injected: list"]),
 }
 WORLD = 2
+# case -> what the error names: ranks that pass different coordinator= (before: they waited in broadcasts from
+# different ranks until the group's timeout; with one out of range, that rank raised alone and the other waited).
+COORDINATOR_CASES = {
+    "coordinator_save": ["save:", "0 on rank 0; 1 on rank 1"],
+    "coordinator_load": ["load:", "0 on rank 0; 1 on rank 1"],
+    "coordinator_range": ["save:", "0 on rank 0; 2 on rank 1"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +49,7 @@ def outcomes(tmp_path_factory) -> tuple[str, dict[str, list[dict | None]]]:
     root = str(tmp_path_factory.mktemp("faults"))
     # A generous group timeout, a short launch timeout: a rank left waiting on a collective is killed by the
     # launcher long before the group would give up, so a regression fails in a minute instead of hanging.
-    cases = [*CASES, "replicated_ok", "ckpt_retention_fault"]
+    cases = [*CASES, "replicated_ok", "ckpt_retention_fault", *COORDINATOR_CASES]
     run_ranks("protocol_faults", WORLD, {"root": root, "cases": cases, "timeout": 600}, timeout=90)
     found: dict[str, list[dict | None]] = {}
     for case in cases:
@@ -68,6 +75,18 @@ def test_a_failure_on_one_rank_fails_every_rank_with_the_same_error(outcomes, ca
     if not case.startswith(("load_", "ckpt_latest")) and case != "dtensor_shape":
         checkpoint = os.path.join(root, case, "step-00000001") if case.startswith("ckpt_") else os.path.join(root, case)
         assert not os.path.exists(os.path.join(checkpoint, "COMMITTED"))
+
+
+@pytest.mark.parametrize("case", list(COORDINATOR_CASES))
+def test_ranks_that_name_different_coordinators_all_raise_the_same_usage_error(outcomes, case: str) -> None:
+    root, found = outcomes
+    verdicts = found[case]
+    assert all(v is not None for v in verdicts), f"{case}: a rank never finished (blocked in a collective): {verdicts}"
+    assert all(v == verdicts[0] for v in verdicts), f"{case}: ranks disagree: {verdicts}"
+    assert verdicts[0]["raised"] == "ShardckptUsageError", verdicts[0]
+    for word in [*COORDINATOR_CASES[case], "coordinator= differs"]:
+        assert word in verdicts[0]["message"], (word, verdicts[0])
+    assert not os.path.exists(os.path.join(root, case, "COMMITTED")) or case == "coordinator_load"
 
 
 def test_a_retention_failure_after_the_commit_only_warns(outcomes) -> None:

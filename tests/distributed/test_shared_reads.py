@@ -88,6 +88,23 @@ def test_replicated_plain_tensors_are_read_once_and_a_failing_or_dying_reader_fa
         assert "rank 1: MemoryError: injected" in result["error"], result["error"]
 
 
+@pytest.mark.parametrize("where", ["handover", "region"])
+def test_a_rank_without_memory_to_set_up_a_shared_round_fails_every_rank(tmp_path, where: str) -> None:
+    # Rank 1 cannot allocate what it needs before a collective of the exchange: the second round's buffers for the
+    # group's all_to_all (every hand-over goes through the group here), or its /dev/shm region before the ranks
+    # gather the regions' names. Before, it left the exchange and rank 0 waited in that collective until the
+    # group's timeout (a short one here: the test then fails in seconds, not minutes).
+    url = str(tmp_path / "ddp")
+    ok(run_ranks("ddp_save", 1, {"url": url}, worker=WORKER))
+    env = {str(rank): {"SHARDCKPT_MAX_REQUEST": "16384"} for rank in range(2)}
+    oom_args = {"url": url, "share": True, "budget": 64 << 10, "oom_rank": 1, "oom_at": where, "timeout": 20}
+    oom_args.update(env_by_rank=env, no_shm_rank="all" if where == "handover" else None)
+    results = run_ranks("ddp_load", 2, oom_args, worker=WORKER, timeout=60)
+    for result in results:
+        assert result is not None and not result["ok"], result
+        assert result["error"].startswith("DistributedError: load failed on 1 rank(s): rank 1: MemoryError: injected")
+
+
 def test_overlapping_flat_partitions_and_an_incremental_checkpoint_are_read_once(tmp_path) -> None:
     # DeepSpeed-style flat partitions saved on 2 ranks, loaded on 3 whose ranges overlap by 3,000 elements each side
     # (the shared bytes span pieces of several parameters); nothing is handed over in memory here (gloo only).

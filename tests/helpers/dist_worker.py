@@ -250,6 +250,8 @@ def _protocol_case(case: str, url: str, rank: int, world: int) -> dict:
     state: dict = {"w": distribute_tensor(torch.arange(12.0).reshape(4, 3), mesh, [Shard(0)]), "epoch": 3}
     patches: list = []
     operation = "save"
+    # coordinator_*: each rank names another coordinator (rank 1 one outside the group of 2 in coordinator_range).
+    coordinator = {"coordinator_save": rank, "coordinator_load": rank, "coordinator_range": 2 * rank}.get(case, 0)
     if case == "exists_fault" and rank == 0:
         patches.append(mock.patch.object(LocalStorage, "exists", fail(shardckpt.StorageError("injected: stat"))))
     elif case == "open_fault" and rank == 1:
@@ -268,7 +270,7 @@ def _protocol_case(case: str, url: str, rank: int, world: int) -> dict:
         state["rng"] = shardckpt.PerRank(torch.tensor([rank, 7]))
         state["seed"] = shardckpt.PerRank(1000 + rank)
         state["shared"] = torch.tensor([5, 7])
-    elif case.startswith("load_") or case == "dtensor_shape":
+    elif case.startswith("load_") or case in ("dtensor_shape", "coordinator_load"):
         if case == "load_stateful_fault":
             state["app"] = {"epoch": 3}  # what the Stateful below holds
         shardckpt.save(state, url)
@@ -289,9 +291,9 @@ def _protocol_case(case: str, url: str, rank: int, world: int) -> dict:
         patch.start()
     try:
         if operation == "save":
-            shardckpt.save(state, url)
+            shardckpt.save(state, url, coordinator=coordinator)
         else:
-            shardckpt.load(state, url)
+            shardckpt.load(state, url, coordinator=coordinator)
     except shardckpt.DistributedError as exc:
         return {"raised": "DistributedError", "failures": {str(k): v for k, v in exc.failures.items()}}
     except Exception as exc:

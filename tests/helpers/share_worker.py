@@ -104,6 +104,29 @@ def out_of_memory_assembling() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def out_of_memory_setting_up(where: str) -> Iterator[None]:
+    """This process has no memory left for its part of a shared read's setup before a collective: where="handover",
+    the second round's send and receive buffers (the others are about to enter that round's all_to_all);
+    where="region", its /dev/shm region (the others are about to gather the regions' names)."""
+    from shardckpt.distributed import shared_reads
+
+    if where == "region":
+        with mock.patch.object(host_memory._Region, "create", side_effect=MemoryError("injected: no memory to map")):
+            yield
+        return
+    original, calls = shared_reads._Handover.__init__, [0]
+
+    def init(self: Any, *a: Any, **k: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise MemoryError("injected: no memory to receive a round")
+        original(self, *a, **k)
+
+    with mock.patch.object(shared_reads._Handover, "__init__", init):
+        yield
+
+
 def nodes(args: dict[str, Any], rank: int) -> None:
     """Simulate nodes of args["per_node"] ranks each (SHARDCKPT_NODE), as a multi-node launch would name them."""
     if args.get("per_node"):
@@ -188,7 +211,7 @@ def scenario_ddp_load(args: dict[str, Any], rank: int, world: int) -> dict[str, 
     if args.get("die_rank") == rank:
         failing = dying_in_the_exchange()
     if args.get("oom_rank") == rank:
-        failing = out_of_memory_assembling()
+        failing = out_of_memory_setting_up(args["oom_at"]) if "oom_at" in args else out_of_memory_assembling()
     with counting_data_reads() as read, failing, counting_links(args, rank) as pairs:
         share = args["share_by_rank"][rank] if "share_by_rank" in args else args.get("share")
         try:

@@ -14,6 +14,7 @@ import torch
 
 import shardckpt
 import shardckpt.write.writer
+from shardckpt import knobs
 from shardckpt.errors import AlreadyExistsError, NotFoundError
 from shardckpt.storage import FsspecStorage, LocalStorage, Storage, local, open_storage
 from shardckpt.storage.base import SingleCoordinatorCommitWarning
@@ -90,7 +91,7 @@ class TestLocalBackend(StorageContract):
         assert {flags for *_, flags in asked} == {local._SYNC_FILE_RANGE_WRITE}
         merged: list[list[int]] = []
         for _, offset, length, _ in sorted(asked, key=lambda call: call[1]):
-            assert length >= local.WRITE_BEHIND_MIN
+            assert length >= knobs.WRITE_BEHIND_MIN
             if merged and offset <= merged[-1][1]:
                 merged[-1][1] = max(merged[-1][1], offset + length)
             else:

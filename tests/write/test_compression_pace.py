@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import shardckpt
+from shardckpt import knobs
 from shardckpt.errors import ShardckptUsageError
 from shardckpt.format.codec import BlockEncoder, decode_block
 from shardckpt.ops.verify import verify
@@ -140,6 +141,37 @@ def test_save_checkpointer_and_dcp_writer_take_the_pace(tmp_path) -> None:
     assert torch.equal(shardckpt.open(str(tmp_path / "dcp")).read("w"), state["w"])
     with pytest.raises(ShardckptUsageError, match="compression_pace 'fast'"):
         shardckpt.Checkpointer(str(tmp_path / "other"), compression="zstd", compression_pace="fast")
+
+
+def test_a_pace_without_compression_is_a_usage_error_and_the_knob_is_ignored_there(tmp_path, monkeypatch) -> None:
+    """compression_pace means nothing for a raw save: given explicitly, every way in refuses it (before, it was
+    accepted and dropped); SHARDCKPT_COMPRESSION_STORAGE_PACE=1 in the environment still lets raw saves through."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardckpt.train.common import parse_args
+
+    state = {"w": _weights(1 << 12, 4)}
+    url = str(tmp_path / "raw")
+    only_with_zstd = "compression_pace='storage' applies only with compression=\"zstd\""
+    with pytest.raises(ShardckptUsageError, match=only_with_zstd):
+        shardckpt.save(state, url, step=1, compression_pace="storage")
+    assert not (tmp_path / "raw").exists()
+    with pytest.raises(ShardckptUsageError, match=only_with_zstd):
+        shardckpt.Checkpointer(str(tmp_path / "run"), compression_pace="storage")
+    with pytest.raises(ShardckptUsageError, match=only_with_zstd):
+        shardckpt.dcp.StorageWriter(str(tmp_path / "dcp"), compression_pace="storage")
+    with pytest.raises(ShardckptUsageError, match="compression_pace='codec' applies only"):
+        ShardWriter(str(tmp_path / "writer"), rank=0, world_size=1, compression_pace="codec")
+    with pytest.raises(SystemExit):
+        parse_args(["--ckpt", str(tmp_path / "loop"), "--compression-pace", "storage"])
+    assert parse_args(["--ckpt", "x", "--compression", "zstd", "--compression-pace", "storage"]).compression_pace
+    monkeypatch.setattr(knobs, "COMPRESSION_STORAGE_PACE", 1)  # SHARDCKPT_COMPRESSION_STORAGE_PACE=1
+    shardckpt.save(state, url, step=1)
+    writer = shardckpt.dcp.StorageWriter(str(tmp_path / "dcp"))
+    dcp.save(state, storage_writer=writer)
+    for saved in (url, str(tmp_path / "dcp")):
+        assert torch.equal(shardckpt.open(saved).read("w"), state["w"])
+        assert not shardckpt.open(saved).manifest.compressed
 
 
 def test_a_compressed_s3_upload_streams_its_parts_and_sends_the_header_part_last(s3_server) -> None:

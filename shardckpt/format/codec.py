@@ -132,7 +132,9 @@ class BlockEncoder:
         # Grouping is per element, so block i's group k is a slice of the run's group k.
         groups, part = _split(view, transform, width), block_size // width
         per_block = [[group[at : at + part] for group in groups] for at in range(0, len(groups[0]), part)]
-        inputs = [g for mine in per_block for k, g in enumerate(mine) if not _deflated(transform, width, k)]
+        inputs: list[bytes | bytearray | memoryview] = [
+            g for mine in per_block for k, g in enumerate(mine) if not _deflated(transform, width, k)
+        ]
         batch = self._zstd.multi_compress_to_buffer(inputs)  # one call; frames equal compress()'s
         frames = iter(batch[n] for n in range(len(batch)))
         return [_assemble(block, transform, width, mine, frames) for block, mine in zip(blocks, per_block)]

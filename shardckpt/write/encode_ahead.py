@@ -41,7 +41,7 @@ class Stored(NamedTuple):
 
 class _Stretch(NamedTuple):
     first: int  # index of its first block in the flat block arrays
-    count: int
+    blocks: int  # how many
     run: int  # which run of the job
     start: int  # byte offsets in the run
     end: int
@@ -175,7 +175,7 @@ class EncodeAhead:
                 if encoder is None:  # made in this thread: an encoder is not thread-safe
                     encoder = self._make_encoder()
                 for stretch in self._stretches[number]:
-                    first, count = stretch.first, stretch.count
+                    first, count = stretch.first, stretch.blocks
                     with self._cond:
                         if self._stop or self._state[first] != _PENDING:
                             break  # the writer took the job raw: it is ahead, so jump ahead of it
@@ -199,7 +199,7 @@ class EncodeAhead:
     def _encode(self, encoder: Encoder, number: int, stretch: _Stretch) -> list[Stored]:
         """A stretch's blocks as stored, with their CRCs: in one call where the encoder encodes runs."""
         first = stretch.first - self._first[number]
-        raws = self._blocks[number][first : first + stretch.count]
+        raws = self._blocks[number][first : first + stretch.blocks]
         run, dtype = self._jobs[number][stretch.run]
         encode_run = getattr(encoder, "encode_run", None)
         if encode_run is not None and self._block_size is not None:

@@ -104,6 +104,43 @@ def out_of_memory_assembling() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def slow_first_round(seconds: float) -> Iterator[None]:
+    """This process takes `seconds` over the hand-over of its first round of a shared read (a busy or slow rank)."""
+    import time
+
+    from shardckpt.distributed import shared_reads
+
+    original, calls = shared_reads._Assembly.settle, [0]
+
+    def settle(self: Any, keep: bool) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            time.sleep(seconds)
+        return original(self, keep)
+
+    with mock.patch.object(shared_reads._Assembly, "settle", settle):
+        yield
+
+
+@contextlib.contextmanager
+def timing_reads() -> Iterator[list[float]]:
+    """When each of this rank's shared-read rounds finished fetching (time.monotonic, in round order)."""
+    import time
+
+    from shardckpt.distributed import shared_reads
+
+    original, ends = shared_reads._read, []
+
+    def read(*args: Any, **kwargs: Any) -> Any:
+        fetched = original(*args, **kwargs)
+        ends.append(time.monotonic())
+        return fetched
+
+    with mock.patch.object(shared_reads, "_read", read):
+        yield ends
+
+
 def nodes(args: dict[str, Any], rank: int) -> None:
     """Simulate nodes of args["per_node"] ranks each (SHARDCKPT_NODE), as a multi-node launch would name them."""
     if args.get("per_node"):
@@ -189,7 +226,9 @@ def scenario_ddp_load(args: dict[str, Any], rank: int, world: int) -> dict[str, 
         failing = dying_in_the_exchange()
     if args.get("oom_rank") == rank:
         failing = out_of_memory_assembling()
-    with counting_data_reads() as read, failing, counting_links(args, rank) as pairs:
+    if args.get("slow_rank") == rank:
+        failing = slow_first_round(args["slow_seconds"])
+    with counting_data_reads() as read, failing, counting_links(args, rank) as pairs, timing_reads() as reads:
         share = args["share_by_rank"][rank] if "share_by_rank" in args else args.get("share")
         try:
             budget = args["budget_by_rank"][rank] if "budget_by_rank" in args else args.get("budget", 256 << 20)
@@ -198,7 +237,7 @@ def scenario_ddp_load(args: dict[str, Any], rank: int, world: int) -> dict[str, 
             left = leftovers()
             assert not left, left
     same = all(torch.equal(state["model"][k], v) for k, v in replicated(3).items())
-    return {"equal": same, "read": read[0], "links": pairs[0]}
+    return {"equal": same, "read": read[0], "links": pairs[0], "reads": [end - reads[0] for end in reads]}
 
 
 FLAT = [("w0", (300, 70)), ("w1", (129,)), ("w2", (64, 90)), ("w3", (7, 5))]  # 27,764 fp32 elements

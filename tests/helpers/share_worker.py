@@ -141,6 +141,22 @@ def timing_reads() -> Iterator[list[float]]:
         yield ends
 
 
+@contextlib.contextmanager
+def counting_hints() -> Iterator[list[int]]:
+    """Bytes of data files this process announced to the kernel ahead of reading them (posix_fadvise WILLNEED)."""
+    from shardckpt.storage import local
+
+    original, count = local._LocalReader.prefetch, [0]
+
+    def prefetch(self: Any, path: str, start: int, length: int) -> None:
+        if path.startswith("data/"):
+            count[0] += length
+        original(self, path, start, length)
+
+    with mock.patch.object(local._LocalReader, "prefetch", prefetch):
+        yield count
+
+
 def nodes(args: dict[str, Any], rank: int) -> None:
     """Simulate nodes of args["per_node"] ranks each (SHARDCKPT_NODE), as a multi-node launch would name them."""
     if args.get("per_node"):
@@ -228,7 +244,13 @@ def scenario_ddp_load(args: dict[str, Any], rank: int, world: int) -> dict[str, 
         failing = out_of_memory_assembling()
     if args.get("slow_rank") == rank:
         failing = slow_first_round(args["slow_seconds"])
-    with counting_data_reads() as read, failing, counting_links(args, rank) as pairs, timing_reads() as reads:
+    with (
+        counting_data_reads() as read,
+        failing,
+        counting_links(args, rank) as pairs,
+        timing_reads() as reads,
+        counting_hints() as hinted,
+    ):
         share = args["share_by_rank"][rank] if "share_by_rank" in args else args.get("share")
         try:
             budget = args["budget_by_rank"][rank] if "budget_by_rank" in args else args.get("budget", 256 << 20)
@@ -237,7 +259,8 @@ def scenario_ddp_load(args: dict[str, Any], rank: int, world: int) -> dict[str, 
             left = leftovers()
             assert not left, left
     same = all(torch.equal(state["model"][k], v) for k, v in replicated(3).items())
-    return {"equal": same, "read": read[0], "links": pairs[0], "reads": [end - reads[0] for end in reads]}
+    timing = [end - reads[0] for end in reads]
+    return {"equal": same, "read": read[0], "links": pairs[0], "reads": timing, "hinted": hinted[0]}
 
 
 FLAT = [("w0", (300, 70)), ("w1", (129,)), ("w2", (64, 90)), ("w3", (7, 5))]  # 27,764 fp32 elements

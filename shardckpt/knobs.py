@@ -85,10 +85,14 @@ VERIFY_CHUNK = int(_knob("VERIFY_CHUNK", 64 << 20))  # bytes `verify` reads per 
 # (one memcpy, or none) rather than the process group's sockets, and a local tier's replica of a file that the
 # receiving rank opens on its own host is copied by the kernel; 0: always through the group.
 SHARE_MEMORY = int(_knob("SHARE_MEMORY", 1, flag=True))
-# Bytes a rank fetches plus receives per round of a shared read (and max_in_flight / 2): smaller rounds overlap one
-# round's reads with the previous one's checks sooner, each costs one collective (HSDP 4x1, 128 MiB: 32 MiB rounds
-# 0.35 s vs 0.43-0.53 s in one round); the /dev/shm a reader holds is two rounds.
-SHARE_ROUND = int(_knob("SHARE_ROUND", 32 << 20))
+# Bytes a rank fetches plus receives per round of a shared read (and max_in_flight / SHARE_DEPTH): smaller rounds
+# overlap one round's reads with the previous one's checks sooner and leave less to check after the last read, each
+# costs one collective (HSDP 2x2, 512 MiB, cold, with 4 rounds in flight: 16 MiB rounds 0.59 s, 32 MiB 0.74 s, the
+# median of 7 loads taking turns); the /dev/shm a reader holds is SHARE_DEPTH rounds.
+SHARE_ROUND = int(_knob("SHARE_ROUND", 16 << 20))
+# Rounds of a shared read in flight per rank: a reader reads the next depth - 1 rounds while the ranks hand over and
+# check this one; its /dev/shm region holds `depth` rounds.
+SHARE_DEPTH = int(_knob("SHARE_DEPTH", 4))
 # A collective load shares its reads only when ranks reading on their own would read more than (1 + this) times the
 # bytes they need together (a reshard whose ranges touch at their edges reads on its own: it is faster, and reads few
 # bytes twice; replicas read 2x and more).

@@ -59,9 +59,10 @@ class HostLinks:
     """Which (reader, consumer) pairs hand bytes over through a reader's shared region, the same on every rank, and
     this rank's view of each region it maps. Collective to build (three small all-gathers); `close` drops it."""
 
-    def __init__(self, rank: int, halves: dict[int, int]) -> None:
+    def __init__(self, rank: int, parts: dict[int, int], copies: int = 2) -> None:
         self.rank = rank
-        self.halves = halves  # reader -> bytes of one half of its region (one round's reads)
+        self.parts = parts  # reader -> bytes of one part of its region (one round's reads)
+        self.copies = copies  # parts of a region: round n goes to part n % copies
         self.linked: set[tuple[int, int]] = set()  # (reader, consumer): consumer maps the reader's region
         self.views: dict[int, np.ndarray] = {}  # reader -> its region, mapped here (our own: writable)
 
@@ -73,11 +74,14 @@ class HostLinks:
         *,
         enabled: bool = True,
         hosts: Sequence[str | None] | None = None,
+        depth: int = 2,
     ) -> HostLinks:
         """Create this rank's region when a consumer of its reads may share its host, map the regions of the
         readers on this host, and agree on who reaches whom. Every rank takes part whatever `enabled` says (a rank
         that does not take part would leave the others waiting): one that is not enabled maps and offers nothing.
-        hosts: every rank's host_key() when known already (SharePlan.hosts; else gathered here)."""
+        hosts: every rank's host_key() when known already (SharePlan.hosts; else gathered here).
+        depth: rounds a region holds (the same on every rank), so that a reader fills one part while its consumers
+        still read others."""
         rank, world = group.rank, group.size
         if hosts is None:
             mine = host_key() if enabled else None
@@ -96,9 +100,8 @@ class HostLinks:
                         wanted.setdefault(segment.reader, set()).add(consumer)
             for reader, size in fetched.items():
                 largest[reader] = max(largest.get(reader, 0), size)
-        # Two halves when there are several rounds: a reader fills one while its consumers still read the other.
-        copies = 2 if len(rounds) > 1 else 1
-        links = cls(rank, {reader: largest[reader] for reader in wanted})
+        copies = max(1, min(depth, len(rounds)))
+        links = cls(rank, {reader: largest[reader] for reader in wanted}, copies)
         if not wanted:  # the same on every rank: no two ranks that need the same bytes claim one host
             return links
         own: _Region | None = None
@@ -157,13 +160,13 @@ class HostLinks:
         return links
 
     def region(self, reader: int, round_number: int) -> np.ndarray | None:
-        """The half of `reader`'s region that holds its reads of this round (None: not mapped here)."""
+        """The part of `reader`'s region that holds its reads of this round (None: not mapped here)."""
         view = self.views.get(reader)
         if view is None:
             return None
-        half = self.halves[reader]
-        start = (round_number % 2) * half if view.size >= 2 * half else 0
-        return view[start : start + half]
+        part = self.parts[reader]
+        start = (round_number % self.copies) * part
+        return view[start : start + part]
 
     def links(self, reader: int, consumer: int) -> bool:
         return (reader, consumer) in self.linked
@@ -222,10 +225,14 @@ def _attach(name: str, size: int) -> np.ndarray | None:
 
 @contextlib.contextmanager
 def links_for(
-    group: Group, rounds: Sequence[Sequence[Segment]], enabled: bool, hosts: Sequence[str | None] | None
+    group: Group,
+    rounds: Sequence[Sequence[Segment]],
+    enabled: bool,
+    hosts: Sequence[str | None] | None,
+    depth: int = 2,
 ) -> Iterator[HostLinks]:
     """HostLinks.build (collective on every rank, `enabled` or not); dropped on exit."""
-    links = HostLinks.build(group, rounds, enabled=enabled, hosts=hosts)
+    links = HostLinks.build(group, rounds, enabled=enabled, hosts=hosts, depth=depth)
     try:
         yield links
     finally:

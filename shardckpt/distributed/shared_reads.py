@@ -4,18 +4,20 @@ to the ranks of its host (host_memory), by all_to_all over the group to the othe
 
 A peer's bytes are trusted no more than storage's: every rank verifies the block checksums of each of its own read
 requests once it is whole, whoever fetched its parts. Memory: a rank holds the requests still arriving (all of them
-for verify_first) plus at most `budget` bytes fetched or received: two rounds of half of it, one being read while
-the other is handed over and checked.
+for verify_first) plus at most `budget` bytes fetched or received: SHARE_DEPTH rounds of that share of it, the
+later ones being read while the earliest is handed over and checked.
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
+import contextlib
 import functools
 import itertools
 import os
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgpack
 import numpy as np
@@ -25,11 +27,13 @@ import torch.distributed as dist
 from shardckpt import knobs
 from shardckpt.distributed.collectives import Group, all_gather_bytes, any_rank, smallest
 from shardckpt.distributed.host_memory import HostLinks, PeerFailed, host_key, links_for
-from shardckpt.errors import DistributedError, IntegrityError, TruncatedError
+from shardckpt.errors import DistributedError, IntegrityError, ShardckptError, TruncatedError
 from shardckpt.planner import ReadPlan, ReadRequest
 from shardckpt.planner.share import Segment, SharePlan, plan_shared_reads
 from shardckpt.read.checkpoint import Checkpoint
 from shardckpt.read.fetching import ByteArray, Step, run_all
+
+HINTED = 2  # rounds of its own reads a rank announces to the storage ahead of the one it reads
 
 
 def node_ids(group: Group) -> list[int] | None:
@@ -175,43 +179,52 @@ def fetch_shared(
     assembly = _Assembly(plan.requests)
     kept: list[tuple[int, ByteArray]] = []  # (the request's number in the plan, its bytes)
     failure: BaseException | None = None
-    # Half the budget a round (at most SHARE_ROUND): the next round's reads (into the other half of a region, or a
-    # buffer of their own) run while this round's bytes are still in use.
-    # The smallest of the ranks' choices: every rank must cut the same rounds (max_in_flight or SHARDCKPT_SHARE_ROUND
-    # may differ between ranks, and ranks that cut rounds apart would wait in different collectives).
-    rounds = list(share.rounds(smallest(group, max(1, min(budget // 2, knobs.SHARE_ROUND)))))
+    # `depth` rounds of budget / depth bytes (at most SHARE_ROUND) in flight: the reads of the next depth - 1 rounds
+    # (into the other parts of a region, or buffers of their own) run while this round's bytes are still in use, so
+    # a reader reads on through a round's vote and checks instead of waiting for its slowest peer at each (HSDP 2x2,
+    # 512 MiB, cold: two rounds in flight left each reader idle 10-25 ms a round).
+    # The smallest of the ranks' choices: every rank must cut the same rounds (max_in_flight, SHARDCKPT_SHARE_ROUND
+    # or SHARDCKPT_SHARE_DEPTH may differ between ranks, and ranks that cut rounds apart would wait in different
+    # collectives, or overwrite a part of a region that a peer still reads).
+    depth = smallest(group, max(2, knobs.SHARE_DEPTH))
+    rounds = list(share.rounds(smallest(group, max(1, min(budget // depth, knobs.SHARE_ROUND)))))
+
+    def mine(number: int) -> list[Segment]:
+        return [segment for segment in rounds[number] if segment.reader == rank] if number < len(rounds) else []
 
     def read_round(number: int) -> ByteArray:
-        mine = [segment for segment in rounds[number] if segment.reader == rank]
-        return _read(checkpoint, mine, links.region(rank, number))
+        _hint(checkpoint, mine(number + HINTED))
+        return _read(checkpoint, mine(number), links.region(rank, number))
 
+    # The storage starts on this rank's first rounds while the ranks make their regions (collective, ~15 ms).
+    _hint(checkpoint, [segment for number in range(HINTED) for segment in mine(number)])
     with (
-        links_for(group, rounds, _shared_memory(shared_memory), share.hosts) as links,
+        links_for(group, rounds, _shared_memory(shared_memory), share.hosts, depth) as links,
         ThreadPoolExecutor(max_workers=_checkers(len(plan.requests))) as pool,
         ThreadPoolExecutor(max_workers=1) as reading,
+        _cancelled_on_exit() as ahead,
     ):
-        ahead = reading.submit(read_round, 0) if rounds else None
+        ahead.extend(reading.submit(read_round, number) for number in range(min(depth - 1, len(rounds))))
         for number, segments in enumerate(rounds):
             error: BaseException | None = None
             fetched: ByteArray = np.empty(0, np.uint8)
             handover: _Handover | None = None
             try:
-                assert ahead is not None
-                fetched = ahead.result()
+                fetched = ahead.popleft().result()
                 positions = _positions(segments)
                 # Its buffers are allocated before the vote, so that a rank without the memory for them says so there
                 # instead of leaving the others waiting in the round's all_to_all.
                 handover = _Handover(group, segments, positions, links)
             except Exception as exc:
                 error = exc
-            # Also the moment every reader's region holds this round: consumers on its host read it after this.
+            # Also the moment every reader's region holds this round: consumers on its host read it after this; and
+            # every rank has checked the round before last, whose part of a region the next read may now reuse.
             if any_rank(group, error is not None):
                 if error is not None:
                     raise error
                 raise PeerFailed("another rank failed to fetch its share of a shared read")
-            # The next round's reads run while this one is handed over and checked: they go to the other half of a
-            # region (its consumers finished with it before this round's vote) or to a buffer of their own.
-            ahead = reading.submit(read_round, number + 1) if number + 1 < len(rounds) else None
+            if number + depth - 1 < len(rounds):
+                ahead.append(reading.submit(read_round, number + depth - 1))
             assert handover is not None
             own_region = links.region(rank, number) is not None
             ready: list[tuple[int, ByteArray]] = []
@@ -269,6 +282,17 @@ def _take(
             assembly.place(segment, region, positions[segment], True)
 
 
+@contextlib.contextmanager
+def _cancelled_on_exit() -> Iterator[collections.deque[Future[ByteArray]]]:
+    """The reads submitted ahead; those not started yet are cancelled when the rounds end early (a failure)."""
+    ahead: collections.deque[Future[ByteArray]] = collections.deque()
+    try:
+        yield ahead
+    finally:
+        for future in ahead:
+            future.cancel()
+
+
 def _checkers(jobs: int) -> int:
     """Threads that verify and copy out: a thread per core (the reads run on a thread of their own and wait on the
     storage, not a core; this thread only waits for a round), never more than the jobs."""
@@ -294,6 +318,21 @@ def _check(checkpoint: Checkpoint, request: ReadRequest, data: ByteArray, finish
     checkpoint.verify(request, data)
     if finish is not None:
         finish(request, data)
+
+
+def _hint(checkpoint: Checkpoint, segments: Sequence[Segment]) -> None:
+    """Announce segments this rank reads soon, so that the storage starts on them while it reads others (local
+    disk: the kernel reads them ahead; a rank's segments are every few chunks of a file, which the kernel's own
+    read-ahead does not follow, so without it each rank waited on one read at a time). Only a hint: it never fails,
+    the read itself reports any error (and fails every rank alike)."""
+    if not segments:
+        return
+    try:
+        with checkpoint.data_storage.reader() as reader:
+            for segment in segments:
+                reader.prefetch(checkpoint.source(segment.file)[1], segment.start, segment.size)
+    except (ShardckptError, OSError):
+        pass
 
 
 def _read(checkpoint: Checkpoint, segments: Sequence[Segment], region: ByteArray | None) -> ByteArray:

@@ -49,7 +49,7 @@ def test_hsdp_loads_read_each_byte_once_on_the_same_and_resharded_meshes(tmp_pat
 def test_replicated_plain_tensors_are_read_once_and_a_failing_or_dying_reader_fails_every_rank(tmp_path) -> None:
     url = str(tmp_path / "ddp")
     ok(run_ranks("ddp_save", 1, {"url": url}, worker=WORKER))
-    # A budget of 64 KiB: several rounds, each reader filling one half of its region while the other is read.
+    # A budget of 64 KiB: several rounds, each reader filling one part of its region while the others are read.
     loaded = ok(run_ranks("ddp_load", 4, {"url": url, "share": True, "budget": 64 << 10}, worker=WORKER))
     assert all(result["equal"] for result in loaded)
     assert sum(result["read"] for result in loaded) <= 1.05 * data_bytes(url)
@@ -105,6 +105,26 @@ def test_a_rank_without_memory_to_set_up_a_shared_round_fails_every_rank(tmp_pat
         assert result["error"].startswith("DistributedError: load failed on 1 rank(s): rank 1: MemoryError: injected")
 
 
+def test_a_reader_reads_on_while_a_slow_peer_still_uses_an_earlier_round(tmp_path) -> None:
+    url = str(tmp_path / "ddp")
+    ok(run_ranks("ddp_save", 1, {"url": url}, worker=WORKER))
+    # 8 KiB segments in 16 KiB rounds (64 KiB / SHARE_DEPTH 4): each of 2 ranks fetches one segment a round, ~12
+    # rounds. Rank 1 takes 1 s over its first round's hand-over; rank 0 fetches its next three rounds meanwhile, into
+    # the other parts of its region (before: one round ahead only, so its third round's read waited for the second
+    # round's vote, which waited for rank 1: a reader stalled at every vote for its slowest peer).
+    env = {str(rank): {"SHARDCKPT_MAX_REQUEST": "8192"} for rank in range(2)}
+    slow = {"url": url, "share": True, "budget": 64 << 10, "slow_rank": 1, "slow_seconds": 1.0, "env_by_rank": env}
+    loaded = ok(run_ranks("ddp_load", 2, slow, worker=WORKER))
+    assert all(result["equal"] for result in loaded)  # bit-exact: no part of a region reused while still read
+    reads = loaded[0]["reads"]  # when rank 0 finished fetching each round, from its first
+    assert len(reads) >= 6, reads
+    assert reads[3] < 0.5, reads  # rounds 1-3 fetched while rank 1 still used round 0
+    assert reads[4] >= 1.0, reads  # no further: round 4 reuses round 0's part, only once every rank is done with it
+    # Every byte a rank fetched was announced to the kernel rounds before (its segments are every other chunk of the
+    # file, which the kernel's read-ahead does not follow; before, each rank waited on one read at a time).
+    assert all(result["hinted"] == result["read"] > 0 for result in loaded), loaded
+
+
 def test_overlapping_flat_partitions_and_an_incremental_checkpoint_are_read_once(tmp_path) -> None:
     # DeepSpeed-style flat partitions saved on 2 ranks, loaded on 3 whose ranges overlap by 3,000 elements each side
     # (the shared bytes span pieces of several parameters); nothing is handed over in memory here (gloo only).
@@ -119,7 +139,7 @@ def test_overlapping_flat_partitions_and_an_incremental_checkpoint_are_read_once
     ok(run_ranks("incremental_save", 1, {"url": child, "parent": parent}, worker=WORKER))
     assert data_bytes(child) < 0.6 * data_bytes(parent)  # the child's own file holds only the changed tensors
     # verify_first keeps every request until all are verified, and a 48 KiB budget makes one round per segment:
-    # rank 1 reads six rounds in a row, refilling each half of its region that kept requests were handed over in.
+    # rank 1 reads six rounds in a row, refilling each part of its region that kept requests were handed over in.
     loaded = ok(run_ranks("incremental_load", 2, {"url": child, "budget": 48 << 10}, worker=WORKER))
     assert all(result["equal"] for result in loaded)
     needed = 12 * 128 * 96 * 4
@@ -155,8 +175,10 @@ def test_ranks_that_disagree_on_share_reads_all_fail_at_once_instead_of_hanging(
     assert sum(result["links"] for result in loaded) == 0
     assert sum(result["read"] for result in loaded) >= 3 * 6 * 96 * 80 * 4  # each rank all six tensors itself
     # Ranks whose environments differ (SHARDCKPT_MAX_REQUEST cuts the shared segments, SHARDCKPT_SHARE_ROUND the
-    # rounds) still plan one exchange (before: rank 0 cut 4 KiB segments, the others 8 MiB ones, and gloo aborted it).
-    env = {"0": {"SHARDCKPT_MAX_REQUEST": "4096"}, "2": {"SHARDCKPT_SHARE_ROUND": "65536"}}
+    # rounds, SHARDCKPT_SHARE_DEPTH the parts of a region) still plan one exchange (before: rank 0 cut 4 KiB
+    # segments, the others 8 MiB ones, and gloo aborted it).
+    env = {"0": {"SHARDCKPT_MAX_REQUEST": "4096"}, "1": {"SHARDCKPT_SHARE_DEPTH": "2"}}
+    env["2"] = {"SHARDCKPT_SHARE_ROUND": "65536"}
     loaded = ok(run_ranks("ddp_load", 3, {"url": url, "share": True, "env_by_rank": env}, worker=WORKER, timeout=90))
     assert all(result["equal"] for result in loaded)
     assert sum(result["read"] for result in loaded) <= 1.05 * data_bytes(url)

@@ -127,6 +127,59 @@ def out_of_memory_setting_up(where: str) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def slow_first_round(seconds: float) -> Iterator[None]:
+    """This process takes `seconds` over the hand-over of its first round of a shared read (a busy or slow rank)."""
+    import time
+
+    from shardckpt.distributed import shared_reads
+
+    original, calls = shared_reads._Assembly.settle, [0]
+
+    def settle(self: Any, keep: bool) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            time.sleep(seconds)
+        return original(self, keep)
+
+    with mock.patch.object(shared_reads._Assembly, "settle", settle):
+        yield
+
+
+@contextlib.contextmanager
+def timing_reads() -> Iterator[list[float]]:
+    """When each of this rank's shared-read rounds finished fetching (time.monotonic, in round order)."""
+    import time
+
+    from shardckpt.distributed import shared_reads
+
+    original, ends = shared_reads._read, []
+
+    def read(*args: Any, **kwargs: Any) -> Any:
+        fetched = original(*args, **kwargs)
+        ends.append(time.monotonic())
+        return fetched
+
+    with mock.patch.object(shared_reads, "_read", read):
+        yield ends
+
+
+@contextlib.contextmanager
+def counting_hints() -> Iterator[list[int]]:
+    """Bytes of data files this process announced to the kernel ahead of reading them (posix_fadvise WILLNEED)."""
+    from shardckpt.storage import local
+
+    original, count = local._LocalReader.prefetch, [0]
+
+    def prefetch(self: Any, path: str, start: int, length: int) -> None:
+        if path.startswith("data/"):
+            count[0] += length
+        original(self, path, start, length)
+
+    with mock.patch.object(local._LocalReader, "prefetch", prefetch):
+        yield count
+
+
 def nodes(args: dict[str, Any], rank: int) -> None:
     """Simulate nodes of args["per_node"] ranks each (SHARDCKPT_NODE), as a multi-node launch would name them."""
     if args.get("per_node"):
@@ -212,7 +265,15 @@ def scenario_ddp_load(args: dict[str, Any], rank: int, world: int) -> dict[str, 
         failing = dying_in_the_exchange()
     if args.get("oom_rank") == rank:
         failing = out_of_memory_setting_up(args["oom_at"]) if "oom_at" in args else out_of_memory_assembling()
-    with counting_data_reads() as read, failing, counting_links(args, rank) as pairs:
+    if args.get("slow_rank") == rank:
+        failing = slow_first_round(args["slow_seconds"])
+    with (
+        counting_data_reads() as read,
+        failing,
+        counting_links(args, rank) as pairs,
+        timing_reads() as reads,
+        counting_hints() as hinted,
+    ):
         share = args["share_by_rank"][rank] if "share_by_rank" in args else args.get("share")
         try:
             budget = args["budget_by_rank"][rank] if "budget_by_rank" in args else args.get("budget", 256 << 20)
@@ -221,7 +282,8 @@ def scenario_ddp_load(args: dict[str, Any], rank: int, world: int) -> dict[str, 
             left = leftovers()
             assert not left, left
     same = all(torch.equal(state["model"][k], v) for k, v in replicated(3).items())
-    return {"equal": same, "read": read[0], "links": pairs[0]}
+    timing = [end - reads[0] for end in reads]
+    return {"equal": same, "read": read[0], "links": pairs[0], "reads": timing, "hinted": hinted[0]}
 
 
 FLAT = [("w0", (300, 70)), ("w1", (129,)), ("w2", (64, 90)), ("w3", (7, 5))]  # 27,764 fp32 elements

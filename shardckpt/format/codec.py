@@ -121,9 +121,9 @@ class BlockEncoder:
 
     def encode_run(self, run: bytes | memoryview, dtype: str, block_size: int) -> list[bytes | memoryview]:
         """The stored forms of the blocks `run` is cut into (`block_size` bytes each, the last maybe shorter): exactly
-        what encode() gives block by block, with the run's byte grouping done in one pass and its zstd frames made in
-        one call. Fewer, longer calls mean fewer takes of the GIL, which a writer thread beside the encoder waits
-        for (compression_pace="storage")."""
+        what encode() gives block by block, with the run's byte grouping done in one pass (fewer, longer numpy calls:
+        611 -> 623 MiB/s of MiniLM fp32 per core; one zstd call for all the run's groups, multi_compress_to_buffer,
+        was slower at 560)."""
         view = memoryview(run).cast("B")
         blocks = [view[at : at + block_size] for at in range(0, len(view), block_size)]
         transform, width = plan_transform(dtype, len(view))
@@ -131,13 +131,12 @@ class BlockEncoder:
             return [self.encode(block, dtype) for block in blocks]
         # Grouping is per element, so block i's group k is a slice of the run's group k.
         groups, part = _split(view, transform, width), block_size // width
-        per_block = [[group[at : at + part] for group in groups] for at in range(0, len(groups[0]), part)]
-        inputs: list[bytes | bytearray | memoryview] = [
-            g for mine in per_block for k, g in enumerate(mine) if not _deflated(transform, width, k)
-        ]
-        batch = self._zstd.multi_compress_to_buffer(inputs)  # one call; frames equal compress()'s
-        frames = iter(batch[n] for n in range(len(batch)))
-        return [_assemble(block, transform, width, mine, frames) for block, mine in zip(blocks, per_block)]
+        out: list[bytes | memoryview] = []
+        for block, at in zip(blocks, range(0, len(groups[0]), part)):
+            mine = [group[at : at + part] for group in groups]
+            frames = [self._zstd.compress(g) for k, g in enumerate(mine) if not _deflated(transform, width, k)]
+            out.append(_assemble(block, transform, width, mine, iter(frames)))
+        return out
 
 
 def _deflated(transform: int, width: int, k: int) -> bool:

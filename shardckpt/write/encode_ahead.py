@@ -27,8 +27,8 @@ class Encoder(Protocol):
     def encode(self, raw: bytes | memoryview, dtype: str) -> bytes | memoryview: ...
 
 
-# Logical bytes an encoder claims and encodes at once (one hand-off, and with a run encoder one grouping pass and one
-# zstd call): about 1 ms of one core, short enough that a writer overtaking it drops little work.
+# Logical bytes an encoder claims and encodes at once (one hand-off under the lock, and with a run encoder one
+# grouping pass): about 0.5 ms of one core, short enough that a writer overtaking it drops little work.
 STRETCH = 256 << 10
 OVERTAKEN_REST_MAX = 8  # times its own encoding time an encoder overtaken again and again rests, at most
 

@@ -186,6 +186,13 @@ def main(argv: list[str] | None = None) -> int:
         "CPU, is the limit (the row says whether it was)",
     )
     parser.add_argument("--link-size-mib", type=int, default=64, help="state size of the link-limited row")
+    parser.add_argument(
+        "--slow-disk-mb-s",
+        type=float,
+        default=400.0,
+        help="the storage-pace row against a local disk of this write speed (each write also waits its bytes over "
+        "this rate; 0: no such row)",
+    )
     parser.add_argument("--endpoint", help="an S3 endpoint to use instead of starting SeaweedFS")
     parser.add_argument("--bucket", default=BUCKET, help=f"bucket (must exist with --endpoint; default {BUCKET})")
     parser.add_argument("--no-reshard", action="store_true", help="leave the 4 -> 3 ranks row out")

@@ -7,6 +7,7 @@ read against the compressed bytes it needed. Medians over repeats; the ways take
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import os
 import shutil
@@ -14,14 +15,16 @@ import statistics
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
 import shardckpt
 from benchmarks.compression_data import tiled
 from benchmarks.pagecache import drop_caches
+from shardckpt.storage import local
 
 WORKER = Path(__file__).resolve().parent / "compression_worker.py"
 WAYS = {"plain": None, "zstd": "zstd"}
@@ -121,6 +124,53 @@ def local_rows(state: dict[str, torch.Tensor], repeats: int, scratch: str, warm:
     row["load"] = compare(f"local load ({'cold' if cold else 'warm'})", load_seconds, stored, size)
     for url in urls.values():
         shutil.rmtree(url, ignore_errors=True)
+    return row
+
+
+@contextlib.contextmanager
+def slow_disk(mb_s: float) -> Iterator[None]:
+    """Local writes at most `mb_s` MB/s per file: each write to a data file also waits until its bytes would have gone
+    at that rate (2 writer threads share it). A disk slower than the codec, which this machine's page cache is not."""
+    original = local._LocalNewFile.write_at
+
+    def write_at(self: Any, data: bytes | memoryview, offset: int) -> None:
+        began = time.perf_counter()
+        original(self, data, offset)
+        rest = memoryview(data).nbytes * 2 / (mb_s * 1e6) - (time.perf_counter() - began)
+        if rest > 0:
+            time.sleep(rest)
+
+    local._LocalNewFile.write_at = write_at  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        local._LocalNewFile.write_at = original  # type: ignore[method-assign]
+
+
+def slow_disk_row(state: dict[str, torch.Tensor], repeats: int, scratch: str, mb_s: float) -> dict[str, object]:
+    """Saves to a disk slower than the codec: there the storage's pace compresses (the encoders keep ahead of the
+    writer), where on this machine's fast page cache it stores nearly everything raw. Save time and stored bytes of
+    each way against the uncompressed save."""
+    counter = iter(range(1 << 30))
+    stored: dict[str, int] = {}
+
+    def save(way: str) -> None:
+        url = f"{scratch}/slow-{way}-{next(counter)}"
+        shardckpt.save(state, url, step=1, compression=None if way == "plain" else "zstd", compression_pace=PACES[way])
+        stored[way] = local_data_bytes(url)
+        shutil.rmtree(url, ignore_errors=True)
+
+    with slow_disk(mb_s):
+        seconds, _ = turns({way: lambda way=way: save(way) for way in PACES}, repeats, None)  # type: ignore[misc]
+    row: dict[str, object] = {"disk_mb_s": mb_s, "seconds": seconds}
+    row["throughput_ratio"] = {way: seconds["plain"] / seconds[way] for way in PACES}
+    row["stored_ratio"] = {way: stored[way] / stored["plain"] for way in PACES}
+    print(
+        f"  local save, a {mb_s:.0f} MB/s disk (simulated): throughput / plain: compression_pace='storage' "
+        f"{row['throughput_ratio']['paced']:.3f} (stored {row['stored_ratio']['paced']:.3f} of raw), 'codec' "
+        f"{row['throughput_ratio']['zstd']:.3f} (stored {row['stored_ratio']['zstd']:.3f}); {_cpu_note()}",
+        flush=True,
+    )
     return row
 
 
@@ -258,6 +308,8 @@ def throughput_rows(args: argparse.Namespace, weights: dict[str, torch.Tensor]) 
     rows: dict[str, object] = {"state_bytes": size}
     try:
         rows["local"] = local_rows(state, args.repeats, scratch, args.warm)
+        if args.slow_disk_mb_s > 0:
+            rows["local_slow_disk"] = slow_disk_row(state, args.repeats, scratch, args.slow_disk_mb_s)
         if not args.no_s3:
             link_state = tiled(weights, min(args.size_mib, args.link_size_mib) << 20)
             rows.update(s3_rows(state, args.repeats, args.endpoint, args.bucket, args.link_mb_s, link_state))

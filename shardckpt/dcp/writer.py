@@ -23,6 +23,7 @@ from torch.futures import Future
 
 from shardckpt import knobs
 from shardckpt.dcp.naming import Path, assemble, object_names, split_objects
+from shardckpt.distributed.group_calls import disagreement, token
 from shardckpt.errors import AlreadyExistsError, ShardckptError, ShardckptUsageError
 from shardckpt.format import layout
 from shardckpt.format.codec import check_codec
@@ -31,6 +32,9 @@ from shardckpt.storage import Storage, open_storage
 from shardckpt.write.commit import already_committed, commit
 from shardckpt.write.encode_ahead import given_pace
 from shardckpt.write.writer import ShardWriter
+
+# What every rank's StorageWriter must hold alike: the manifest records one step, and a commit takes one block size.
+AGREED = ("step", "block_size")
 
 # A cached plan would carry the attempt of an earlier save to every rank (README: "Using it from DCP").
 PLAN_CACHING_REFUSED = (
@@ -167,13 +171,20 @@ class StorageWriter(_DCPStorageWriter):
         mapping = plan.planner_data if isinstance(plan.planner_data, dict) else {}
         self._paths = {name: tuple(path) for name, path in mapping.items()}
         objects = [item.index.fqn for item in plan.items if item.type == WriteItemType.BYTE_IO]
-        return dataclasses.replace(plan, storage_data={"objects": objects})
+        # The step and block size ride to the coordinator with the plan, which compares them (no collective more).
+        agreed = {name: token(getattr(self, name)) for name in AGREED}
+        return dataclasses.replace(plan, storage_data={"objects": objects, "agreed": agreed})
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """(coordinator) Refuse a committed URL unless superseding, draw the attempt, name the objects each rank
         stores (SPEC 7 "Names", over all ranks' entries); raising here fails dcp.save on every rank."""
         if any(not plan.usable for plan in plans):
             raise ShardckptUsageError(PLAN_CACHING_REFUSED)
+        # The manifest records the coordinator's step and the commit needs one block size: before, ranks whose
+        # StorageWriters differed committed the coordinator's step silently, or failed after writing their data.
+        refusal = disagreement(f"dcp.save to {self.url}: StorageWriter", _agreed(plans))
+        if refusal is not None:
+            raise refusal
         storage = self._storage()
         if not self.supersede and storage.exists(layout.COMMITTED):
             raise AlreadyExistsError(
@@ -294,6 +305,20 @@ def _held(plan: SavePlan) -> list[str]:
     if not isinstance(data, dict) or not isinstance(data.get("objects"), list):
         raise ShardckptUsageError("this save plan did not come through shardckpt's prepare_local_plan")
     return [str(name) for name in data["objects"]]
+
+
+def _agreed(plans: list[SavePlan]) -> dict[str, list[tuple[int, int]]]:
+    """Each of AGREED -> every rank's token of it, as its prepare_local_plan recorded them."""
+    given: dict[str, list[tuple[int, int]]] = {name: [] for name in AGREED}
+    for plan in plans:
+        data = plan.storage_data
+        agreed = data.get("agreed") if isinstance(data, dict) else None
+        if not isinstance(agreed, dict) or set(agreed) != set(AGREED):
+            raise ShardckptUsageError("this save plan did not come through shardckpt's prepare_local_plan")
+        for name in AGREED:
+            kind, number = agreed[name]
+            given[name].append((kind, number))
+    return given
 
 
 def _owners(plans: list[SavePlan]) -> dict[str, Path]:

@@ -39,10 +39,15 @@ def _to_tensor(data: bytes, size: int, device: torch.device) -> torch.Tensor:
 
 
 def all_gather_sizes(group: Group, size: int) -> list[int]:
-    mine = torch.tensor([size], dtype=torch.int64, device=group.device)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=group.device) for _ in range(group.size)]
-    dist.all_gather(sizes, mine, group=group.handle)
-    return [int(s.item()) for s in sizes]
+    return [values[0] for values in all_gather_ints(group, [size])]
+
+
+def all_gather_ints(group: Group, values: list[int]) -> list[list[int]]:
+    """Every rank's `values` (64-bit integers, as many on every rank): one collective."""
+    mine = torch.tensor(values, dtype=torch.int64, device=group.device)
+    gathered = [torch.zeros(len(values), dtype=torch.int64, device=group.device) for _ in range(group.size)]
+    dist.all_gather(gathered, mine, group=group.handle)
+    return [[int(v) for v in tensor.tolist()] for tensor in gathered]
 
 
 def gather_bytes(group: Group, data: bytes, dst: int) -> list[bytes] | None:

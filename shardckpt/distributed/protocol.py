@@ -42,7 +42,7 @@ from shardckpt.format.manifest import (
     decode_global_manifest,
     encode_global_manifest,
 )
-from shardckpt.format.values import check_plain
+from shardckpt.format.values import check_plain, pack_value
 from shardckpt.planner.share import SharePlan
 from shardckpt.read.checkpoint import Checkpoint, PendingRead, ReadStats, open_checkpoint
 from shardckpt.statedict.flatten import Leaf, flatten
@@ -133,6 +133,9 @@ def save(
     the checkpoint is durable and committed; on any failure every rank raises the same DistributedError.
     process_group: the group to save over; default: the default group if torch.distributed is initialized.
     coordinator: the rank that commits; the same on every rank (else every rank raises ShardckptUsageError).
+    step, metadata and block_size: the same on every rank too (compared before any byte is written: ranks that
+    differ all raise ShardckptUsageError naming each value and its ranks).
+    metadata: plain values recorded in the global manifest (Checkpoint.manifest.metadata).
     state_dict may be a callable returning the state: it is built inside the protocol, so a failure to build it
     on one rank reaches every rank.
     step: recorded in COMMITTED, it orders latest(), ls, retention and gc; without it, the state's top-level 'step',
@@ -159,8 +162,11 @@ def save(
     compression="zstd": given without it, a ShardckptUsageError (the knob is ignored there).
     """
     group = resolve_group(process_group)
-    coordinator = _agree_on_coordinator(group, coordinator, "save")
+    # The manifest records one step, one metadata and one block size, the coordinator's: every rank must pass the
+    # same (compression, its pace, piece_hashes and the URL's spelling may differ; each rank writes its own files).
     solo = isinstance(group, _Solo)
+    same = None if solo else {"step": step, "metadata": _metadata_digest(metadata), "block_size": block_size}
+    coordinator = _agree_on_coordinator(group, coordinator, "save", same)
     # Whatever fails on one rank (its storage, its state dict, the coordinator's existence check) is carried
     # through the protocol's own collectives, so every rank raises the same DistributedError, never waits.
     local_error: BaseException | None = None
@@ -268,6 +274,17 @@ def save(
         return committed
     where = storage.describe(layout.global_manifest_path(attempt)) if storage is not None else str(url)
     return decode_global_manifest(result["manifest"], where)
+
+
+def _metadata_digest(metadata: object) -> object:
+    """What the ranks compare of `metadata=`: its encoding, or itself when it has none (each rank's own check of the
+    value then says why, before any byte is written)."""
+    if metadata is None:
+        return None
+    try:
+        return pack_value(metadata)
+    except Exception:
+        return metadata
 
 
 def _commit_gathered(

@@ -46,7 +46,7 @@ def s3_environment(s3_server) -> Iterator[None]:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str], list[dict]]:
     root = tmp_path_factory.mktemp("dcp-backend")
-    args = {label: str(root / label) for label in ("ours", "fs", "thread", "process", "failed")}
+    args = {label: str(root / label) for label in ("ours", "fs", "thread", "process", "failed", "differs")}
     args["s3"] = f"s3://{S3_BUCKET}/dcp-backend-{uuid.uuid4().hex}"
     args["reference"] = str(root / "reference.safetensors")
     return args, _verdicts(run_ranks("save", 2, args, timeout=280, worker=WORKER))
@@ -118,6 +118,16 @@ def test_a_save_into_a_committed_url_is_refused_on_every_rank_without_supersede(
     _, verdicts = saved
     for verdict in verdicts:
         assert verdict["refused"] == {"raised": "CheckpointException", "causes": {"0": "AlreadyExistsError"}}
+
+
+def test_storage_writers_with_different_steps_are_refused_on_every_rank_before_writing(saved) -> None:
+    args, verdicts = saved
+    for verdict in verdicts:
+        assert verdict["differs"]["raised"] == "CheckpointException", verdict["differs"]
+        assert list(verdict["differs"]["causes"]) == ["0"], verdict["differs"]  # the coordinator's plan refused
+        cause = verdict["differs"]["causes"]["0"]
+        assert "ShardckptUsageError" in cause and "step= differs" in cause and "7 on rank 0; 8 on rank 1" in cause
+    assert not os.path.exists(args["differs"])
 
 
 def test_a_second_save_to_one_url_supersedes_the_first_on_2_ranks(saved) -> None:

@@ -42,6 +42,16 @@ COORDINATOR_CASES = {
     "coordinator_range": ["save:", "0 on rank 0; 2 on rank 1"],
 }
 
+# case -> what the error names: ranks that pass different step=, metadata= or block_size= (before: the save
+# committed rank 0's step and metadata silently; block sizes failed after every rank had written its data; a
+# Checkpointer's steps blamed a missing data file and left two incomplete checkpoints).
+AGREEMENT_CASES = {
+    "agree_step": ["save: step= differs", "(100 on rank 0; 101 on rank 1)"],
+    "agree_metadata": ["save: metadata= differs", "a value with digest", "on rank 0;", "on rank 1)"],
+    "agree_block_size": ["save: block_size= differs", "(4096 on rank 0; 65536 on rank 1)"],
+    "ckpt_step_differs": ["save: step= differs", "(1 on rank 0; 2 on rank 1)"],
+}
+
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory) -> tuple[str, dict[str, list[dict | None]]]:
@@ -49,7 +59,7 @@ def outcomes(tmp_path_factory) -> tuple[str, dict[str, list[dict | None]]]:
     root = str(tmp_path_factory.mktemp("faults"))
     # A generous group timeout, a short launch timeout: a rank left waiting on a collective is killed by the
     # launcher long before the group would give up, so a regression fails in a minute instead of hanging.
-    cases = [*CASES, "replicated_ok", "ckpt_retention_fault", *COORDINATOR_CASES]
+    cases = [*CASES, "replicated_ok", "ckpt_retention_fault", *COORDINATOR_CASES, *AGREEMENT_CASES, "agree_ok"]
     run_ranks("protocol_faults", WORLD, {"root": root, "cases": cases, "timeout": 600}, timeout=90)
     found: dict[str, list[dict | None]] = {}
     for case in cases:
@@ -87,6 +97,24 @@ def test_ranks_that_name_different_coordinators_all_raise_the_same_usage_error(o
     for word in [*COORDINATOR_CASES[case], "coordinator= differs"]:
         assert word in verdicts[0]["message"], (word, verdicts[0])
     assert not os.path.exists(os.path.join(root, case, "COMMITTED")) or case == "coordinator_load"
+
+
+@pytest.mark.parametrize("case", list(AGREEMENT_CASES))
+def test_ranks_that_pass_different_recorded_arguments_all_raise_before_writing(outcomes, case: str) -> None:
+    root, found = outcomes
+    verdicts = found[case]
+    assert all(v is not None for v in verdicts), f"{case}: a rank never finished (blocked in a collective): {verdicts}"
+    assert all(v == verdicts[0] for v in verdicts), f"{case}: ranks disagree: {verdicts}"
+    assert verdicts[0]["raised"] == "ShardckptUsageError", verdicts[0]
+    for word in AGREEMENT_CASES[case]:
+        assert word in verdicts[0]["message"], (word, verdicts[0])
+    assert not os.path.exists(os.path.join(root, case)), f"{case}: written before the ranks agreed"
+
+
+def test_ranks_may_differ_in_compression_when_step_metadata_and_block_size_agree(outcomes) -> None:
+    root, found = outcomes
+    assert found["agree_ok"] == [{"raised": None}, {"raised": None}]
+    assert os.path.exists(os.path.join(root, "agree_ok", "COMMITTED"))
 
 
 def test_a_retention_failure_after_the_commit_only_warns(outcomes) -> None:

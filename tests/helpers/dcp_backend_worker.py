@@ -179,12 +179,19 @@ def scenario_save(args: dict, rank: int, world: int) -> dict:
     refused = _refusal(
         lambda: dcp.save(state, storage_writer=shardckpt.dcp.StorageWriter(args["ours"], supersede=False))
     )
+    # Ranks whose StorageWriters name different steps (before: the coordinator's step was committed silently).
+    differs: dict[str, Any] = {"raised": None}
+    try:
+        writer = shardckpt.dcp.StorageWriter(args["differs"], step=7 + rank, block_size=BLOCK_SIZE)
+        dcp.save(state, storage_writer=writer)
+    except CheckpointException as exc:
+        differs = {"raised": "CheckpointException", "causes": {r: repr(e[0]) for r, e in exc.failures.items()}}
     # As DCP overwrites: the same URL saved again supersedes the committed checkpoint (SPEC 14.2); loads read it.
     dcp.save(state, storage_writer=shardckpt.dcp.StorageWriter(args["ours"], step=7, block_size=BLOCK_SIZE))
     # The state dict exactly as given to dcp.save (this rank's own key of one dict) loads with shardckpt.load.
     same = {"dataloader": {f"dp_rank_{rank}": b""}, "extra": {"epoch": 0, "tag": "", "blob": b"", "history": []}}
     shardckpt.load(same, args["ours"])
-    return {"failed": failed, "refused": refused, "loads": load_all(args), "same": _jsonable(same)}
+    return {"failed": failed, "refused": refused, "differs": differs, "loads": load_all(args), "same": _jsonable(same)}
 
 
 def _stop_checkpoint_process() -> None:

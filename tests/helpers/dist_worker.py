@@ -287,11 +287,24 @@ def _protocol_case(case: str, url: str, rank: int, world: int) -> dict:
             state["app"] = _StatefulFailing(rank == 1)
     if case.startswith("ckpt_"):
         return _checkpointer_case(case, url, rank, state, fail)
+    # agree_*: each rank passes its own step, metadata or block size (before: rank 0's was committed silently).
+    differing: dict = {
+        "agree_step": {"step": 100 + rank},
+        "agree_metadata": {"step": 7, "metadata": {"run": f"rank{rank}-config"}},
+        "agree_block_size": {"block_size": 4096 * (1 + 15 * rank)},
+        # Equal step, metadata and block size; compression differs between the ranks, as it may.
+        "agree_ok": {
+            "step": 7,
+            "metadata": {"a": 1, "b": [2]},
+            "block_size": 4096,
+            "compression": "zstd" if rank else None,
+        },
+    }.get(case, {})
     for patch in patches:
         patch.start()
     try:
         if operation == "save":
-            shardckpt.save(state, url, coordinator=coordinator)
+            shardckpt.save(state, url, coordinator=coordinator, **differing)
         else:
             shardckpt.load(state, url, coordinator=coordinator)
     except shardckpt.DistributedError as exc:
@@ -362,6 +375,8 @@ def _checkpointer_case(case: str, url: str, rank: int, state: dict, fail) -> dic
                 warnings.simplefilter("always")
                 manager.save(1, state)
             return {"raised": None, "warned": any("retention" in str(w.message) for w in caught)}
+        elif case == "ckpt_step_differs":  # before: an IntegrityError blaming a missing file, two partial saves
+            manager.save(1 + rank, state, wait=True)
         else:
             manager.save(1, broken_state)
             manager.wait()

@@ -117,3 +117,19 @@ def test_an_uncompressed_save_ignores_a_bad_compression_level(tmp_path, monkeypa
     with pytest.raises(shardckpt.ShardckptUsageError, match=why):
         shardckpt.save({"w": torch.ones(3)}, str(tmp_path / "zstd"), step=1, compression="zstd")
 
+
+def test_a_malformed_crash_point_is_refused_not_ignored(monkeypatch) -> None:
+    """SHARDCKPT_CRASH_AT (the fault-injection tests' kill switch) misspelt never fired: a test expecting a crash
+    would pass without one."""
+    import pytest
+
+    from shardckpt.crashpoints import crash_point
+    from shardckpt.errors import ShardckptUsageError
+
+    for value in ("abc", "before_commit:x", "before_commit@0", "before_commit@", "before_comit:1@2"):
+        monkeypatch.setenv("SHARDCKPT_CRASH_AT", value)
+        with pytest.raises(ShardckptUsageError, match=f"SHARDCKPT_CRASH_AT={value!r} is not valid"):
+            crash_point("writing_data", 0)
+    for value in ("before_commit", "before_commit:1@2", "writing_data:1", "during_gc@8"):  # armed elsewhere: no kill
+        monkeypatch.setenv("SHARDCKPT_CRASH_AT", value)
+        crash_point("writing_data", 0)

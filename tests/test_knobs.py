@@ -133,3 +133,12 @@ def test_a_malformed_crash_point_is_refused_not_ignored(monkeypatch) -> None:
     for value in ("before_commit", "before_commit:1@2", "writing_data:1", "during_gc@8"):  # armed elsewhere: no kill
         monkeypatch.setenv("SHARDCKPT_CRASH_AT", value)
         crash_point("writing_data", 0)
+
+
+def test_a_block_size_override_that_is_no_power_of_two_names_the_variable() -> None:
+    import os
+
+    code = "import torch, shardckpt; shardckpt.ShardWriter('memory://bs/c', rank=0, world_size=1)"
+    env = {**os.environ, "SHARDCKPT_BLOCK_SIZE": "1000"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert "block_size (or SHARDCKPT_BLOCK_SIZE) must be a power of two in 4096..67108864, got 1000" in result.stderr

@@ -267,7 +267,10 @@ class ShardWriter:
         if not 0 <= rank < world_size:
             raise ShardckptUsageError(f"rank {rank} is outside 0..{world_size - 1}")
         if not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE or block_size & (block_size - 1):
-            raise ShardckptUsageError(f"block_size must be a power of two in {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE}")
+            raise ShardckptUsageError(  # the default is the knob's: name it too, as the compression options do
+                f"block_size (or SHARDCKPT_BLOCK_SIZE) must be a power of two in {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE}, "
+                f"got {block_size!r}"
+            )
         self.compression = check_codec(compression)
         self.compression_level, self.compression_threads, self.paced_threads = 1, 1, 1  # raw: never read
         compression_pace = given_pace(compression_pace, self.compression)

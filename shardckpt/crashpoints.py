@@ -6,9 +6,12 @@ process reaches the point (default: the first). Unset, a point costs one dict lo
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 from collections import Counter
+
+from shardckpt.errors import ShardckptUsageError
 
 POINTS = (
     "writing_data",  # a rank has written part of its data file
@@ -22,15 +25,28 @@ POINTS = (
 _reached: Counter[str] = Counter()  # per process: how often each point was reached while armed
 
 
+@functools.lru_cache(maxsize=4)
+def _armed(wanted: str) -> tuple[str, int | None, int]:
+    """SHARDCKPT_CRASH_AT's (point, rank or None, n), or a ShardckptUsageError: a misspelt point would otherwise
+    never fire, and a test that expects a crash would pass without one."""
+    target, at, nth = wanted.partition("@")
+    name, colon, only_rank = target.partition(":")
+    if name in POINTS and (not colon or only_rank.isdigit()) and (not at or (nth.isdigit() and int(nth) >= 1)):
+        return name, int(only_rank) if colon else None, int(nth or 1)
+    raise ShardckptUsageError(
+        f"SHARDCKPT_CRASH_AT={wanted!r} is not valid: <point>[:<rank>][@<n>], n >= 1, the point one of "
+        f"{', '.join(POINTS)}; unset it"
+    )
+
+
 def crash_point(point: str, rank: int | None = None) -> None:
     """SIGKILL this process if SHARDCKPT_CRASH_AT names `point` (and this rank, when a rank is given there)."""
     wanted = os.environ.get("SHARDCKPT_CRASH_AT")
     if not wanted:
         return
-    target, _, nth = wanted.partition("@")
-    name, _, only_rank = target.partition(":")
-    if name != point or (only_rank and rank is not None and int(only_rank) != rank):
+    name, only_rank, nth = _armed(wanted)
+    if name != point or (only_rank is not None and rank is not None and only_rank != rank):
         return
     _reached[point] += 1
-    if _reached[point] >= int(nth or 1):
+    if _reached[point] >= nth:
         os.kill(os.getpid(), signal.SIGKILL)

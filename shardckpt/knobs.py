@@ -7,6 +7,7 @@ variable, its value and what is valid, raised where the knob is first read (see 
 
 from __future__ import annotations
 
+import math
 import os
 from typing import TYPE_CHECKING
 
@@ -15,22 +16,31 @@ from shardckpt.errors import ShardckptUsageError
 _REFUSED: dict[str, str] = {}  # knob -> why its SHARDCKPT_ override was refused (filled at import, then read only)
 
 
-def _knob(name: str, default: int | float, *, flag: bool = False) -> int | float:
+def _knob(name: str, default: int | float, *, flag: bool = False, low: int = 0, high: int | None = None) -> int | float:
     """`default`, unless SHARDCKPT_<name> holds a number of the same kind (bytes or counts: int; seconds: float;
-    flag: 0 or 1). A value that does not parse is recorded in _REFUSED and the default returned for now."""
+    flag: 0 or 1) in low..high. A value that does not parse is recorded in _REFUSED and the default returned for now.
+
+    low and high are the bounds of the parameter the knob is the default of: a value the parameter would refuse is
+    refused here, so the message names the variable the user set rather than a parameter they never passed."""
     text = os.environ.get(f"SHARDCKPT_{name}")
     if text is None:
         return default
     try:
         value = type(default)(text)
     except ValueError:
-        value = -1
-    if not value >= 0 or (flag and value not in (0, 1)):
-        valid = "0 or 1" if flag else "a whole number >= 0" if isinstance(default, int) else "a number >= 0"
+        value = low - 1
+    if not low <= value <= (math.inf if high is None else high) or (flag and value not in (0, 1)):
+        kind = "a whole number" if isinstance(default, int) else "a number"
+        valid = "0 or 1" if flag else f"{kind} >= {low}" if high is None else f"{kind} in {low}..{high}"
         _REFUSED[name] = f"SHARDCKPT_{name}={text!r} is not valid: {valid} (default {default}); fix or unset it"
         return default
     return value
 
+
+# The smallest range request a reader makes (max_request, SHARDCKPT_MAX_REQUEST): every request costs a call, a
+# checksum lookup and, in a compressed file, decoding its whole blocks; at a few bytes each a read crawls (128 KiB
+# at max_request=8: 12 s). A page is what a disk reads anyway.
+MIN_REQUEST = 4 << 10
 
 # Writing (write/writer.py, storage/local.py)
 BLOCK_SIZE = int(_knob("BLOCK_SIZE", 64 << 10))  # bytes per CRC32C block: the granularity of verified reads
@@ -38,7 +48,8 @@ WRITE_CHUNK = int(_knob("WRITE_CHUNK", 16 << 20))  # bytes handed to the backend
 WRITE_THREADS = int(_knob("WRITE_THREADS", 2))  # streams filling one large data file
 PARALLEL_MIN_BYTES = int(_knob("PARALLEL_MIN_BYTES", 64 << 20))  # below this one stream is as fast as several
 # save(..., compression="zstd"): the zstd level of every group stream (format 1.2, SPEC 4.1; 1 measured best).
-COMPRESSION_LEVEL = int(_knob("COMPRESSION_LEVEL", 1))
+MIN_COMPRESSION_LEVEL, MAX_COMPRESSION_LEVEL = -(1 << 17), 22  # zstd's own range, negative levels the fastest
+COMPRESSION_LEVEL = int(_knob("COMPRESSION_LEVEL", 1, low=MIN_COMPRESSION_LEVEL, high=MAX_COMPRESSION_LEVEL))
 # Threads compressing one rank's blocks; 0: the cores this process may run on, at most 8 (at compression_pace="storage"
 # on local files one fewer, at least 1: the writer keeps a core). zstd is CPU-bound (about 0.1-0.3 GB/s per core on
 # grouped exponent bytes), so a save keeps pace with a disk only with enough of them.
@@ -65,20 +76,21 @@ HASH_THREADS = int(_knob("HASH_THREADS", 4))
 # 1 GiB otherwise hashes on one core while the others wait. Smaller pieces gain little and pay the thread handoff.
 HASH_SPLIT_MIN = int(_knob("HASH_SPLIT_MIN", 16 << 20))
 HASH_IN_FLIGHT = int(_knob("HASH_IN_FLIGHT", 64 << 20))  # bytes of staged or gathered copies waiting for their hash
-FULL_EVERY = int(_knob("FULL_EVERY", 10))  # Checkpointer(incremental=True): every n-th save is a full one
+FULL_EVERY = int(_knob("FULL_EVERY", 10, low=1))  # Checkpointer(incremental=True): every n-th save is a full one
 WRITE_BEHIND_MIN = int(_knob("WRITE_BEHIND_MIN", 1 << 20))  # smaller writes are left to the kernel's writeback
 
 # Importing (interop/pickle_window.py)
 PICKLE_PROOF_WINDOW = int(_knob("PICKLE_PROOF_WINDOW", 256 << 10))  # pickle bytes proven at a time (~100x in arrays)
 
 # Reading (read/checkpoint.py, planner/plan.py defaults)
-MAX_IN_FLIGHT = int(_knob("MAX_IN_FLIGHT", 256 << 20))  # bytes of one load's read buffer
+MAX_IN_FLIGHT = int(_knob("MAX_IN_FLIGHT", 256 << 20, low=1))  # bytes of one load's read buffer
 MAX_GAP = int(_knob("MAX_GAP", 32 << 10))  # bytes between two needed ranges read through rather than split
-# Large enough that a disk streams at full speed and per-request costs vanish.
-MAX_REQUEST = int(_knob("MAX_REQUEST", 8 << 20))  # bytes per range request from disk or an object store
+# Bytes per range request from disk or an object store: large enough that a disk streams at full speed and
+# per-request costs vanish.
+MAX_REQUEST = int(_knob("MAX_REQUEST", 8 << 20, low=MIN_REQUEST))
 # For bytes already in memory (page cache): small enough that a slot stays in a core's cache between its read, its
 # checksums and its copy (warm loads on 4 ranks: +16-35% over 8 MiB; cold reads lose ~15% at this size).
-RESIDENT_MAX_REQUEST = int(_knob("RESIDENT_MAX_REQUEST", 2 << 20))
+RESIDENT_MAX_REQUEST = int(_knob("RESIDENT_MAX_REQUEST", 2 << 20, low=MIN_REQUEST))
 PREFETCH_AHEAD = int(_knob("PREFETCH_AHEAD", 16 << 20))  # how far ahead a jumping reader announces its ranges
 VERIFY_CHUNK = int(_knob("VERIFY_CHUNK", 64 << 20))  # bytes `verify` reads per request
 # 1 (default): in a shared read, ranks proved to share a host hand bytes over through the reader's /dev/shm region

@@ -73,3 +73,72 @@ def test_the_defaults_users_see_come_from_knobs() -> None:
     assert gc.DEFAULT_GRACE == knobs.GC_GRACE
     commands = next(a for a in build_parser()._actions if a.dest == "command").choices
     assert f"(default {knobs.GC_GRACE:g})" in " ".join(commands["gc"].format_help().split())
+
+
+def test_a_knob_the_parameter_it_defaults_would_refuse_is_refused_naming_the_variable() -> None:
+    """Before, SHARDCKPT_MAX_REQUEST=0 and SHARDCKPT_FULL_EVERY=0 passed the knob check and were then refused as
+    `max_request` and `full_every`, parameters the user never passed; SHARDCKPT_MAX_REQUEST=1 made reads crawl."""
+    import os
+
+    for name, value, valid in (
+        ("MAX_REQUEST", "0", "a whole number >= 4096"),
+        ("MAX_REQUEST", "1", "a whole number >= 4096"),
+        ("RESIDENT_MAX_REQUEST", "64", "a whole number >= 4096"),
+        ("FULL_EVERY", "0", "a whole number >= 1"),
+        ("MAX_IN_FLIGHT", "0", "a whole number >= 1"),
+        ("COMPRESSION_LEVEL", "23", "a whole number in -131072..22"),
+    ):
+        result = _knob({**os.environ, f"SHARDCKPT_{name}": value}, f"knobs.{name}")
+        assert "ShardckptUsageError" in result.stderr, (name, result.stderr)
+        assert f"SHARDCKPT_{name}={value!r} is not valid: {valid}" in result.stderr, result.stderr
+
+
+def test_negative_compression_levels_are_valid_knob_values() -> None:
+    """zstd's negative levels (its fastest) were refused as "a whole number >= 0" though the parameter takes them."""
+    import os
+
+    env = {**os.environ, "SHARDCKPT_COMPRESSION_LEVEL": "-5", "SHARDCKPT_MAX_REQUEST": "4096"}
+    result = _knob(env, "knobs.COMPRESSION_LEVEL, knobs.MAX_REQUEST")
+    assert result.returncode == 0 and result.stdout.split() == ["-5", "4096"], result.stderr
+
+
+def test_an_uncompressed_save_ignores_a_bad_compression_level(tmp_path, monkeypatch) -> None:
+    """As it ignores SHARDCKPT_COMPRESSION_THREADS and _STORAGE_PACE; a compressed save still names the variable."""
+    import pytest
+    import torch
+
+    import shardckpt
+    from shardckpt import knobs
+
+    why = "SHARDCKPT_COMPRESSION_LEVEL='abc' is not valid"
+    monkeypatch.delattr(knobs, "COMPRESSION_LEVEL")  # as knobs leaves a refused override (see its end)
+    monkeypatch.setitem(knobs._REFUSED, "COMPRESSION_LEVEL", why)
+    shardckpt.save({"w": torch.ones(3)}, str(tmp_path / "raw"), step=1)
+    with pytest.raises(shardckpt.ShardckptUsageError, match=why):
+        shardckpt.save({"w": torch.ones(3)}, str(tmp_path / "zstd"), step=1, compression="zstd")
+
+
+def test_a_malformed_crash_point_is_refused_not_ignored(monkeypatch) -> None:
+    """SHARDCKPT_CRASH_AT (the fault-injection tests' kill switch) misspelt never fired: a test expecting a crash
+    would pass without one."""
+    import pytest
+
+    from shardckpt.crashpoints import crash_point
+    from shardckpt.errors import ShardckptUsageError
+
+    for value in ("abc", "before_commit:x", "before_commit@0", "before_commit@", "before_comit:1@2"):
+        monkeypatch.setenv("SHARDCKPT_CRASH_AT", value)
+        with pytest.raises(ShardckptUsageError, match=f"SHARDCKPT_CRASH_AT={value!r} is not valid"):
+            crash_point("writing_data", 0)
+    for value in ("before_commit", "before_commit:1@2", "writing_data:1", "during_gc@8"):  # armed elsewhere: no kill
+        monkeypatch.setenv("SHARDCKPT_CRASH_AT", value)
+        crash_point("writing_data", 0)
+
+
+def test_a_block_size_override_that_is_no_power_of_two_names_the_variable() -> None:
+    import os
+
+    code = "import torch, shardckpt; shardckpt.ShardWriter('memory://bs/c', rank=0, world_size=1)"
+    env = {**os.environ, "SHARDCKPT_BLOCK_SIZE": "1000"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert "block_size (or SHARDCKPT_BLOCK_SIZE) must be a power of two in 4096..67108864, got 1000" in result.stderr

@@ -44,7 +44,7 @@ from shardckpt.format.manifest import (
 )
 from shardckpt.format.values import check_plain, pack_value
 from shardckpt.planner.share import SharePlan
-from shardckpt.read.checkpoint import Checkpoint, PendingRead, ReadStats, open_checkpoint
+from shardckpt.read.checkpoint import Checkpoint, PendingRead, ReadStats, check_read_limits, open_checkpoint
 from shardckpt.statedict.flatten import Leaf, flatten
 from shardckpt.statedict.leaves import (
     PerRank,
@@ -375,6 +375,7 @@ def load(
     failed: BaseException | None = None
     load_statefuls: Callable[[], None] | None = None
     try:
+        check_read_limits(max_in_flight, max_gap)  # before any storage is touched, on every rank alike
         state_dict, load_statefuls = loadable_states(state_dict)
     except Exception as exc:
         failed = exc

@@ -7,10 +7,26 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator
+import operator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from shardckpt.errors import ShardckptUsageError
+
+
+def indices(values: Iterable[object], what: str) -> tuple[int, ...]:
+    """`values` (offsets or a shape a caller gave) as ints: Python, numpy or torch integers, taken through
+    operator.index. A float is refused, not truncated (n / 2 for n // 2 would be a silently wrong box), and so is a
+    bool; `what` names them in the ShardckptUsageError ("tensor 'w': offsets")."""
+    try:
+        if isinstance(values, (str, bytes)):
+            raise TypeError
+        items = tuple(values)
+        if any(isinstance(v, bool) for v in items):
+            raise TypeError
+        return tuple(operator.index(v) for v in items)  # type: ignore[arg-type]
+    except TypeError:
+        raise ShardckptUsageError(f"{what} must be integers, got {values!r}") from None
 
 
 @dataclass(frozen=True)

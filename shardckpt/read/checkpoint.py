@@ -37,6 +37,7 @@ from shardckpt.format.manifest import (
     TensorEntry,
 )
 from shardckpt.planner import Box, ReadPlan, ReadRequest, Target
+from shardckpt.planner.box import indices
 from shardckpt.planner.execute import apply_copies
 from shardckpt.planner.plan import ReadPlanner
 from shardckpt.read import fetching
@@ -92,6 +93,7 @@ class Checkpoint(StoredCheckpoint):
         """max_request: the largest range read; None picks it per read (knobs.MAX_REQUEST from storage,
         knobs.RESIDENT_MAX_REQUEST when the storage says the bytes are in memory already)."""
         super().__init__(storage, marker, manifest)
+        check_read_limits(max_in_flight, max_gap, max_request)
         self.max_in_flight, self.max_gap, self.max_request = max_in_flight, max_gap, max_request
         self._buffer: ByteArray | None = None  # the read buffer, faulted in once and reused by every read
         self._buffer_busy = False
@@ -111,7 +113,7 @@ class Checkpoint(StoredCheckpoint):
         were stored raw, and the bytes fetched are the stored blocks that cover them (`stored_bytes(plan)` counts
         those; ReadStats.fetched_bytes of a read counts them too, needed_bytes the logical bytes)."""
         targets = [
-            Target(name, Box(tuple(int(o) for o in offsets), tuple(int(s) for s in shape)))
+            Target(name, self._box(name, self.entry(name).shape, offsets, shape))
             for name, boxes in wanted.items()
             for offsets, shape in boxes
         ]
@@ -142,32 +144,38 @@ class Checkpoint(StoredCheckpoint):
 
     # ---------------------------------------------------------------------------------------- reading
 
+    @staticmethod
+    def _box(name: str, stored: tuple[int, ...], offsets: Sequence[int] | None, shape: Sequence[int] | None) -> Box:
+        """The box a caller asked for of tensor `name` (shape `stored`), checked: integers only (a float offset
+        such as n / 2 was truncated into a silently wrong slice), as many as the tensor has dimensions, within it.
+        shape None: to the end of every dimension."""
+        at = indices(offsets, f"tensor {name!r}: offsets") if offsets is not None else (0,) * len(stored)
+        size = (
+            indices(shape, f"tensor {name!r}: shape") if shape is not None else tuple(d - o for d, o in zip(stored, at))
+        )
+        if len(at) != len(stored) or len(size) != len(stored):
+            raise ShardckptUsageError(
+                f"tensor {name!r} has {len(stored)} dimensions; offsets {list(at)} and shape {list(size)} must have "
+                "as many"
+            )
+        if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(at, size, stored)):
+            raise ShardckptUsageError(
+                f"tensor {name!r} of shape {list(stored)}: offsets {list(at)} and shape {list(size)} must be "
+                "non-negative and end within it"
+            )
+        return Box(at, size)
+
     def read(self, name: str, offsets: Sequence[int] | None = None, shape: Sequence[int] | None = None) -> torch.Tensor:
         """Box (`offsets`, `shape`) of tensor `name` (default: all of it) as a new tensor, bit-exact."""
         began = time.perf_counter()
         entry = self.entry(name)
-        box_offsets = tuple(int(o) for o in offsets) if offsets is not None else (0,) * len(entry.shape)
-        box_shape = (
-            tuple(int(s) for s in shape)
-            if shape is not None
-            else tuple(d - o for d, o in zip(entry.shape, box_offsets))
-        )
-        if len(box_offsets) != len(entry.shape) or len(box_shape) != len(entry.shape):
-            raise ShardckptUsageError(
-                f"tensor {name!r} has {len(entry.shape)} dimensions; offsets {list(box_offsets)} and shape "
-                f"{list(box_shape)} must have as many"
-            )
-        if any(o < 0 for o in box_offsets) or any(s < 0 for s in box_shape):
-            raise ShardckptUsageError(
-                f"tensor {name!r}: offsets {list(box_offsets)} and shape {list(box_shape)} must be non-negative"
-            )
-        box = Box(box_offsets, box_shape)
+        box = self._box(name, entry.shape, offsets, shape)
         # Plan and check the chain (local manifests, data sizes, piece identity) before allocating what the
         # manifest declares: a hostile size then fails as the lie it is, not as an allocation.
         self._check_pieces(entry, box)
         plan = self._plan([Target(name, box)])
         self.preflight(plan)
-        out = _allocate(name, box_shape, entry.dtype)
+        out = _allocate(name, box.shape, entry.dtype)
         view = writable_bytes(out)
         PendingRead(self, plan, [view if view is not None else np.zeros(0, np.uint8)], [], began).apply()
         return out
@@ -200,6 +208,11 @@ class Checkpoint(StoredCheckpoint):
         entries = self.entries([name for name, _, _ in items])
         for name, box, tensor in items:
             check_destination(name, tensor)
+            if any(type(v) is not int for v in box.offsets + box.shape):  # a Box the caller built: of numpy ints?
+                box = Box(
+                    indices(box.offsets, f"tensor {name!r}: box offsets"),
+                    indices(box.shape, f"tensor {name!r}: box shape"),
+                )
             stored = torch_dtype(entries[name].dtype)
             if tensor.shape != box.shape:
                 raise ShardckptUsageError(
@@ -492,6 +505,22 @@ class PendingRead:
         plan = self.plan
         stored = self.checkpoint.stored_bytes(plan)
         return ReadStats(plan.needed_bytes, stored, len(plan.requests), time.perf_counter() - self._began)
+
+
+def _count(name: str, value: object, low: int) -> int:
+    """`value` as an int >= low (not a bool, a float or a string), else a ShardckptUsageError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ShardckptUsageError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+def check_read_limits(max_in_flight: object, max_gap: object, max_request: object = None) -> None:
+    """Refuse a read's limits that would make no sense or crawl: max_in_flight < 1 byte, max_gap < 0, max_request
+    (None: chosen per read) under knobs.MIN_REQUEST."""
+    _count("max_in_flight", max_in_flight, 1)
+    _count("max_gap", max_gap, 0)
+    if max_request is not None:
+        _count("max_request", max_request, knobs.MIN_REQUEST)
 
 
 def open_checkpoint(

@@ -43,6 +43,7 @@ from shardckpt.format.references import (
 )
 from shardckpt.format.strict import FORMAT_VERSION, ObjectEntry, check_name, check_shape
 from shardckpt.format.values import check_plain
+from shardckpt.planner.box import indices
 from shardckpt.storage import Storage, open_storage
 from shardckpt.torch_bytes import by_value, check_dense, format_dtype, host_bytes
 from shardckpt.write.compressed import Source, Written, write_compressed
@@ -92,7 +93,7 @@ class WriteStats:
 
 # zstd's levels (ZSTD_minCLevel()..ZSTD_maxCLevel()). The compressor keeps 2T + 1 jobs in flight, so a thread count
 # far beyond any machine's cores is a typo that would hold a whole rank's bytes at once, not a faster save.
-MIN_COMPRESSION_LEVEL, MAX_COMPRESSION_LEVEL = -(1 << 17), 22
+MIN_COMPRESSION_LEVEL, MAX_COMPRESSION_LEVEL = knobs.MIN_COMPRESSION_LEVEL, knobs.MAX_COMPRESSION_LEVEL
 MAX_COMPRESSION_THREADS = 1024
 
 
@@ -266,9 +267,12 @@ class ShardWriter:
         if not 0 <= rank < world_size:
             raise ShardckptUsageError(f"rank {rank} is outside 0..{world_size - 1}")
         if not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE or block_size & (block_size - 1):
-            raise ShardckptUsageError(f"block_size must be a power of two in {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE}")
+            raise ShardckptUsageError(  # the default is the knob's: name it too, as the compression options do
+                f"block_size (or SHARDCKPT_BLOCK_SIZE) must be a power of two in {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE}, "
+                f"got {block_size!r}"
+            )
         self.compression = check_codec(compression)
-        self.compression_level, self.compression_threads, self.paced_threads = knobs.COMPRESSION_LEVEL, 1, 1
+        self.compression_level, self.compression_threads, self.paced_threads = 1, 1, 1  # raw: never read
         compression_pace = given_pace(compression_pace, self.compression)
         if compression_pace is None:
             compression_pace = "storage" if self.compression and knobs.COMPRESSION_STORAGE_PACE else "codec"
@@ -331,7 +335,7 @@ class ShardWriter:
         if tensor.dtype == torch.bool:
             tensor = _zero_one(tensor)
         dtype = format_dtype(tensor.dtype)
-        shape = tuple(tensor.shape) if global_shape is None else tuple(int(d) for d in global_shape)
+        shape = tuple(tensor.shape) if global_shape is None else indices(global_shape, f"tensor {name!r}: global_shape")
         check_shape(shape, f"tensor {name!r}")
         start: tuple[int, ...]
         length: tuple[int, ...]
@@ -340,15 +344,19 @@ class ShardWriter:
         elif flat_offset is not None:
             if offsets is not None:
                 raise ShardckptUsageError(f"tensor {name!r}: give offsets or flat_offset, not both")
-            layout_name, start, length = "flat", (int(flat_offset),), (tensor.numel(),)
-            if flat_offset < 0 or flat_offset + tensor.numel() > math.prod(shape):
+            layout_name, start, length = (
+                "flat",
+                indices((flat_offset,), f"tensor {name!r}: flat_offset"),
+                (tensor.numel(),),
+            )
+            if start[0] < 0 or start[0] + tensor.numel() > math.prod(shape):
                 raise ShardckptUsageError(
-                    f"tensor {name!r}: elements {flat_offset}:{flat_offset + tensor.numel()} lie outside "
+                    f"tensor {name!r}: elements {start[0]}:{start[0] + tensor.numel()} lie outside "
                     f"its {math.prod(shape)} elements"
                 )
         else:
             layout_name = "box"
-            start = tuple(int(o) for o in (offsets if offsets is not None else (0,) * len(shape)))
+            start = indices(offsets, f"tensor {name!r}: offsets") if offsets is not None else (0,) * len(shape)
             length = tuple(int(d) for d in tensor.shape)
             if len(start) != len(shape) or len(length) != len(shape):
                 raise ShardckptUsageError(

@@ -94,9 +94,7 @@ def write_compressed(
     if positional or rewrites_head:
         handle.write(placeholder)
     chunks = _chunks(sources, sizes, max(HOT_CHUNK // block_size, 1) * block_size)
-    jobs = [[(chunk[at : at + block_size], dtype) for chunk, dtype in job for at in range(0, len(chunk), block_size)]
-            for job in chunks]  # fmt: skip
-    block_count = sum(len(job) for job in jobs)
+    block_count = sum(-(-len(chunk) // block_size) for job in chunks for chunk, _ in job)
     stored_crcs = np.empty(block_count, dtype=np.uint32)
     stored_sizes = np.empty(block_count, dtype=np.int64)
     logical_crcs = np.empty(block_count, dtype=np.uint32)
@@ -120,8 +118,20 @@ def write_compressed(
     checksum = _Checksums(stored_crcs, logical_crcs)
     first = 0
     with ahead, writes, _encoder_failure(ahead, sources, sizes, block_size, where):
-        for number in range(len(jobs)):
+        for number in range(len(chunks)):
+            raws = ahead.blocks(number)
             blocks = ahead.take(number, checksum_raw=not storage_pace)
+            if blocks is None:  # every block raw (storage pace): each chunk written as it is, checksummed by its writer
+                stored_sizes[first : first + len(raws)] = [len(raw) for raw in raws]
+                at = 0
+                for chunk, _ in chunks[number]:
+                    count = -(-len(chunk) // block_size)
+                    writes.write(chunk, checksum.of(list(zip(range(first + at, first + at + count), raws[at:]))))
+                    at += count
+                first += len(raws)
+                if progress is not None:
+                    progress()
+                continue
             unchecksummed: list[tuple[int, memoryview]] = []
             for index, block in enumerate(blocks, first):
                 stored_sizes[index] = len(block.data)
@@ -130,7 +140,7 @@ def write_compressed(
                 else:
                     stored_crcs[index], logical_crcs[index] = block.crc32c, block.logical_crc32c
             first += len(blocks)
-            for data in _joined(chunks[number], jobs[number], blocks, block_size):
+            for data in _joined(chunks[number], raws, blocks, block_size):
                 if positional:  # the first write of the job checksums its raw blocks, then writes them from cache
                     writes.write(data, checksum.of(unchecksummed))
                     unchecksummed = []
@@ -262,7 +272,7 @@ def _chunks(sources: Sequence[Source], sizes: list[int], chunk_size: int) -> lis
 
 
 def _joined(
-    chunks: list[tuple[memoryview, str]], blocks: list[tuple[memoryview, str]], stored: list[Stored], block_size: int
+    chunks: list[tuple[memoryview, str]], blocks: list[memoryview], stored: list[Stored], block_size: int
 ) -> list[bytes | memoryview]:
     """A job's stored bytes as buffers to write in order: a chunk whose every block is stored raw is its own memory
     (written without a copy: at the storage's pace most are), the others' blocks joined."""
@@ -271,7 +281,7 @@ def _joined(
     for chunk, _ in chunks:
         count = -(-len(chunk) // block_size)
         mine = stored[at : at + count]
-        if all(len(block.data) == len(raw) for block, (raw, _) in zip(mine, blocks[at : at + count])):
+        if all(len(block.data) == len(raw) for block, raw in zip(mine, blocks[at : at + count])):
             out.append(chunk)
         else:
             out.append(b"".join(block.data for block in mine))

@@ -109,24 +109,37 @@ class EncodeAhead:
         """What an encoder raised, if one did."""
         return self._error
 
-    def take(self, number: int, *, checksum_raw: bool = True) -> list[Stored]:
+    def blocks(self, number: int) -> list[memoryview]:
+        """Job `number`'s blocks (logical bytes), in file order."""
+        return self._blocks[number]
+
+    def take(self, number: int, *, checksum_raw: bool = True) -> list[Stored] | None:
         """Job `number`'s blocks as stored; jobs are taken in order, each once. checksum_raw=False: a block the
-        writer took raw comes with both CRCs UNCHECKSUMMED, for the caller to compute where it writes the block."""
+        writer took raw comes with both CRCs UNCHECKSUMMED, for the caller to compute where it writes the block,
+        and a job whose every block it took raw is None (its blocks() are what to store)."""
         first, end = self._first[number], self._first[number + 1]
         with self._cond:
             if self._error is not None:  # at the storage's pace too: a failing encoder is a bug to report
                 raise self._error
             self._taken = number + 1
+            whole = False
             if self._storage_pace:
                 # Every block of the job not encoded yet is the writer's, at once: it never waits, not even for a
                 # block an encoder is working on (on a busy machine an encoder thread may wait for a core for
                 # milliseconds; measured: the writer waited 2.6-3.0 s of a 256 MiB save). That block's result is
-                # dropped: at most one block per encoder per job is encoded in vain.
-                for index in range(first, end):
-                    if self._state[index] != _DONE:
-                        self._state[index] = _RAW
-                        self.raw_blocks += 1
+                # dropped: at most one stretch per encoder per job is encoded in vain.
+                if self._state.count(_DONE, first, end) == 0:  # the usual case when the storage is fast: one step
+                    self._state[first:end] = bytes([_RAW]) * (end - first)
+                    self.raw_blocks += end - first
+                    whole = True
+                else:
+                    for index in range(first, end):
+                        if self._state[index] != _DONE:
+                            self._state[index] = _RAW
+                            self.raw_blocks += 1
             self._cond.notify_all()  # the window moved on
+        if whole and not checksum_raw:
+            return None
         blocks: list[Stored] = []
         for index in range(first, end):
             if self._state[index] == _RAW:  # only this thread sets RAW: its logical bytes are its stored bytes

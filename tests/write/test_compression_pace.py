@@ -368,3 +368,22 @@ def test_an_encoder_the_writer_keeps_overtaking_rests_before_its_next_stretch() 
     assert len(starts) >= 3 and ahead.raw_blocks == len(jobs), (starts, ahead.raw_blocks)
     # 1x then 2x the stretch's own time (it encoded for >= 20 ms): at once, it would be ~0.
     assert gaps[0] >= 0.8 * encoding and gaps[1] >= 1.6 * encoding, gaps
+
+
+def test_jobs_of_many_small_pieces_taken_whole_raw_read_back_and_verify(tmp_path, monkeypatch) -> None:
+    """A job batching many small pieces of several dtypes, every block taken raw at once (encoders that never start):
+    each piece's chunk is written as it is and its blocks checksummed by the thread writing it."""
+    monkeypatch.setattr(EncodeAhead, "_encode_jobs", lambda self: None)
+    dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.float16]
+    state = {f"p{n}": _weights(1000 + 37 * n, n).to(dtypes[n % len(dtypes)]) for n in range(60)}
+    url = str(tmp_path / "ck")
+    writer = ShardWriter(url, rank=0, world_size=1, block_size=4096, compression="zstd", compression_pace="storage")
+    for name, tensor in state.items():
+        writer.add(name, tensor)
+    local = writer.close()
+    shardckpt.commit(url, world_size=1)
+    assert writer.stats is not None and writer.stats.raw_blocks == len(local.compression.stored) > 60
+    checkpoint = shardckpt.open(url)
+    for name, tensor in state.items():
+        assert torch.equal(checkpoint.read(name).view(torch.uint8), tensor.view(torch.uint8)), name
+    assert verify(url).ok

@@ -354,7 +354,11 @@ def _check_data_files(storage: Storage, manifests: list[LocalManifest]) -> None:
         try:
             actual = storage.size(manifest.data)
         except NotFoundError:
-            raise IntegrityError(f"{storage.describe(manifest.data)} is missing (rank {manifest.rank})") from None
+            raise IntegrityError(
+                f"{storage.describe(manifest.data)} is missing (rank {manifest.rank}): its local manifest names "
+                f"it, but it is not in this checkpoint. A rank that saved to another URL than the coordinator's "
+                f"(every rank must save to the same checkpoint), or a file removed while the save ran"
+            ) from None
         if actual != manifest.data_size:
             raise IntegrityError(
                 f"{storage.describe(manifest.data)} is {actual} bytes but its local manifest says "

@@ -32,6 +32,8 @@ CASES = {  # case -> (failed ranks, words every cause must contain)
     "ckpt_state_fault": ({"1"}, ["RuntimeError", "injected: state"]),
     "ckpt_stage_fault": ({"1"}, ["RuntimeError", "injected: state"]),
     "ckpt_latest_fault": ({"0"}, ["StorageError", "injected: list"]),
+    # before: only "... is missing (rank 1)", which reads like lost data (azip3)
+    "url_differs": ({"0"}, ["IntegrityError", "is missing (rank 1)", "another URL"]),
 }
 WORLD = 2
 # case -> what the error names: ranks that pass different coordinator= (before: they waited in broadcasts from

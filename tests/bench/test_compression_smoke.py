@@ -56,6 +56,9 @@ def test_compression_throughput_rows_smoke(s3_server, tmp_path) -> None:
     assert set(rows["local"]["save"]["seconds"]) == {"plain", "zstd", "paced"}
     assert 0 < rows["local"]["paced_size_ratio"] <= 1  # whatever the spare cores allowed, never above raw
     assert rows["s3_link"]["link_mb_s"] == 20
+    slow = rows["local_slow_disk"]  # the storage pace against a disk slower than the codec
+    assert slow["disk_mb_s"] == 400 and set(slow["seconds"]) == {"plain", "zstd", "paced"}
+    assert slow["stored_ratio"]["zstd"] < BOUNDS["weights fp32"] and 0 < slow["stored_ratio"]["paced"] <= 1, slow
     reshard = rows["reshard_4_to_3"]
     assert reshard["plain"]["agree"] and reshard["zstd"]["agree"]
     assert reshard["zstd"]["stored_bytes"] < BOUNDS["weights fp32"] * reshard["plain"]["stored_bytes"]

@@ -311,7 +311,7 @@ class Checkpointer:
             if self._anchor is None:
                 self._anchor = self.last_saved_step if self.last_saved_step is not None else step - 1
                 self._adopt(Cadence(self.every_steps, "default", f"every {self.every_steps} steps, {_NOT_YET}"))
-        preempted = self._preemption_requested()
+        preempted = self._preemption_requested(step)
         due = step - self._anchor >= self.every_steps if self._anchor is not None else step % self.every_steps == 0
         # The final state is what a finished run is for: saved whatever the cadence says.
         force = force or step == self.total_steps
@@ -520,16 +520,25 @@ class Checkpointer:
         # Only a flag: the checkpoint itself needs collectives, which run at the next maybe_save.
         self._signal_seen = True
 
-    def _preemption_requested(self) -> bool:
-        """True on every rank when any rank received a preemption signal (one tiny all-reduce per call)."""
+    def _preemption_requested(self, step: int) -> bool:
+        """True on every rank when any rank received a preemption signal (one tiny all-reduce per call). The same
+        all-reduce checks that every rank is at `step`: ranks at different steps would decide differently whether a
+        save is due, and one would wait in the save's collectives for a rank that never enters them."""
         if not isinstance(self.group, Group):
             return self._signal_seen
-        flag = torch.tensor([1 if self._signal_seen else 0], dtype=torch.int32, device=self.group.device)
+        values = [1 if self._signal_seen else 0, step, -step]  # the max of -step is minus the smallest step
+        flags = torch.tensor(values, dtype=torch.int64, device=self.group.device)
         try:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group.handle)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group.handle)
         except RuntimeError as exc:  # a peer died, or the group's timeout passed
             raise DistributedError("the preemption check", {self.group.rank: str(exc)}) from exc
-        return bool(flag.item())
+        signal, highest, lowest = (int(value) for value in flags.tolist())
+        if highest != -lowest:
+            raise ShardckptUsageError(
+                f"maybe_save: the ranks of the group are at different steps (from {-lowest} to {highest}): every "
+                f"rank must pass the same step"
+            )
+        return bool(signal)
 
     # ------------------------------------------------------------------------ failure history and cadence
 

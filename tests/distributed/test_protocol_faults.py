@@ -52,6 +52,7 @@ AGREEMENT_CASES = {
     "agree_metadata": ["save: metadata= differs", "a value with digest", "on rank 0;", "on rank 1)"],
     "agree_block_size": ["save: block_size= differs", "(4096 on rank 0; 65536 on rank 1)"],
     "ckpt_step_differs": ["save: step= differs", "(1 on rank 0; 2 on rank 1)"],
+    "ckpt_maybe_step_differs": ["maybe_save: the ranks of the group are at different steps (from 2 to 3"],
 }
 
 

@@ -379,6 +379,8 @@ def _checkpointer_case(case: str, url: str, rank: int, state: dict, fail) -> dic
             return {"raised": None, "warned": any("retention" in str(w.message) for w in caught)}
         elif case == "ckpt_step_differs":  # before: an IntegrityError blaming a missing file, two partial saves
             manager.save(1 + rank, state, wait=True)
+        elif case == "ckpt_maybe_step_differs":  # before: rank 0 (due) waited in the save for rank 1 (not due)
+            shardckpt.Checkpointer(url, every_steps=2).maybe_save(2 + rank, state)
         else:
             manager.save(1, broken_state)
             manager.wait()

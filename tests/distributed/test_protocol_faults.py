@@ -90,27 +90,27 @@ def test_a_failure_on_one_rank_fails_every_rank_with_the_same_error(outcomes, ca
         assert not os.path.exists(os.path.join(checkpoint, "COMMITTED"))
 
 
-@pytest.mark.parametrize("case", list(COORDINATOR_CASES))
-def test_ranks_that_name_different_coordinators_all_raise_the_same_usage_error(outcomes, case: str) -> None:
-    root, found = outcomes
+def _every_rank_raised_the_same_usage_error(found: dict, case: str, words: list[str]) -> None:
+    """Every rank finished `case` (none blocked in a collective) with the same ShardckptUsageError naming `words`."""
     verdicts = found[case]
     assert all(v is not None for v in verdicts), f"{case}: a rank never finished (blocked in a collective): {verdicts}"
     assert all(v == verdicts[0] for v in verdicts), f"{case}: ranks disagree: {verdicts}"
     assert verdicts[0]["raised"] == "ShardckptUsageError", verdicts[0]
-    for word in [*COORDINATOR_CASES[case], "coordinator= differs"]:
+    for word in words:
         assert word in verdicts[0]["message"], (word, verdicts[0])
+
+
+@pytest.mark.parametrize("case", list(COORDINATOR_CASES))
+def test_ranks_that_name_different_coordinators_all_raise_the_same_usage_error(outcomes, case: str) -> None:
+    root, found = outcomes
+    _every_rank_raised_the_same_usage_error(found, case, [*COORDINATOR_CASES[case], "coordinator= differs"])
     assert not os.path.exists(os.path.join(root, case, "COMMITTED")) or case == "coordinator_load"
 
 
 @pytest.mark.parametrize("case", list(AGREEMENT_CASES))
 def test_ranks_that_pass_different_recorded_arguments_all_raise_before_writing(outcomes, case: str) -> None:
     root, found = outcomes
-    verdicts = found[case]
-    assert all(v is not None for v in verdicts), f"{case}: a rank never finished (blocked in a collective): {verdicts}"
-    assert all(v == verdicts[0] for v in verdicts), f"{case}: ranks disagree: {verdicts}"
-    assert verdicts[0]["raised"] == "ShardckptUsageError", verdicts[0]
-    for word in AGREEMENT_CASES[case]:
-        assert word in verdicts[0]["message"], (word, verdicts[0])
+    _every_rank_raised_the_same_usage_error(found, case, AGREEMENT_CASES[case])
     assert not os.path.exists(os.path.join(root, case)), f"{case}: written before the ranks agreed"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -53,11 +54,7 @@ def test_encoders_that_cannot_start_leave_every_block_raw_and_it_reads_back(tmp_
 
     monkeypatch.setattr(writer_module, "write_compressed", gated)
     url = str(tmp_path / "ck")
-    writer = ShardWriter(url, rank=0, world_size=1, block_size=4096, compression="zstd", compression_pace="storage")
-    for name, tensor in state.items():
-        writer.add(name, tensor)
-    local = writer.close()
-    shardckpt.commit(url, world_size=1)
+    writer, local = _paced_save(url, state)
     assert writer.stats is not None and writer.stats.raw_blocks == 3 * (6 << 20) // 4096 // 4
     assert local.compression is not None and local.data_size == local.compression.logical_size  # nothing shrank
     checkpoint = shardckpt.open(url)
@@ -65,6 +62,17 @@ def test_encoders_that_cannot_start_leave_every_block_raw_and_it_reads_back(tmp_
     for name, tensor in state.items():
         assert torch.equal(checkpoint.read(name), tensor), name
     assert verify(url).ok
+
+
+def _paced_save(url: str, state: dict[str, torch.Tensor]) -> tuple[ShardWriter, Any]:
+    """One rank's compressed save of `state` at the storage's pace in 4 KiB blocks, committed: its writer (stats) and
+    local manifest."""
+    writer = ShardWriter(url, rank=0, world_size=1, block_size=4096, compression="zstd", compression_pace="storage")
+    for name, tensor in state.items():
+        writer.add(name, tensor)
+    local = writer.close()
+    shardckpt.commit(url, world_size=1)
+    return writer, local
 
 
 def _jobs(tensors: list[torch.Tensor], block: int) -> list[list[tuple[memoryview, str]]]:
@@ -377,11 +385,7 @@ def test_jobs_of_many_small_pieces_taken_whole_raw_read_back_and_verify(tmp_path
     dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.float16]
     state = {f"p{n}": _weights(1000 + 37 * n, n).to(dtypes[n % len(dtypes)]) for n in range(60)}
     url = str(tmp_path / "ck")
-    writer = ShardWriter(url, rank=0, world_size=1, block_size=4096, compression="zstd", compression_pace="storage")
-    for name, tensor in state.items():
-        writer.add(name, tensor)
-    local = writer.close()
-    shardckpt.commit(url, world_size=1)
+    writer, local = _paced_save(url, state)
     assert writer.stats is not None and writer.stats.raw_blocks == len(local.compression.stored) > 60
     checkpoint = shardckpt.open(url)
     for name, tensor in state.items():

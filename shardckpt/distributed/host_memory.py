@@ -75,13 +75,17 @@ class HostLinks:
         enabled: bool = True,
         hosts: Sequence[str | None] | None = None,
         depth: int = 2,
+        published: Sequence[tuple[str, int]] | None = None,
+        reserved: Region | None = None,
     ) -> HostLinks:
         """Create this rank's region when a consumer of its reads may share its host, map the regions of the
         readers on this host, and agree on who reaches whom. Every rank takes part whatever `enabled` says (a rank
         that does not take part would leave the others waiting): one that is not enabled maps and offers nothing.
         hosts: every rank's host_key() when known already (SharePlan.hosts; else gathered here).
         depth: rounds a region holds (the same on every rank), so that a reader fills one part while its consumers
-        still read others."""
+        still read others.
+        published: every rank's region (name, size) as reserved before the plan and gathered with it (Region.create;
+        "" where none), saving the gather of names here; reserved: this rank's own (the caller's: released here)."""
         rank, world = group.rank, group.size
         if hosts is None:
             mine = host_key() if enabled else None
@@ -103,54 +107,54 @@ class HostLinks:
         copies = max(1, min(depth, len(rounds)))
         links = cls(rank, {reader: largest[reader] for reader in wanted}, copies)
         if not wanted:  # the same on every rank: no two ranks that need the same bytes claim one host
+            if reserved is not None:
+                reserved.release()
             return links
-        own: _Region | None = None
+        own: Region | None = None
         # A failure of this rank's own (memory to map a region, say) must not leave the others waiting in the
         # gathers below: it offers and maps nothing, joins both, and every rank learns of it in the last one.
         failure: BaseException | None = None
-        try:
-            if rank in wanted and enabled:
-                own = _Region.create(copies * largest[rank])
-        except Exception as exc:
-            failure = exc
         mapped: list[int] = []
         try:
-            names = [
-                b.decode("ascii", "replace") for b in all_gather_fixed(group, (own.name if own else "").encode(), 64)
-            ]
             try:
-                if own is not None:
+                if rank in wanted and enabled:
+                    size = copies * largest[rank]
+                    own = reserved if published is not None else Region.create(size)
+                    if own is not None and own.allocate(size) is None:
+                        own.release()  # no room for its pages: its consumers take its bytes through the group
+                        own = None
+            except Exception as exc:
+                failure = exc
+            if published is None:
+                fixed = all_gather_fixed(group, (own.name if own else "").encode(), 64)
+                published = [(b.decode("ascii", "replace"), copies * largest.get(r, 0)) for r, b in enumerate(fixed)]
+            try:
+                if own is not None and own.array is not None:
                     links.views[rank] = own.array
                 for reader, consumers in wanted.items():
-                    name = names[reader]
-                    if (
-                        failure is None
-                        and enabled
-                        and rank in consumers
-                        and isinstance(name, str)
-                        and name.startswith(PREFIX)
-                        and "/" not in name
-                    ):
-                        view = _attach(name, copies * largest[reader])
+                    name, size = published[reader]
+                    if failure is None and enabled and rank in consumers and _region_name(name):
+                        view = _attach(name, size, copies * largest[reader])
                         if view is not None:
                             links.views[reader] = view
                             mapped.append(reader)
             except Exception as exc:
                 failure, mapped = exc, []
-            offer = [mapped, None if failure is None else f"{type(failure).__name__}: {failure}"]
+            offer = [mapped, own is not None, None if failure is None else f"{type(failure).__name__}: {failure}"]
             reached = [msgpack.unpackb(b) for b in all_gather_bytes(group, msgpack.packb(offer))]
         finally:
-            if own is not None:
-                own.unlink()  # every peer that maps it has opened it: nothing is left in /dev/shm from here on
-        failed = {rank: cause for rank, (_, cause) in enumerate(reached) if cause is not None}
+            for region in {id(r): r for r in (own, reserved) if r is not None}.values():
+                region.release()  # every peer that maps it has opened it: nothing is left in /dev/shm from here on
+        failed = {rank: cause for rank, (_, _, cause) in enumerate(reached) if cause is not None}
         if failed:
             links.close()
             if failure is not None:
                 raise failure
             raise PeerFailed(f"another rank failed to set up the shared memory of a shared read: {failed}")
-        for consumer, (readers, _) in enumerate(reached):
+        offering = {reader for reader, (_, offers, _) in enumerate(reached) if offers is True}
+        for consumer, (readers, _, _) in enumerate(reached):
             for reader in readers:
-                if 0 <= reader < world and reader in wanted and consumer in wanted[reader]:
+                if reader in offering and 0 <= reader < world and reader in wanted and consumer in wanted[reader]:
                     links.linked.add((reader, consumer))
         for reader in list(links.views):
             if reader != rank and (reader, rank) not in links.linked:
@@ -175,15 +179,18 @@ class HostLinks:
         self.views.clear()  # the mappings go with the last array over them
 
 
-class _Region:
-    """A /dev/shm file of this rank, its pages allocated up front (a full tmpfs refuses here, never as a SIGBUS
-    on a later write), mapped read-write; unlinked once the peers have opened it."""
+class Region:
+    """A /dev/shm file of this rank: created at a size (no pages yet), then its first bytes allocated up front (a
+    full tmpfs refuses there, never as a SIGBUS on a later write) and mapped read-write; unlinked (`release`) once
+    the peers have opened it."""
 
-    def __init__(self, name: str, array: np.ndarray) -> None:
-        self.name, self.array = name, array
+    def __init__(self, name: str, fd: int, size: int) -> None:
+        self.name, self.fd, self.size = name, fd, size
+        self.array: np.ndarray | None = None
 
     @classmethod
-    def create(cls, size: int) -> _Region | None:
+    def create(cls, size: int) -> Region | None:
+        """A new file of `size` bytes (sparse: nothing allocated), or None when this /dev/shm takes no file."""
         name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(12)}"
         path = os.path.join(SHM_DIR, name)
         try:
@@ -191,29 +198,52 @@ class _Region:
         except OSError:
             return None
         try:
-            os.posix_fallocate(fd, 0, max(size, 1))
-            mapping = mmap.mmap(fd, max(size, 1), prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except (OSError, ValueError):
+            os.ftruncate(fd, max(size, 1))
+        except OSError:
+            os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(path)
             return None
-        finally:
-            os.close(fd)
-        return cls(name, np.frombuffer(mapping, dtype=np.uint8))
+        return cls(name, fd, max(size, 1))
 
-    def unlink(self) -> None:
+    def allocate(self, size: int) -> np.ndarray | None:
+        """The first `size` bytes (at most the file's), allocated and mapped; None when there is no room."""
+        if size > self.size:
+            return None
+        try:
+            os.posix_fallocate(self.fd, 0, max(size, 1))
+            mapping = mmap.mmap(self.fd, max(size, 1), prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, ValueError):
+            return None
+        self.array = np.frombuffer(mapping, dtype=np.uint8)
+        return self.array
+
+    def release(self) -> None:
+        """Unlink the file and close it (a mapping lives on); again: nothing."""
+        if self.fd < 0:
+            return
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(SHM_DIR, self.name))
+        os.close(self.fd)
+        self.fd = -1
 
 
-def _attach(name: str, size: int) -> np.ndarray | None:
-    """A peer's region mapped read-only, or None when this /dev/shm has no such file of that size."""
+def _region_name(name: object) -> bool:
+    """Whether a peer's published name can only name a region file in SHM_DIR."""
+    return isinstance(name, str) and name.startswith(PREFIX) and "/" not in name and "\0" not in name
+
+
+def _attach(name: str, file_size: int, size: int) -> np.ndarray | None:
+    """The first `size` bytes of a peer's region mapped read-only, or None when this /dev/shm has no such file of
+    `file_size` bytes (the size it was created at)."""
+    if size > file_size:
+        return None
     try:
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
         return None
     try:
-        if os.fstat(fd).st_size != max(size, 1):
+        if os.fstat(fd).st_size != max(file_size, 1):
             return None
         mapping = mmap.mmap(fd, max(size, 1), prot=mmap.PROT_READ)
     except (OSError, ValueError):
@@ -230,9 +260,13 @@ def links_for(
     enabled: bool,
     hosts: Sequence[str | None] | None,
     depth: int = 2,
+    published: Sequence[tuple[str, int]] | None = None,
+    reserved: Region | None = None,
 ) -> Iterator[HostLinks]:
     """HostLinks.build (collective on every rank, `enabled` or not); dropped on exit."""
-    links = HostLinks.build(group, rounds, enabled=enabled, hosts=hosts, depth=depth)
+    links = HostLinks.build(
+        group, rounds, enabled=enabled, hosts=hosts, depth=depth, published=published, reserved=reserved
+    )
     try:
         yield links
     finally:

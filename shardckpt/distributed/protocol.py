@@ -31,7 +31,7 @@ from shardckpt.distributed.group_calls import pack as _pack
 from shardckpt.distributed.group_calls import unpack as _unpack
 from shardckpt.distributed.group_calls import vote as _any_rank
 from shardckpt.distributed.host_memory import PeerFailed
-from shardckpt.distributed.shared_reads import fetch_shared, plan_exchange
+from shardckpt.distributed.shared_reads import Exchange, fetch_shared, plan_exchange
 from shardckpt.errors import AlreadyExistsError, DistributedError, ShardckptUsageError
 from shardckpt.format import layout
 from shardckpt.format.bulk import gc_paused
@@ -43,7 +43,6 @@ from shardckpt.format.manifest import (
     encode_global_manifest,
 )
 from shardckpt.format.values import check_plain, pack_value
-from shardckpt.planner.share import SharePlan
 from shardckpt.read.checkpoint import Checkpoint, PendingRead, ReadStats, check_read_limits, open_checkpoint
 from shardckpt.statedict.flatten import Leaf, flatten
 from shardckpt.statedict.leaves import (
@@ -465,7 +464,7 @@ def _load(
         prepared = pending, assign = prepare_fill(checkpoint, state_dict, group.rank, strict, optional, cast)
     except Exception as exc:
         local_error = exc
-    share: SharePlan | None = None
+    share: Exchange | None = None
     # A shared read hands ranks raw byte ranges of the files; a compressed file's ranges are stored blocks, which
     # only the reader that decodes them can check (SPEC 4.1), so such a load reads unshared. Every rank that got
     # this far holds the same manifest, so all agree. Pieces referenced in a compressed file count (SPEC 6.2).
@@ -486,7 +485,10 @@ def _load(
         try:
             only_across_nodes = share_reads is None
             share = _collective(
-                lambda: plan_exchange(group, prepared[0].plan, only_across_nodes=only_across_nodes), group
+                lambda: plan_exchange(
+                    group, prepared[0].plan, only_across_nodes=only_across_nodes, budget=max_in_flight
+                ),
+                group,
             )
         except Exception as exc:
             local_error = exc
@@ -496,18 +498,28 @@ def _load(
         assert prepared is not None
         pending, assign = prepared
         if share is not None:
-            plan = share
+            exchange = share
+            plan = share.share
             if verify_first:  # every rank keeps and verifies all its bytes; destinations are written after the vote
                 pending.use(
                     _collective(
-                        lambda: fetch_shared(group, checkpoint, pending.plan, plan, budget=max_in_flight), group
+                        lambda: fetch_shared(
+                            group, checkpoint, pending.plan, plan, budget=max_in_flight, exchange=exchange
+                        ),
+                        group,
                     )
                 )
             else:
                 stats = pending.apply(
                     fetch=lambda finish: _collective(
                         lambda: fetch_shared(
-                            group, checkpoint, pending.plan, plan, budget=max_in_flight, finish=finish
+                            group,
+                            checkpoint,
+                            pending.plan,
+                            plan,
+                            budget=max_in_flight,
+                            finish=finish,
+                            exchange=exchange,
                         ),
                         group,
                     )

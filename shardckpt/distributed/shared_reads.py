@@ -17,7 +17,9 @@ import functools
 import itertools
 import os
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -26,14 +28,15 @@ import torch.distributed as dist
 
 from shardckpt import knobs
 from shardckpt.distributed.collectives import Group, all_gather_bytes, any_rank, smallest
-from shardckpt.distributed.host_memory import HostLinks, PeerFailed, host_key, links_for
+from shardckpt.distributed.host_memory import HostLinks, PeerFailed, Region, host_key, links_for
 from shardckpt.errors import DistributedError, IntegrityError, ShardckptError, TruncatedError
 from shardckpt.planner import ReadPlan, ReadRequest
 from shardckpt.planner.share import Segment, SharePlan, plan_shared_reads
 from shardckpt.read.checkpoint import Checkpoint
-from shardckpt.read.fetching import ByteArray, Step, run_all
+from shardckpt.read.fetching import ByteArray, Step
 
 HINTED = 2  # rounds of its own reads a rank announces to the storage ahead of the one it reads
+CHECK_LAG = 1  # rounds a rank's checks may run behind the votes (with SHARE_DEPTH of at least 3)
 
 
 def node_ids(group: Group) -> list[int] | None:
@@ -53,6 +56,23 @@ def _nodes_and_hosts(group: Group, *, with_hosts: bool) -> tuple[list[int] | Non
     return [names[node] for node, _ in known], hosts
 
 
+@dataclass
+class Exchange:
+    """A shared read as every rank agreed on it in one gather: the plan, the rounds' depth and size (the smallest of
+    the ranks' choices), every rank's /dev/shm region as reserved before it (name, size; "" where none) and this
+    rank's own (released once its peers have opened it, or when the read ends)."""
+
+    share: SharePlan
+    depth: int
+    round_bytes: int
+    published: tuple[tuple[str, int], ...]
+    reserved: Region | None
+
+    def release(self) -> None:
+        if self.reserved is not None:
+            self.reserved.release()
+
+
 def plan_exchange(
     group: Group,
     plan: ReadPlan,
@@ -60,27 +80,80 @@ def plan_exchange(
     only_across_nodes: bool,
     chunk: int | None = None,
     shared_memory: bool | None = None,
-) -> SharePlan | None:
+    budget: int = knobs.MAX_IN_FLIGHT,
+) -> Exchange | None:
     """Every rank's needs, gathered, turned into the one plan every rank computes alike; None (on every rank)
     when the ranks reading on their own would read at most SHARE_MIN_SAVING more bytes than once, or when
-    only_across_nodes and the ranks do not span two nodes (then nothing but the node names was exchanged).
+    only_across_nodes and the ranks do not span two nodes. One gather carries everything the ranks must agree on
+    (nodes, hosts, needs, every knob that cuts the rounds, the regions' names): each collective costs every rank
+    of the job a few milliseconds (gloo on 4 ranks here: 4 ms an all_gather, 1 ms an all_reduce).
     chunk: the largest segment (None: knobs.MAX_REQUEST); the smallest of the ranks' choices is used.
-    shared_memory: also learn which ranks claim one host."""
-    nodes, hosts = _nodes_and_hosts(group, with_hosts=_shared_memory(shared_memory))
-    if only_across_nodes and (nodes is None or len(set(nodes)) < 2):
-        return None
+    shared_memory: also learn which ranks claim one host, and reserve this rank's region (None: knobs.SHARE_MEMORY).
+    budget: bytes in flight per rank (max_in_flight): rounds of budget / SHARE_DEPTH, at most SHARE_ROUND."""
+    depth = max(2, knobs.SHARE_DEPTH)
+    rounds = max(1, min(budget // depth, knobs.SHARE_ROUND))
+    chunk = knobs.MAX_REQUEST if chunk is None else chunk
+    host = host_key() if _shared_memory(shared_memory) else None
+    reserved: Region | None = None
+    cause = None
+    try:
+        # Sparse until the plan says how much of it this rank's reads fill (HostLinks.build allocates that).
+        reserved = Region.create(depth * max(rounds, chunk)) if host is not None else None
+    except Exception as exc:  # said in the gather, so that no rank waits for this one in a later collective
+        cause = f"{type(exc).__name__}: {exc}"
+        failure: BaseException | None = exc
+    else:
+        failure = None
+    node = os.environ.get("SHARDCKPT_NODE", os.environ.get("GROUP_RANK"))
     needs = [[request.file, request.start, request.end] for request in plan.requests]
-    mine = [knobs.MAX_REQUEST if chunk is None else chunk, needs]
-    gathered = [msgpack.unpackb(b) for b in all_gather_bytes(group, msgpack.packb(mine))]
-    everyone = [[tuple(r) for r in ranges] for _, ranges in gathered]
-    # Every rank cuts the segments alike (SHARDCKPT_MAX_REQUEST may differ between ranks: each would plan another
-    # exchange, and the ranks' collectives would not match).
-    share = plan_shared_reads(everyone, chunk=max(1, min(c for c, _ in gathered)), nodes=nodes, hosts=hosts)
-    # Worth it only where the ranks would read much twice: a reshard whose ranges touch at their edges (2x2 -> 1x3:
-    # 3% more bytes read alone) would route every byte through the exchange to save a few.
-    worth = share.overlaps and share.repeated_bytes > knobs.SHARE_MIN_SAVING * share.total_bytes
-    # Decided together: a rank whose SHARDCKPT_SHARE_MIN_SAVING differs would otherwise wait in an exchange alone.
-    return None if any_rank(group, not worth) else share
+    region = [reserved.name, reserved.size] if reserved is not None else ["", 0]
+    mine = [node, host, chunk, needs, depth, rounds, knobs.SHARE_MIN_SAVING, region, cause]
+    try:
+        gathered = [msgpack.unpackb(b) for b in all_gather_bytes(group, msgpack.packb(mine))]
+        failed = {rank: theirs[8] for rank, theirs in enumerate(gathered) if theirs[8] is not None}
+        if failed:
+            if failure is not None:
+                raise failure
+            raise PeerFailed(f"another rank failed to set up a shared read: {failed}")
+        names = [theirs[0] for theirs in gathered]
+        nodes = None
+        if all(name is not None for name in names):
+            numbers = {name: index for index, name in enumerate(sorted(set(names)))}
+            nodes = [numbers[name] for name in names]
+        if only_across_nodes and (nodes is None or len(set(nodes)) < 2):
+            _released(reserved)
+            return None
+        hosts = [theirs[1] if isinstance(theirs[1], str) else None for theirs in gathered]
+        everyone = [[tuple(r) for r in theirs[3]] for theirs in gathered]
+        # Every rank cuts the segments and rounds alike (SHARDCKPT_MAX_REQUEST, max_in_flight, SHARE_ROUND or
+        # SHARE_DEPTH may differ between ranks: each would plan another exchange, and the ranks' collectives would
+        # not match, or a reader would overwrite a part of a region that a peer still reads).
+        share = plan_shared_reads(
+            everyone, chunk=max(1, min(theirs[2] for theirs in gathered)), nodes=nodes, hosts=hosts
+        )
+        # Worth it only where the ranks would read much twice: a reshard whose ranges touch at their edges (2x2 ->
+        # 1x3: 3% more bytes read alone) would route every byte through the exchange to save a few. The largest of
+        # the ranks' SHARDCKPT_SHARE_MIN_SAVING decides for all.
+        saving = max(float(theirs[6]) for theirs in gathered)
+        if not (share.overlaps and share.repeated_bytes > saving * share.total_bytes):
+            _released(reserved)
+            return None
+        published = tuple((str(theirs[7][0]), int(theirs[7][1])) for theirs in gathered)
+        return Exchange(
+            share,
+            max(2, min(int(theirs[4]) for theirs in gathered)),
+            max(1, min(int(theirs[5]) for theirs in gathered)),
+            published,
+            reserved,
+        )
+    except BaseException:
+        _released(reserved)
+        raise
+
+
+def _released(region: Region | None) -> None:
+    if region is not None:
+        region.release()
 
 
 class _Assembly:
@@ -164,6 +237,7 @@ def fetch_shared(
     budget: int = knobs.MAX_IN_FLIGHT,
     finish: Step | None = None,
     shared_memory: bool | None = None,
+    exchange: Exchange | None = None,
 ) -> list[tuple[ReadRequest, ByteArray]]:
     """This rank's requests fetched through the exchange and verified.
 
@@ -174,7 +248,25 @@ def fetch_shared(
     rank raise: the failing one its own error, the others PeerFailed.
     shared_memory: ranks proved to share a host hand bytes over through the reader's /dev/shm region (host_memory)
     instead of the group; the others (and all, when False) through the group. None: knobs.SHARE_MEMORY.
+    exchange: what plan_exchange agreed (`share` is its plan): the rounds and regions need no collective more.
     """
+    try:
+        return _fetch_shared(group, checkpoint, plan, share, budget, finish, shared_memory, exchange)
+    finally:
+        if exchange is not None:
+            exchange.release()
+
+
+def _fetch_shared(
+    group: Group,
+    checkpoint: Checkpoint,
+    plan: ReadPlan,
+    share: SharePlan,
+    budget: int,
+    finish: Step | None,
+    shared_memory: bool | None,
+    exchange: Exchange | None,
+) -> list[tuple[ReadRequest, ByteArray]]:
     rank = group.rank
     assembly = _Assembly(plan.requests)
     kept: list[tuple[int, ByteArray]] = []  # (the request's number in the plan, its bytes)
@@ -186,8 +278,12 @@ def fetch_shared(
     # The smallest of the ranks' choices: every rank must cut the same rounds (max_in_flight, SHARDCKPT_SHARE_ROUND
     # or SHARDCKPT_SHARE_DEPTH may differ between ranks, and ranks that cut rounds apart would wait in different
     # collectives, or overwrite a part of a region that a peer still reads).
-    depth = smallest(group, max(2, knobs.SHARE_DEPTH))
-    rounds = list(share.rounds(smallest(group, max(1, min(budget // depth, knobs.SHARE_ROUND)))))
+    if exchange is not None:
+        depth, round_bytes = exchange.depth, exchange.round_bytes
+    else:
+        depth = smallest(group, max(2, knobs.SHARE_DEPTH))
+        round_bytes = smallest(group, max(1, min(budget // depth, knobs.SHARE_ROUND)))
+    rounds = list(share.rounds(round_bytes))
 
     def mine(number: int) -> list[Segment]:
         return [segment for segment in rounds[number] if segment.reader == rank] if number < len(rounds) else []
@@ -198,13 +294,43 @@ def fetch_shared(
 
     # The storage starts on this rank's first rounds while the ranks make their regions (collective, ~15 ms).
     _hint(checkpoint, [segment for number in range(HINTED) for segment in mine(number)])
+    # A round's checks run while the ranks vote on the next one (CHECK_LAG rounds behind the votes): before, this
+    # thread checked a round before voting on the next, so every round cost the slowest rank's read plus its checks
+    # (HSDP 2x2, 512 MiB, cold: ~200 ms of votes and ~200 ms of checks one after the other). A round's part of a
+    # region is reused once every rank has checked it: round k >= depth is read after the vote of round
+    # k - depth + 1 + lag.
+    lag = CHECK_LAG if depth > CHECK_LAG + 1 else 0
     with (
-        links_for(group, rounds, _shared_memory(shared_memory), share.hosts, depth) as links,
+        links_for(
+            group,
+            rounds,
+            _shared_memory(shared_memory),
+            share.hosts,
+            depth,
+            published=None if exchange is None else exchange.published,
+            reserved=None if exchange is None else exchange.reserved,
+        ) as links,
         ThreadPoolExecutor(max_workers=_checkers(len(plan.requests))) as pool,
         ThreadPoolExecutor(max_workers=1) as reading,
         _cancelled_on_exit() as ahead,
+        _cancelled_on_exit() as checking,
     ):
-        ahead.extend(reading.submit(read_round, number) for number in range(min(depth - 1, len(rounds))))
+        submitted = min(depth, len(rounds))  # every part of a region is free before the first vote
+        ahead.extend(reading.submit(read_round, number) for number in range(submitted))
+
+        def checked(through: int) -> None:
+            """Wait for this rank's checks of the rounds up to `through`; the first failure is this rank's."""
+            nonlocal failure
+            while checking and checking[0].round <= through:
+                done = checking.popleft()
+                try:
+                    done.result()
+                except Exception as exc:
+                    failure = failure or exc
+            if failure is not None:  # nothing more is copied out: cancel the checks of later rounds
+                for later in checking:
+                    later.cancel()
+
         for number, segments in enumerate(rounds):
             error: BaseException | None = None
             fetched: ByteArray = np.empty(0, np.uint8)
@@ -215,16 +341,18 @@ def fetch_shared(
                 # Its buffers are allocated before the vote, so that a rank without the memory for them says so there
                 # instead of leaving the others waiting in the round's all_to_all.
                 handover = _Handover(group, segments, positions, links)
+                checked(number - 1 - lag)
             except Exception as exc:
                 error = exc
             # Also the moment every reader's region holds this round: consumers on its host read it after this; and
-            # every rank has checked the round before last, whose part of a region the next read may now reuse.
+            # every rank has checked the rounds up to number - 1 - lag, whose parts of a region the reads may reuse.
             if any_rank(group, error is not None):
                 if error is not None:
                     raise error
                 raise PeerFailed("another rank failed to fetch its share of a shared read")
-            if number + depth - 1 < len(rounds):
-                ahead.append(reading.submit(read_round, number + depth - 1))
+            while submitted < min(number + depth - lag, len(rounds)):
+                ahead.append(reading.submit(read_round, submitted))
+                submitted += 1
             assert handover is not None
             own_region = links.region(rank, number) is not None
             ready: list[tuple[int, ByteArray]] = []
@@ -245,11 +373,12 @@ def fetch_shared(
                     checks = [
                         functools.partial(_check, checkpoint, plan.requests[n], data, finish) for n, data in ready
                     ]
-                    run_all(checks, pool)
+                    checking.append(_RoundChecks(number, [pool.submit(check) for check in checks]))
                 except Exception as exc:
                     failure = exc
             if finish is None:
                 kept.extend(ready)
+        checked(len(rounds))
     if failure is not None:
         raise failure
     missing = [n for n, request in enumerate(plan.requests) if assembly.filled[n] != request.size]
@@ -282,10 +411,28 @@ def _take(
             assembly.place(segment, region, positions[segment], True)
 
 
+class _RoundChecks:
+    """The checks of one round's completed requests, running on the pool."""
+
+    def __init__(self, round_number: int, futures: list[Future[None]]) -> None:
+        self.round, self.futures = round_number, futures
+
+    def result(self) -> None:
+        """Wait for all of them; the first failure (in request order) is raised once all have ended."""
+        wait(self.futures)
+        for future in self.futures:
+            future.result()
+
+    def cancel(self) -> None:
+        for future in self.futures:
+            future.cancel()
+
+
 @contextlib.contextmanager
-def _cancelled_on_exit() -> Iterator[collections.deque[Future[ByteArray]]]:
-    """The reads submitted ahead; those not started yet are cancelled when the rounds end early (a failure)."""
-    ahead: collections.deque[Future[ByteArray]] = collections.deque()
+def _cancelled_on_exit() -> Iterator[collections.deque[Any]]:
+    """Work submitted ahead (reads, checks); what has not started yet is cancelled when the rounds end early (a
+    failure). The pools' own exits then wait for what runs, before any region is unmapped."""
+    ahead: collections.deque[Any] = collections.deque()
     try:
         yield ahead
     finally:

@@ -54,6 +54,9 @@ def test_replicated_plain_tensors_are_read_once_and_a_failing_or_dying_reader_fa
     assert all(result["equal"] for result in loaded)
     assert sum(result["read"] for result in loaded) <= 1.05 * data_bytes(url)
     assert sum(result["links"] for result in loaded) == 4 * 3  # all on this host: every hand-over in memory
+    # Before its rounds, one gather carries what the ranks agree on (needs, nodes, hosts, knobs, regions' names) and
+    # one the links they made (before: five gathers and two agreements, ~4 ms each on gloo here).
+    assert all(result["setup"] == 2 for result in loaded), [result["setup"] for result in loaded]
     # Rank 1 declines shared memory (SHARDCKPT_SHARE_MEMORY=0) and rank 2's /dev/shm is full: what they fetch goes
     # through gloo (rank 2 still maps the others' regions), the rest in memory, in the same rounds.
     # Their max_in_flight differ too (the smallest cuts the rounds for all).

@@ -112,7 +112,7 @@ def out_of_memory_setting_up(where: str) -> Iterator[None]:
     from shardckpt.distributed import shared_reads
 
     if where == "region":
-        with mock.patch.object(host_memory._Region, "create", side_effect=MemoryError("injected: no memory to map")):
+        with mock.patch.object(host_memory.Region, "create", side_effect=MemoryError("injected: no memory to map")):
             yield
         return
     original, calls = shared_reads._Handover.__init__, [0]
@@ -144,6 +144,28 @@ def slow_first_round(seconds: float) -> Iterator[None]:
 
     with mock.patch.object(shared_reads._Assembly, "settle", settle):
         yield
+
+
+@contextlib.contextmanager
+def counting_setup_collectives() -> Iterator[list[int]]:
+    """Collectives a shared read runs before its rounds (plan_exchange and HostLinks.build: gathers, agreements)."""
+    from shardckpt.distributed import collectives, host_memory, shared_reads
+
+    count = [0]
+    patches = []
+    for module in (shared_reads, host_memory):
+        for name in ("all_gather_bytes", "all_gather_fixed", "smallest"):
+            original = getattr(module, name, None) or getattr(collectives, name)
+
+            def counted(*a: Any, _original: Any = original, **k: Any) -> Any:
+                count[0] += 1
+                return _original(*a, **k)
+
+            patches.append(mock.patch.object(module, name, counted, create=True))
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        yield count
 
 
 @contextlib.contextmanager
@@ -273,6 +295,7 @@ def scenario_ddp_load(args: dict[str, Any], rank: int, world: int) -> dict[str, 
         counting_links(args, rank) as pairs,
         timing_reads() as reads,
         counting_hints() as hinted,
+        counting_setup_collectives() as setup,
     ):
         share = args["share_by_rank"][rank] if "share_by_rank" in args else args.get("share")
         try:
@@ -283,7 +306,7 @@ def scenario_ddp_load(args: dict[str, Any], rank: int, world: int) -> dict[str, 
             assert not left, left
     same = all(torch.equal(state["model"][k], v) for k, v in replicated(3).items())
     timing = [end - reads[0] for end in reads]
-    return {"equal": same, "read": read[0], "links": pairs[0], "reads": timing, "hinted": hinted[0]}
+    return {"equal": same, "read": read[0], "links": pairs[0], "reads": timing, "hinted": hinted[0], "setup": setup[0]}
 
 
 FLAT = [("w0", (300, 70)), ("w1", (129,)), ("w2", (64, 90)), ("w3", (7, 5))]  # 27,764 fp32 elements

@@ -123,53 +123,58 @@ def plan_shared_reads(
                 raise ShardckptUsageError(f"rank {rank} needs an empty or negative range {start}:{end} of file {file}")
             events.setdefault(file, []).extend(((start, 1, rank), (end, -1, rank)))
     load = [0] * world
-    segments: list[Segment] = []
+    homes: dict[tuple[int, ...], tuple[int, ...]] = {}  # consumers -> those of them on their home node
+    merged: list[Segment] = []
+    # Adjacent pieces with the same file, reader and consumers are merged as they are cut, up to `chunk` bytes (fewer
+    # reads), without a Segment per piece: at 4,096 ranks with 64 ranges each the planner made 131,072 pieces for
+    # 16,384 segments and took 1.4 s a rank, every rank of the job alike.
+    file_now, low, high, reader_now = -1, 0, 0, -1
+    consumers_now: tuple[int, ...] = ()
     for file in sorted(events):
         active: dict[int, int] = {}  # rank -> how many of its ranges cover the position (overlaps allowed)
         previous = None
+        consumers: tuple[int, ...] | None = None  # tuple(sorted(active)), made again after active changes
         for position, delta, rank in sorted(events[file]):
             if previous is not None and position > previous and active:
-                consumers = tuple(sorted(active))
+                if consumers is None:
+                    consumers = tuple(sorted(active))
+                candidates = homes.get(consumers)
+                if candidates is None:
+                    candidates = homes[consumers] = _home(consumers, nodes)
                 for start in range(previous, position, chunk):
                     end = min(position, start + chunk)
-                    reader = _reader(consumers, load, nodes)
+                    reader = candidates[0]  # the fewest bytes so far, ties to the lower rank (candidates ascend)
+                    for other in candidates[1:]:
+                        if load[other] < load[reader]:
+                            reader = other
                     load[reader] += end - start
-                    segments.append(Segment(file, start, end, reader, consumers))
+                    if (file, start, reader, consumers) == (file_now, high, reader_now, consumers_now) and (
+                        end - low <= chunk
+                    ):
+                        high = end
+                        continue
+                    if reader_now >= 0:
+                        merged.append(Segment(file_now, low, high, reader_now, consumers_now))
+                    file_now, low, high, reader_now, consumers_now = file, start, end, reader, consumers
             count = active.get(rank, 0) + delta
             if count:
                 active[rank] = count
             else:
                 del active[rank]
+            consumers = None
             previous = position
-    return SharePlan(world, tuple(_merged(segments, chunk)), None if hosts is None else tuple(hosts))
+    if reader_now >= 0:
+        merged.append(Segment(file_now, low, high, reader_now, consumers_now))
+    return SharePlan(world, tuple(merged), None if hosts is None else tuple(hosts))
 
 
-def _reader(consumers: tuple[int, ...], load: list[int], nodes: Sequence[int] | None) -> int:
-    candidates = consumers
-    if nodes is not None:
-        counts: dict[int, int] = {}
-        for rank in consumers:
-            counts[nodes[rank]] = counts.get(nodes[rank], 0) + 1
-        best = max(counts.values())
-        home = min(node for node, count in counts.items() if count == best)
-        candidates = tuple(rank for rank in consumers if nodes[rank] == home)
-    return min(candidates, key=lambda rank: (load[rank], rank))
-
-
-def _merged(segments: list[Segment], chunk: int) -> Iterator[Segment]:
-    """Adjacent segments with the same file, reader and consumers as one, up to `chunk` bytes (fewer reads)."""
-    current: Segment | None = None
-    for segment in segments:
-        if (
-            current is not None
-            and (current.file, current.end, current.reader, current.consumers)
-            == (segment.file, segment.start, segment.reader, segment.consumers)
-            and current.size + segment.size <= chunk
-        ):
-            current = Segment(current.file, current.start, segment.end, current.reader, current.consumers)
-            continue
-        if current is not None:
-            yield current
-        current = segment
-    if current is not None:
-        yield current
+def _home(consumers: tuple[int, ...], nodes: Sequence[int] | None) -> tuple[int, ...]:
+    """The consumers on the node where most of them are (ties to the lowest node), ascending; all without nodes."""
+    if nodes is None:
+        return consumers
+    counts: dict[int, int] = {}
+    for rank in consumers:
+        counts[nodes[rank]] = counts.get(nodes[rank], 0) + 1
+    best = max(counts.values())
+    home = min(node for node, count in counts.items() if count == best)
+    return tuple(rank for rank in consumers if nodes[rank] == home)

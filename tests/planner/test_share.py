@@ -100,3 +100,62 @@ def test_bad_input_is_a_usage_error() -> None:
         plan_shared_reads([[(0, 0, 1)]], chunk=0)
     with pytest.raises(ShardckptUsageError, match="empty or negative"):
         plan_shared_reads([[(0, 5, 5)]], chunk=4)
+
+
+def _reference_plan(needs: list[list[tuple[int, int, int]]], chunk: int, nodes: list[int] | None) -> list[Segment]:
+    """The planner as first written (a Segment per piece cut at every boundary and chunk, then adjacent ones merged):
+    the faster one must make exactly its plan, which every rank computes alike."""
+    events: dict[int, list[tuple[int, int, int]]] = {}
+    for rank, ranges in enumerate(needs):
+        for file, start, end in ranges:
+            events.setdefault(file, []).extend(((start, 1, rank), (end, -1, rank)))
+    load, pieces = [0] * len(needs), []
+    for file in sorted(events):
+        active: dict[int, int] = {}
+        previous = None
+        for position, delta, rank in sorted(events[file]):
+            if previous is not None and position > previous and active:
+                consumers = tuple(sorted(active))
+                for start in range(previous, position, chunk):
+                    end = min(position, start + chunk)
+                    candidates = consumers
+                    if nodes is not None:
+                        counts: dict[int, int] = {}
+                        for r in consumers:
+                            counts[nodes[r]] = counts.get(nodes[r], 0) + 1
+                        home = min(n for n, c in counts.items() if c == max(counts.values()))
+                        candidates = tuple(r for r in consumers if nodes[r] == home)
+                    reader = min(candidates, key=lambda r: (load[r], r))
+                    load[reader] += end - start
+                    pieces.append(Segment(file, start, end, reader, consumers))
+            active[rank] = active.get(rank, 0) + delta
+            if not active[rank]:
+                del active[rank]
+            previous = position
+    merged: list[Segment] = []
+    for piece in pieces:
+        last = merged[-1] if merged else None
+        if (
+            last is not None
+            and (last.file, last.end, last.reader, last.consumers)
+            == (piece.file, piece.start, piece.reader, piece.consumers)
+            and last.size + piece.size <= chunk
+        ):
+            merged[-1] = Segment(last.file, last.start, piece.end, last.reader, last.consumers)
+        else:
+            merged.append(piece)
+    return merged
+
+
+@st.composite
+def wider_needs(draw: st.DrawFn) -> list[list[tuple[int, int, int]]]:
+    world = draw(st.integers(1, 12))
+    ranges = st.tuples(st.integers(0, 3), st.integers(0, 300), st.integers(1, 90))
+    return [[(f, s, s + n) for f, s, n in draw(st.lists(ranges, max_size=8))] for _ in range(world)]
+
+
+@settings(max_examples=400, deadline=None)
+@given(wider_needs(), st.integers(1, 100), st.integers(0, 4))
+def test_the_plan_is_exactly_the_first_planners(wanted, chunk, per_node) -> None:
+    nodes = [rank // per_node for rank in range(len(wanted))] if per_node else None
+    assert list(plan_shared_reads(wanted, chunk=chunk, nodes=nodes).segments) == _reference_plan(wanted, chunk, nodes)

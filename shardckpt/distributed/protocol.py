@@ -7,6 +7,7 @@ manifest once -> (all) receive them, plan and read only their own boxes -> (all)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -281,9 +282,24 @@ def _metadata_digest(metadata: object) -> object:
     if metadata is None:
         return None
     try:
-        return pack_value(metadata)
+        return pack_value(_key_ordered(metadata))
     except Exception:
         return metadata
+
+
+def _key_ordered(value: object) -> object:
+    """`value` with every dict's items in one order, so that equal metadata built in another order on another rank
+    encodes alike (the coordinator's is what is committed, as given)."""
+    if type(value) is dict:
+        items = [(key, _key_ordered(item)) for key, item in value.items()]
+        with contextlib.suppress(TypeError):  # keys of one type that do not order: compared as given
+            items = sorted(items, key=lambda pair: (type(pair[0]).__name__, pair[0]))
+        return dict(items)
+    if type(value) is list:
+        return [_key_ordered(item) for item in value]
+    if type(value) is tuple:
+        return tuple(_key_ordered(item) for item in value)
+    return value
 
 
 def _commit_gathered(

@@ -292,10 +292,11 @@ def _protocol_case(case: str, url: str, rank: int, world: int) -> dict:
         "agree_step": {"step": 100 + rank},
         "agree_metadata": {"step": 7, "metadata": {"run": f"rank{rank}-config"}},
         "agree_block_size": {"block_size": 4096 * (1 + 15 * rank)},
-        # Equal step, metadata and block size; compression differs between the ranks, as it may.
+        # Equal step, metadata (its dicts built in another order on each rank) and block size; compression differs
+        # between the ranks, as it may.
         "agree_ok": {
             "step": 7,
-            "metadata": {"a": 1, "b": [2]},
+            "metadata": {"a": 1, "b": [2, {"x": 1, "y": (3,)}]} if rank else {"b": [2, {"y": (3,), "x": 1}], "a": 1},
             "block_size": 4096,
             "compression": "zstd" if rank else None,
         },

@@ -201,3 +201,29 @@ def test_every_saving_entry_point_reads_the_block_size_knob_when_it_saves(tmp_pa
     opened["local tier"] = glob.glob(str(tmp_path / "local" / "*"))[0]
     sizes.update({what: shardckpt.open(url).manifest.block_size for what, url in opened.items()})
     assert sizes == dict.fromkeys(["save", "ShardWriter", "dcp", "Checkpointer", "local tier"], 8192)
+
+
+def test_a_misspelt_crash_point_is_refused_before_any_work(tmp_path, monkeypatch) -> None:
+    """Before, SHARDCKPT_CRASH_AT=before_comit was refused at the first crash point reached: after a save had
+    created its files, after retention had deleted a COMMITTED marker, after gc had deleted one object of each
+    of its actions."""
+    import pytest
+    import torch
+
+    import shardckpt
+    from shardckpt.catalog.retention import prune
+    from shardckpt.ops.gc import gc
+    from shardckpt.storage import open_storage
+
+    for step in (1, 2):
+        shardckpt.save({"w": torch.ones(3)}, str(tmp_path / f"step-{step}"))
+    monkeypatch.setenv("SHARDCKPT_CRASH_AT", "before_comit")
+    why = "SHARDCKPT_CRASH_AT='before_comit' is not valid"
+    with pytest.raises(shardckpt.ShardckptUsageError, match=why):
+        shardckpt.save({"w": torch.ones(3)}, str(tmp_path / "step-3"))
+    with pytest.raises(shardckpt.ShardckptUsageError, match=why):
+        prune(open_storage(str(tmp_path)), 1)
+    with pytest.raises(shardckpt.ShardckptUsageError, match=why):
+        gc(str(tmp_path), keep_last=1, grace=0)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["step-1", "step-2"]
+    assert (tmp_path / "step-1" / "COMMITTED").exists() and len(list((tmp_path / "step-1").rglob("*"))) > 2

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from shardckpt import knobs
 from shardckpt.catalog.chain import Opening, read_opening, verify_global_manifest
+from shardckpt.crashpoints import check_crash_at
 from shardckpt.distributed.collectives import Group, any_ranks
 from shardckpt.distributed.group_calls import Solo as _Solo
 from shardckpt.distributed.group_calls import agree_on_coordinator as _agree_on_coordinator
@@ -186,6 +187,7 @@ def save(
     leaves: list[Leaf] = []
     digest: Digest = []
     try:
+        check_crash_at()  # before any rank writes a byte, as the arguments below
         if bad_knob is not None:
             raise bad_knob
         check_codec(compression)  # before any rank writes a byte

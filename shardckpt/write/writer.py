@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from shardckpt import knobs
-from shardckpt.crashpoints import crash_point
+from shardckpt.crashpoints import check_crash_at, crash_point
 from shardckpt.errors import IntegrityError, ShardckptError, ShardckptUsageError
 from shardckpt.format import layout
 from shardckpt.format.bulk import gc_paused
@@ -267,6 +267,7 @@ class ShardWriter:
         "codec"."""
         if not 0 <= rank < world_size:
             raise ShardckptUsageError(f"rank {rank} is outside 0..{world_size - 1}")
+        check_crash_at()  # a misspelt crash point is refused before this rank writes a byte, not at the point
         block_size = knobs.BLOCK_SIZE if block_size is None else block_size  # read here: a load never reads it
         if not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE or block_size & (block_size - 1):
             raise ShardckptUsageError(  # the default is the knob's: name it too, as the compression options do

@@ -227,3 +227,21 @@ def test_a_misspelt_crash_point_is_refused_before_any_work(tmp_path, monkeypatch
         gc(str(tmp_path), keep_last=1, grace=0)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["step-1", "step-2"]
     assert (tmp_path / "step-1" / "COMMITTED").exists() and len(list((tmp_path / "step-1").rglob("*"))) > 2
+
+
+def test_shared_read_knobs_below_what_the_read_uses_are_refused_naming_the_variable() -> None:
+    """Before, SHARDCKPT_SHARE_ROUND=0 made a shared read cut rounds of one byte (a collective per segment), and
+    SHARDCKPT_SHARE_DEPTH=0 or 1 and SHARDCKPT_SHARE_CHECKERS=0 were replaced by 2 and 1 without a word."""
+    import os
+
+    for name, value, valid in (
+        ("SHARE_ROUND", "0", "a whole number >= 4096"),
+        ("SHARE_ROUND", "4095", "a whole number >= 4096"),
+        ("SHARE_DEPTH", "1", "a whole number >= 2"),
+        ("SHARE_CHECKERS", "0", "a whole number >= 1"),
+    ):
+        result = _knob({**os.environ, f"SHARDCKPT_{name}": value}, f"knobs.{name}")
+        assert f"ShardckptUsageError: SHARDCKPT_{name}={value!r} is not valid: {valid}" in result.stderr, result.stderr
+    env = {**os.environ, "SHARDCKPT_SHARE_ROUND": "4096", "SHARDCKPT_SHARE_DEPTH": "2", "SHARDCKPT_SHARE_CHECKERS": "1"}
+    result = _knob(env, "knobs.SHARE_ROUND, knobs.SHARE_DEPTH, knobs.SHARE_CHECKERS")
+    assert result.returncode == 0 and result.stdout.split() == ["4096", "2", "1"], result.stderr

@@ -126,7 +126,7 @@ class Checkpointer:
         process_group: Any = None,
         storage_options: dict[str, Any] | None = None,
         preemption_signals: tuple[signal.Signals, ...] = PREEMPTION_SIGNALS,
-        block_size: int = knobs.BLOCK_SIZE,
+        block_size: int | None = None,
         on_save: Callable[[SaveRecord], None] | None = None,
         default_every_steps: int = 100,
         min_every_steps: int = 1,

@@ -39,6 +39,14 @@ def _armed(wanted: str) -> tuple[str, int | None, int]:
     )
 
 
+def check_crash_at() -> None:
+    """Refuse a malformed SHARDCKPT_CRASH_AT now: what reaches a crash point calls this before any work, so a typo
+    fails there rather than at the first point, after part of a save's files or a retention's deletions."""
+    wanted = os.environ.get("SHARDCKPT_CRASH_AT")
+    if wanted:
+        _armed(wanted)
+
+
 def crash_point(point: str, rank: int | None = None) -> None:
     """SIGKILL this process if SHARDCKPT_CRASH_AT names `point` (and this rank, when a rank is given there)."""
     wanted = os.environ.get("SHARDCKPT_CRASH_AT")

@@ -100,16 +100,18 @@ SHARE_MEMORY = int(_knob("SHARE_MEMORY", 1, flag=True))
 # Bytes a rank fetches plus receives per round of a shared read (and max_in_flight / SHARE_DEPTH): smaller rounds
 # overlap one round's reads with the previous one's checks sooner and leave less to check after the last read, each
 # costs one collective (HSDP 2x2, 512 MiB, cold, with 4 rounds in flight: 16 MiB rounds 0.59 s, 32 MiB 0.74 s, the
-# median of 7 loads taking turns); the /dev/shm a reader holds is SHARE_DEPTH rounds.
-SHARE_ROUND = int(_knob("SHARE_ROUND", 16 << 20))
+# median of 7 loads taking turns); the /dev/shm a reader holds is SHARE_DEPTH rounds. At least MIN_REQUEST: 0 made
+# rounds of one byte (a collective per segment), and a round smaller than a request crawls as such requests do.
+SHARE_ROUND = int(_knob("SHARE_ROUND", 16 << 20, low=MIN_REQUEST))
 # Rounds of a shared read in flight per rank: a reader reads the next depth - 1 rounds while the ranks hand over and
-# check this one; its /dev/shm region holds `depth` rounds.
-SHARE_DEPTH = int(_knob("SHARE_DEPTH", 4))
+# check this one; its /dev/shm region holds `depth` rounds. At least 2 (one round read ahead), which a shared read
+# used silently in place of 0 or 1.
+SHARE_DEPTH = int(_knob("SHARE_DEPTH", 4, low=2))
 # A collective load shares its reads only when ranks reading on their own would read more than (1 + this) times the
 # bytes they need together (a reshard whose ranges touch at their edges reads on its own: it is faster, and reads few
 # bytes twice; replicas read 2x and more).
 SHARE_MIN_SAVING = float(_knob("SHARE_MIN_SAVING", 0.05))
-SHARE_CHECKERS = int(_knob("SHARE_CHECKERS", 8))  # threads per rank verifying and copying out shared reads
+SHARE_CHECKERS = int(_knob("SHARE_CHECKERS", 8, low=1))  # threads per rank verifying and copying out shared reads
 
 # Object stores (storage/s3.py)
 S3_PART_SIZE = int(_knob("S3_PART_SIZE", 16 << 20))  # multipart upload part (S3's minimum is 5 MiB)

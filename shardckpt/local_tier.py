@@ -44,7 +44,7 @@ class LocalTier:
         keep: int,
         peers: int,
         durable: bool | None = None,
-        block_size: int = knobs.BLOCK_SIZE,
+        block_size: int | None = None,
         persistent: str | None = None,
     ) -> None:
         for what, value, low in (("local_every_steps", every_steps, 1), ("local_keep", keep, 1), ("peers", peers, 0)):

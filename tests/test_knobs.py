@@ -68,7 +68,7 @@ def test_the_defaults_users_see_come_from_knobs() -> None:
     from shardckpt.cli.main import build_parser
     from shardckpt.ops import gc
 
-    assert inspect.signature(shardckpt.save).parameters["block_size"].default == knobs.BLOCK_SIZE
+    assert inspect.signature(shardckpt.save).parameters["block_size"].default is None  # knobs.BLOCK_SIZE, at the save
     assert inspect.signature(shardckpt.load).parameters["max_gap"].default == knobs.MAX_GAP
     assert gc.DEFAULT_GRACE == knobs.GC_GRACE
     commands = next(a for a in build_parser()._actions if a.dest == "command").choices
@@ -142,3 +142,106 @@ def test_a_block_size_override_that_is_no_power_of_two_names_the_variable() -> N
     env = {**os.environ, "SHARDCKPT_BLOCK_SIZE": "1000"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert "block_size (or SHARDCKPT_BLOCK_SIZE) must be a power of two in 4096..67108864, got 1000" in result.stderr
+
+
+def test_a_bad_block_size_override_fails_a_save_naming_it_and_never_a_load(tmp_path) -> None:
+    """Before, SHARDCKPT_BLOCK_SIZE=abc failed `shardckpt.load` as well: protocol.py and the writers read it for a
+    default argument at import, and a load never uses it. Now a save reads it, and refuses it naming the variable."""
+    import os
+
+    import torch
+
+    import shardckpt
+
+    url = str(tmp_path / "step-1")
+    shardckpt.save({"w": torch.ones(3)}, url)
+    code = (
+        "import torch, shardckpt\n"
+        f"state = {{'w': torch.zeros(3)}}; shardckpt.load(state, {url!r}); print(state['w'].tolist(), flush=True)\n"
+        f"shardckpt.save(state, {url + '-again'!r})\n"
+    )
+    env = {**os.environ, "SHARDCKPT_BLOCK_SIZE": "abc"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert result.stdout.splitlines() == ["[1.0, 1.0, 1.0]"], result.stderr
+    assert "ShardckptUsageError: SHARDCKPT_BLOCK_SIZE='abc' is not valid: a whole number >= 0" in result.stderr
+    assert not (tmp_path / "step-1-again").exists()
+
+
+def test_every_saving_entry_point_reads_the_block_size_knob_when_it_saves(tmp_path, monkeypatch) -> None:
+    """save, ShardWriter, the DCP StorageWriter, the Checkpointer and its local tier took the knob's value as their
+    default when imported; they read it at the save now (the same value, unless the knob changed since)."""
+    import glob
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import shardckpt
+    import shardckpt.dcp
+    from shardckpt import knobs
+
+    monkeypatch.setattr(knobs, "BLOCK_SIZE", 8192)  # as SHARDCKPT_BLOCK_SIZE=8192 would, but after the import
+    state = {"w": torch.ones(3)}
+    sizes = {"save": shardckpt.save(state, str(tmp_path / "save"), step=1).block_size}
+    writer = shardckpt.ShardWriter(str(tmp_path / "writer"), rank=0, world_size=1)
+    writer.add("w", state["w"])
+    writer.close()
+    sizes["ShardWriter"] = shardckpt.commit(str(tmp_path / "writer"), world_size=1).block_size
+    dcp.save(state, storage_writer=shardckpt.dcp.StorageWriter(str(tmp_path / "dcp"), step=1))
+    manager = shardckpt.Checkpointer(
+        str(tmp_path / "root"),
+        every_steps=2,
+        local_root=str(tmp_path / "local"),
+        local_every_steps=1,
+        preemption_signals=(),
+    )
+    manager.maybe_save(1, state)  # a local save
+    manager.maybe_save(2, state)  # a persistent one
+    manager.close()
+    opened = {"dcp": str(tmp_path / "dcp"), "Checkpointer": shardckpt.latest(str(tmp_path / "root"))}
+    opened["local tier"] = glob.glob(str(tmp_path / "local" / "*"))[0]
+    sizes.update({what: shardckpt.open(url).manifest.block_size for what, url in opened.items()})
+    assert sizes == dict.fromkeys(["save", "ShardWriter", "dcp", "Checkpointer", "local tier"], 8192)
+
+
+def test_a_misspelt_crash_point_is_refused_before_any_work(tmp_path, monkeypatch) -> None:
+    """Before, SHARDCKPT_CRASH_AT=before_comit was refused at the first crash point reached: after a save had
+    created its files, after retention had deleted a COMMITTED marker, after gc had deleted one object of each
+    of its actions."""
+    import pytest
+    import torch
+
+    import shardckpt
+    from shardckpt.catalog.retention import prune
+    from shardckpt.ops.gc import gc
+    from shardckpt.storage import open_storage
+
+    for step in (1, 2):
+        shardckpt.save({"w": torch.ones(3)}, str(tmp_path / f"step-{step}"))
+    monkeypatch.setenv("SHARDCKPT_CRASH_AT", "before_comit")
+    why = "SHARDCKPT_CRASH_AT='before_comit' is not valid"
+    with pytest.raises(shardckpt.ShardckptUsageError, match=why):
+        shardckpt.save({"w": torch.ones(3)}, str(tmp_path / "step-3"))
+    with pytest.raises(shardckpt.ShardckptUsageError, match=why):
+        prune(open_storage(str(tmp_path)), 1)
+    with pytest.raises(shardckpt.ShardckptUsageError, match=why):
+        gc(str(tmp_path), keep_last=1, grace=0)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["step-1", "step-2"]
+    assert (tmp_path / "step-1" / "COMMITTED").exists() and len(list((tmp_path / "step-1").rglob("*"))) > 2
+
+
+def test_shared_read_knobs_below_what_the_read_uses_are_refused_naming_the_variable() -> None:
+    """Before, SHARDCKPT_SHARE_ROUND=0 made a shared read cut rounds of one byte (a collective per segment), and
+    SHARDCKPT_SHARE_DEPTH=0 or 1 and SHARDCKPT_SHARE_CHECKERS=0 were replaced by 2 and 1 without a word."""
+    import os
+
+    for name, value, valid in (
+        ("SHARE_ROUND", "0", "a whole number >= 4096"),
+        ("SHARE_ROUND", "4095", "a whole number >= 4096"),
+        ("SHARE_DEPTH", "1", "a whole number >= 2"),
+        ("SHARE_CHECKERS", "0", "a whole number >= 1"),
+    ):
+        result = _knob({**os.environ, f"SHARDCKPT_{name}": value}, f"knobs.{name}")
+        assert f"ShardckptUsageError: SHARDCKPT_{name}={value!r} is not valid: {valid}" in result.stderr, result.stderr
+    env = {**os.environ, "SHARDCKPT_SHARE_ROUND": "4096", "SHARDCKPT_SHARE_DEPTH": "2", "SHARDCKPT_SHARE_CHECKERS": "1"}
+    result = _knob(env, "knobs.SHARE_ROUND, knobs.SHARE_DEPTH, knobs.SHARE_CHECKERS")
+    assert result.returncode == 0 and result.stdout.split() == ["4096", "2", "1"], result.stderr

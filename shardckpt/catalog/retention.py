@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from shardckpt.catalog import Entry, checkpoint_objects, delete_objects, list_root
 from shardckpt.catalog.listing import OrderKey
-from shardckpt.crashpoints import crash_point
+from shardckpt.crashpoints import check_crash_at, crash_point
 from shardckpt.format import layout
 from shardckpt.storage import Storage
 
@@ -24,6 +24,7 @@ def committed_checkpoints(root: Storage) -> list[tuple[OrderKey, str]]:
 def delete_checkpoint(root: Storage, name: str) -> None:
     """Delete the committed checkpoint ROOT/name: COMMITTED first, then every file the layout names, then its
     directories when empty (SPEC section 14)."""
+    check_crash_at()  # a misspelt point would be refused only once COMMITTED is gone
 
     def after(path: str) -> None:
         if path == layout.COMMITTED:

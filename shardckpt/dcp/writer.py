@@ -85,7 +85,8 @@ class StorageWriter(_DCPStorageWriter):
     Picklable (async_save's process executor sends it to a child): it holds the URL, options and step only.
     step: recorded in the manifest (shardckpt ls, latest), for `url`; by default the step its last component names
     (step-N, step_N, ...); a writer reused for another checkpoint id (dcp.save(checkpoint_id=...) resets it) records
-    the step that id names, and refuses an id naming none when a step was given; block_size: bytes per block.
+    the step that id names, and refuses an id naming none when a step was given; block_size: bytes per block (None:
+    SHARDCKPT_BLOCK_SIZE, read at the save).
     supersede: a save to a URL that holds a committed checkpoint does what DCP's own writer does there (a rollback
     saving step-6 again, Lightning's last.ckpt): the new save is written beside the old one and, once committed,
     replaces it for every reader (SPEC 14.2); the old one stays whole until then and gc collects it after.
@@ -100,7 +101,7 @@ class StorageWriter(_DCPStorageWriter):
         *,
         storage_options: dict[str, Any] | None = None,
         step: int | None = None,
-        block_size: int = knobs.BLOCK_SIZE,
+        block_size: int | None = None,
         supersede: bool = True,
         compression: str | None = None,
         compression_pace: str | None = None,
@@ -172,7 +173,9 @@ class StorageWriter(_DCPStorageWriter):
         self._paths = {name: tuple(path) for name, path in mapping.items()}
         objects = [item.index.fqn for item in plan.items if item.type == WriteItemType.BYTE_IO]
         # The step and block size ride to the coordinator with the plan, which compares them (no collective more).
-        agreed = {name: token(getattr(self, name)) for name in AGREED}
+        # None is SHARDCKPT_BLOCK_SIZE, read at the save (a load never reads it): the value each rank's writer uses.
+        block_size = knobs.BLOCK_SIZE if self.block_size is None else self.block_size
+        agreed = {"step": token(self.step), "block_size": token(block_size)}
         return dataclasses.replace(plan, storage_data={"objects": objects, "agreed": agreed})
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from shardckpt import knobs
 from shardckpt.catalog.chain import Opening, read_opening, verify_global_manifest
+from shardckpt.crashpoints import check_crash_at
 from shardckpt.distributed.collectives import Group, any_ranks
 from shardckpt.distributed.group_calls import Solo as _Solo
 from shardckpt.distributed.group_calls import agree_on_coordinator as _agree_on_coordinator
@@ -120,7 +121,7 @@ def save(
     storage_options: dict[str, Any] | None = None,
     step: int | None = None,
     metadata: dict[str, Any] | None = None,
-    block_size: int = knobs.BLOCK_SIZE,
+    block_size: int | None = None,
     parent: str | None = None,
     piece_hashes: bool | None = None,
     compression: str | None = None,
@@ -135,6 +136,8 @@ def save(
     coordinator: the rank that commits; the same on every rank (else every rank raises ShardckptUsageError).
     step, metadata and block_size: the same on every rank too (compared before any byte is written: ranks that
     differ all raise ShardckptUsageError naming each value and its ranks).
+    block_size: bytes per CRC32C block (the granularity of verified reads), a power of two in 4 KiB..64 MiB; None
+    (default): SHARDCKPT_BLOCK_SIZE, else 64 KiB.
     metadata: plain values recorded in the global manifest (Checkpoint.manifest.metadata).
     state_dict may be a callable returning the state: it is built inside the protocol, so a failure to build it
     on one rank reaches every rank.
@@ -165,7 +168,16 @@ def save(
     # The manifest records one step, one metadata and one block size, the coordinator's: every rank must pass the
     # same (compression, its pace, piece_hashes and the URL's spelling may differ; each rank writes its own files).
     solo = isinstance(group, _Solo)
-    same = None if solo else {"step": step, "metadata": _metadata_digest(metadata), "block_size": block_size}
+    # None is SHARDCKPT_BLOCK_SIZE, read here and not at import, so that a load never fails over it. A refused value
+    # is compared as "not valid" (ranks whose environments differ all raise) and raised in the first step below,
+    # which carries it to every rank.
+    bad_knob: ShardckptUsageError | None = None
+    try:
+        block_size = knobs.BLOCK_SIZE if block_size is None else block_size
+    except ShardckptUsageError as exc:
+        bad_knob = exc
+    compared = block_size if bad_knob is None else bad_knob
+    same = None if solo else {"step": step, "metadata": _metadata_digest(metadata), "block_size": compared}
     coordinator = _agree_on_coordinator(group, coordinator, "save", same)
     # Whatever fails on one rank (its storage, its state dict, the coordinator's existence check) is carried
     # through the protocol's own collectives, so every rank raises the same DistributedError, never waits.
@@ -176,6 +188,9 @@ def save(
     leaves: list[Leaf] = []
     digest: Digest = []
     try:
+        check_crash_at()  # before any rank writes a byte, as the arguments below
+        if bad_knob is not None:
+            raise bad_knob
         check_codec(compression)  # before any rank writes a byte
         given_pace(compression_pace, compression)
         storage = open_storage(url, storage_options)

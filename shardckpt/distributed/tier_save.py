@@ -46,7 +46,7 @@ def save_local(
     step: int,
     job: str,
     peers: int,
-    block_size: int,
+    block_size: int | None,
     started: list[str] | None = None,
 ) -> tuple[str, GlobalManifest]:
     """Save `state` into the local tier (`root`: this rank's node's local root; `nodes[rank]`: each rank's node);

@@ -21,7 +21,7 @@ from shardckpt.catalog.chain import require_exists
 from shardckpt.catalog.claims import BY_COLLECTOR, BY_COMMIT, claim, holder, release
 from shardckpt.catalog.deletion import attempt_of, is_successor
 from shardckpt.catalog.local_tier import TAGGED_LOCAL_NAME, LocalTierWarning, inventory
-from shardckpt.crashpoints import crash_point
+from shardckpt.crashpoints import check_crash_at, crash_point
 from shardckpt.errors import NotFoundError, ShardckptError, ShardckptUsageError
 from shardckpt.format import layout, limits
 from shardckpt.format.manifest import decode_global_manifest
@@ -243,6 +243,7 @@ def collect(plan: GcPlan, progress: Callable[[Action, Doomed], None] | None = No
     An action that fails records its error and the others go on. A crash at any point leaves every committed
     checkpoint that is not being pruned intact, and a pruned one without COMMITTED (a reader sees it as gone).
     """
+    check_crash_at()  # else a misspelt point is refused in each action, each after deleting one object
     for action in plan.actions:
         try:
             if action.kind == "incomplete" and not _claim_incomplete(plan.storage.child(action.checkpoint), action):

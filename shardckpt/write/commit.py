@@ -17,7 +17,7 @@ from typing import Any
 from shardckpt import knobs
 from shardckpt.catalog.chain import read_commit_marker, read_global_manifest, read_marker, read_markers
 from shardckpt.catalog.claims import BY_COMMIT, CREATED, claim, missing_files, release
-from shardckpt.crashpoints import crash_point
+from shardckpt.crashpoints import check_crash_at, crash_point
 from shardckpt.errors import (
     AlreadyExistsError,
     CommitConflictError,
@@ -82,6 +82,7 @@ def commit(
     piece_index: write the manifest with a piece index (format 1.2, SPEC 11.1: a loading rank reads the metadata of
     its own tensors only); None: when the checkpoint has knobs.PIECE_INDEX_MIN_TENSORS tensors or more.
     """
+    check_crash_at()  # a misspelt point is refused before the checks, not after the global manifest is written
     storage = open_storage(url, storage_options)
     committed = _existing_commit(storage, attempt, step, metadata, supersede)
     if committed is not None:

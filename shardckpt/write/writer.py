@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from shardckpt import knobs
-from shardckpt.crashpoints import crash_point
+from shardckpt.crashpoints import check_crash_at, crash_point
 from shardckpt.errors import IntegrityError, ShardckptError, ShardckptUsageError
 from shardckpt.format import layout
 from shardckpt.format.bulk import gc_paused
@@ -243,7 +243,7 @@ class ShardWriter:
         rank: int,
         world_size: int,
         attempt: str = "0",
-        block_size: int = knobs.BLOCK_SIZE,
+        block_size: int | None = None,
         step: int | None = None,
         storage_options: dict[str, Any] | None = None,
         write_threads: int = DEFAULT_WRITE_THREADS,
@@ -255,7 +255,8 @@ class ShardWriter:
         compression_threads: int | None = None,
         compression_pace: str | None = None,
     ) -> None:
-        """parent: an incremental save's parent (write.parent.open_parent): a piece whose bytes hash equal to the
+        """block_size: bytes per CRC32C block, a power of two in 4 KiB..64 MiB; None: knobs.BLOCK_SIZE (64 KiB).
+        parent: an incremental save's parent (write.parent.open_parent): a piece whose bytes hash equal to the
         parent's piece of the same identity is stored by reference to the file that holds it (SPEC 6.2).
         piece_hashes: record the hash of every piece written, which a parent needs (default: knobs.PIECE_HASHES, or
         on when there is a parent). hash_threads: threads hashing pieces while they are written (0: in line).
@@ -266,6 +267,8 @@ class ShardWriter:
         "codec"."""
         if not 0 <= rank < world_size:
             raise ShardckptUsageError(f"rank {rank} is outside 0..{world_size - 1}")
+        check_crash_at()  # a misspelt crash point is refused before this rank writes a byte, not at the point
+        block_size = knobs.BLOCK_SIZE if block_size is None else block_size  # read here: a load never reads it
         if not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE or block_size & (block_size - 1):
             raise ShardckptUsageError(  # the default is the knob's: name it too, as the compression options do
                 f"block_size (or SHARDCKPT_BLOCK_SIZE) must be a power of two in {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE}, "

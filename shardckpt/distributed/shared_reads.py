@@ -67,6 +67,7 @@ class Exchange:
     round_bytes: int
     published: tuple[tuple[str, int], ...]
     reserved: Region | None
+    checkers: int  # this rank's SHARE_CHECKERS (its own: threads need no agreement)
 
     def release(self) -> None:
         if self.reserved is not None:
@@ -90,30 +91,35 @@ def plan_exchange(
     chunk: the largest segment (None: knobs.MAX_REQUEST); the smallest of the ranks' choices is used.
     shared_memory: also learn which ranks claim one host, and reserve this rank's region (None: knobs.SHARE_MEMORY).
     budget: bytes in flight per rank (max_in_flight): rounds of budget / SHARE_DEPTH, at most SHARE_ROUND."""
-    depth = max(2, knobs.SHARE_DEPTH)
-    rounds = max(1, min(budget // depth, knobs.SHARE_ROUND))
-    chunk = knobs.MAX_REQUEST if chunk is None else chunk
-    host = host_key() if _shared_memory(shared_memory) else None
     reserved: Region | None = None
-    cause = None
+    cause = knob_cause = None
+    failure: BaseException | None = None
+    depth = rounds = checkers = 0
+    saving = 0.0
+    host = None
+    try:
+        # A malformed SHARDCKPT_SHARE_* on some ranks travels in the gather too (raising here would leave the others
+        # waiting in it), and fails the load only where the ranks share.
+        depth, rounds, chunk, checkers = _knob_choices(budget, chunk)
+        saving = knobs.SHARE_MIN_SAVING
+        host = host_key() if _shared_memory(shared_memory) else None
+    except ShardckptError as exc:
+        knob_cause, failure = f"{type(exc).__name__}: {exc}", exc
     try:
         # Sparse until the plan says how much of it this rank's reads fill (HostLinks.build allocates that).
-        reserved = Region.create(depth * max(rounds, chunk)) if host is not None else None
+        reserved = Region.create(depth * max(rounds, chunk or 1)) if host is not None else None
     except Exception as exc:  # said in the gather, so that no rank waits for this one in a later collective
-        cause = f"{type(exc).__name__}: {exc}"
-        failure: BaseException | None = exc
-    else:
-        failure = None
+        cause, failure = f"{type(exc).__name__}: {exc}", exc
     node = os.environ.get("SHARDCKPT_NODE", os.environ.get("GROUP_RANK"))
     needs = [[request.file, request.start, request.end] for request in plan.requests]
     region = [reserved.name, reserved.size] if reserved is not None else ["", 0]
-    mine = [node, host, chunk, needs, depth, rounds, knobs.SHARE_MIN_SAVING, region, cause]
+    mine = [node, host, chunk, needs, depth, rounds, saving, region, cause, knob_cause]
     try:
         # Tuples straight from msgpack: at 4,096 ranks of 64 ranges each, 0.10 s a rank instead of 0.26 s.
         gathered = [msgpack.unpackb(b, use_list=False) for b in all_gather_bytes(group, msgpack.packb(mine))]
         failed = {rank: theirs[8] for rank, theirs in enumerate(gathered) if theirs[8] is not None}
         if failed:
-            if failure is not None:
+            if cause is not None and failure is not None:
                 raise failure
             raise PeerFailed(f"another rank failed to set up a shared read: {failed}")
         names = [theirs[0] for theirs in gathered]
@@ -124,6 +130,11 @@ def plan_exchange(
         if only_across_nodes and (nodes is None or len(set(nodes)) < 2):
             _released(reserved)
             return None
+        refused = {rank: theirs[9] for rank, theirs in enumerate(gathered) if theirs[9] is not None}
+        if refused:
+            if knob_cause is not None and failure is not None:
+                raise failure
+            raise PeerFailed(f"another rank refused a setting of shared reads: {refused}")
         hosts = [theirs[1] if isinstance(theirs[1], str) else None for theirs in gathered]
         everyone = [theirs[3] for theirs in gathered]
         # Every rank cuts the segments and rounds alike (SHARDCKPT_MAX_REQUEST, max_in_flight, SHARE_ROUND or
@@ -146,6 +157,7 @@ def plan_exchange(
             max(1, min(int(theirs[5]) for theirs in gathered)),
             published,
             reserved,
+            checkers,
         )
     except BaseException:
         _released(reserved)
@@ -280,10 +292,19 @@ def _fetch_shared(
     # or SHARDCKPT_SHARE_DEPTH may differ between ranks, and ranks that cut rounds apart would wait in different
     # collectives, or overwrite a part of a region that a peer still reads).
     if exchange is not None:
-        depth, round_bytes = exchange.depth, exchange.round_bytes
+        depth, round_bytes, checkers = exchange.depth, exchange.round_bytes, exchange.checkers
     else:
-        depth = smallest(group, max(2, knobs.SHARE_DEPTH))
-        round_bytes = smallest(group, max(1, min(budget // depth, knobs.SHARE_ROUND)))
+        refused: ShardckptError | None = None
+        try:
+            depth, round_bytes, _, checkers = _knob_choices(budget, 1)
+        except ShardckptError as exc:  # -1 in both agreements: every rank raises, none waits for this one
+            refused, depth, round_bytes, checkers = exc, -1, -1, 1
+        depth = smallest(group, depth)
+        round_bytes = smallest(group, max(1, min(budget // depth, round_bytes)) if depth > 0 and round_bytes > 0 else -1)
+        if depth < 0 or round_bytes < 0:
+            if refused is not None:
+                raise refused
+            raise PeerFailed("another rank refused a setting of shared reads")
     rounds = list(share.rounds(round_bytes))
 
     def mine(number: int) -> list[Segment]:
@@ -311,7 +332,7 @@ def _fetch_shared(
             published=None if exchange is None else exchange.published,
             reserved=None if exchange is None else exchange.reserved,
         ) as links,
-        ThreadPoolExecutor(max_workers=_checkers(len(plan.requests))) as pool,
+        ThreadPoolExecutor(max_workers=_checkers(len(plan.requests), checkers)) as pool,
         ThreadPoolExecutor(max_workers=1) as reading,
         _cancelled_on_exit() as ahead,
         _cancelled_on_exit() as checking,
@@ -441,11 +462,19 @@ def _cancelled_on_exit() -> Iterator[collections.deque[Any]]:
             future.cancel()
 
 
-def _checkers(jobs: int) -> int:
+def _checkers(jobs: int, limit: int) -> int:
     """Threads that verify and copy out: a thread per core (the reads run on a thread of their own and wait on the
-    storage, not a core; this thread only waits for a round), never more than the jobs."""
+    storage, not a core; this thread only waits for a round), never more than the jobs or `limit`."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(cores, jobs, knobs.SHARE_CHECKERS))
+    return max(1, min(cores, jobs, limit))
+
+
+def _knob_choices(budget: int, chunk: int | None) -> tuple[int, int, int, int]:
+    """This rank's rounds in flight, bytes a round, largest segment (chunk, else MAX_REQUEST) and checking threads:
+    its knobs, each of which may be refused (ShardckptUsageError naming the variable)."""
+    depth = max(2, knobs.SHARE_DEPTH)
+    rounds = max(1, min(budget // depth, knobs.SHARE_ROUND))
+    return depth, rounds, knobs.MAX_REQUEST if chunk is None else chunk, knobs.SHARE_CHECKERS
 
 
 def _shared_memory(choice: bool | None) -> bool:

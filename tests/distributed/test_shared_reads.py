@@ -185,6 +185,16 @@ def test_ranks_that_disagree_on_share_reads_all_fail_at_once_instead_of_hanging(
     loaded = ok(run_ranks("ddp_load", 3, {"url": url, "share": True, "env_by_rank": env}, worker=WORKER, timeout=90))
     assert all(result["equal"] for result in loaded)
     assert sum(result["read"] for result in loaded) <= 1.05 * data_bytes(url)
+    # One rank's SHARDCKPT_SHARE_DEPTH is refused (at least 2): every rank raises it at once (before: that rank
+    # raised alone and the others waited in the exchange's first gather for the group's timeout, 20 s here); a load
+    # that does not share (the default, on one node) does not read it.
+    env = {"1": {"SHARDCKPT_SHARE_DEPTH": "1"}}
+    refused_args = {"url": url, "share": True, "env_by_rank": env, "timeout": 20}
+    for result in run_ranks("ddp_load", 2, refused_args, worker=WORKER, timeout=60):
+        assert result is not None and not result["ok"], result
+        assert "rank 1: ShardckptUsageError: SHARDCKPT_SHARE_DEPTH='1'" in result["error"], result["error"]
+    loaded = ok(run_ranks("ddp_load", 2, {"url": url, "env_by_rank": env}, worker=WORKER, timeout=60))
+    assert all(result["equal"] for result in loaded)
 
 
 def test_a_compressed_checkpoint_saved_by_2_ranks_loads_bit_exact_on_3_even_when_sharing_is_asked(tmp_path) -> None:

@@ -81,6 +81,7 @@ bench: $(BENCH_STAMP)
 	$(BIN)/python -m benchmarks.s3
 	$(BIN)/python -m benchmarks.ds_engine --json benchmarks/ds_engine.json
 	$(BIN)/python -m benchmarks.shared_reads --size-mib 2048 --s3 --json benchmarks/shared_reads.json
+	$(BIN)/python -m benchmarks.shared_reads --plan-ranks 1024 4096 16384 --json benchmarks/shared_plan.json
 	$(BIN)/python -m benchmarks.local_tier --size-mib 2048 --s3 --json benchmarks/local_tier.json
 	$(BIN)/python -m benchmarks.compression --json benchmarks/compression.json
 	$(MAKE) figures

@@ -2,7 +2,8 @@
 meshes, with each stored byte read once per job (load's share_reads, the default over a group) vs every rank reading
 its own (share_reads=False) vs DCP; bytes read from storage over all ranks (rchar) as a ratio to the checkpoint's
 data bytes, and medians of the load times. "DDP 4 ranks": the same tensors as plain tensors every rank loads whole.
---s3 adds the same-mesh and DDP loads from a SeaweedFS server (bytes: what the loads fetched).
+--s3 adds the same-mesh and DDP loads from a SeaweedFS server (bytes: what the loads fetched). --plan-ranks times
+what every rank of a larger job computes before its first round (no I/O): decoding every rank's offer and planning.
 
     python -m benchmarks.shared_reads --size-mib 2048 --json benchmarks/shared_reads.json
 """
@@ -13,6 +14,7 @@ import argparse
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from benchmarks.__main__ import machine, write_report
@@ -48,6 +50,46 @@ def load_rows(common: dict, stored: dict[str, int], loads: dict) -> dict[str, di
     return rows
 
 
+def plan_row(ranks: int, ranges: int = 64, replicas: int = 2, per_node: int = 8) -> dict[str, float]:
+    """One rank's setup of a shared read on `ranks` simulated ranks: HSDP with `replicas` replica groups, each rank
+    needing `ranges` 1 MiB ranges of its shard's file, `per_node` ranks a node. CPU seconds of this process."""
+    from shardckpt.distributed.shared_reads import Offer, agree, nodes_of, read_offers
+
+    shards = max(1, ranks // replicas)
+    offers = [
+        Offer(
+            f"node-{rank // per_node}",
+            f"host-{rank // per_node}",
+            8 << 20,
+            [(rank % shards, i << 20, (i + 1) << 20) for i in range(ranges)],
+            4,
+            16 << 20,
+            0.05,
+            ("", 0),
+            None,
+            None,
+        ).encode()
+        for rank in range(ranks)
+    ]
+    began = time.process_time()
+    decoded = read_offers(offers)
+    decoded_at = time.process_time()
+    agreed = agree(decoded, nodes_of(decoded))
+    planned = time.process_time()
+    assert agreed is not None
+    share, _, round_bytes, _ = agreed
+    rounds = sum(1 for _ in share.rounds(round_bytes))
+    return {
+        "ranks": ranks,
+        "gathered_mib": sum(map(len, offers)) / 2**20,
+        "decode_seconds": decoded_at - began,
+        "plan_seconds": planned - decoded_at,
+        "rounds_seconds": time.process_time() - planned,
+        "segments": len(share.segments),
+        "rounds": rounds,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mib", type=int, default=2048, help="state size (default 2048 MiB, the reference)")
@@ -59,7 +101,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loads", default=",".join(LOADS), help=f"comma-separated, of: {', '.join(LOADS)}")
     parser.add_argument("--no-dcp", action="store_true", help="leave DCP's loads out (a quicker run)")
     parser.add_argument("--json", default="")
+    parser.add_argument(
+        "--plan-ranks", type=int, nargs="*", default=[], help="only time one rank's setup on these simulated jobs"
+    )
     args = parser.parse_args(argv)
+    if args.plan_ranks:
+        rows = [plan_row(ranks) for ranks in args.plan_ranks]
+        for row in rows:
+            print(
+                f"  {row['ranks']} ranks, 64 ranges each: gathered {row['gathered_mib']:.2f} MiB, decode "
+                f"{row['decode_seconds']:.2f} s, plan {row['plan_seconds']:.2f} s, rounds "
+                f"{row['rounds_seconds']:.2f} s ({row['segments']} segments in {row['rounds']} rounds)",
+                flush=True,
+            )
+        write_report(args.json, {"machine": machine(), "plan_rows": rows})
+        return 0
     rows_per_tensor = max(12, round((args.size_mib << 20) / (args.tensors * 4096) / 12) * 12)
     scratch = tempfile.mkdtemp(prefix="shardckpt-share-", dir=args.dir)
     common = {"rows": rows_per_tensor, "tensors": args.tensors, "repeats": args.repeats, "warm": args.warm}

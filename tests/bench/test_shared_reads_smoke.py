@@ -21,3 +21,12 @@ def test_shared_reads_benchmark_reads_each_byte_once(tmp_path) -> None:
     for name, row in rows.items():
         assert 1.0 <= row["shared_read_ratio"] <= 1.05, (name, row)
         assert row["alone_read_ratio"] >= 1.9, (name, row)  # each replica on its own: 2x (HSDP), 4x (DDP)
+
+
+def test_the_setup_of_a_larger_job_is_timed_without_io(tmp_path) -> None:
+    out = tmp_path / "plan.json"
+    assert main(["--plan-ranks", "64", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["plan_rows"]
+    # 32 HSDP pairs, 64 ranges of 1 MiB each: merged into 8 MiB segments, each pair's read by one of its two ranks.
+    assert (row["ranks"], row["segments"]) == (64, 32 * 8)
+    assert row["gathered_mib"] > 0 and row["rounds"] >= 1

@@ -8,11 +8,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import pytest
 
 import shardckpt
-from shardckpt.distributed.shared_reads import _Assembly
+from shardckpt.distributed.shared_reads import Offer, _Assembly, read_offers
+from shardckpt.errors import DistributedError
 from shardckpt.planner import ReadRequest
 from shardckpt.planner.share import plan_shared_reads
 from tests.helpers.launch import run_ranks
@@ -234,3 +236,12 @@ def test_overlapping_requests_of_one_rank_each_get_every_byte_of_a_shared_segmen
     done = dict(assembly.settle(keep=True))
     assert sorted(done) == [0, 1]
     assert np.array_equal(done[0], stored[0:100]) and np.array_equal(done[1], stored[60:200])
+
+
+def test_an_offer_of_another_shape_is_a_typed_error_naming_its_rank() -> None:
+    # A rank running another shardckpt sends an offer with other fields: every rank decodes the same gather and
+    # raises the same typed error (before the Offer fields were checked: a TypeError from the tuple's arity).
+    good = Offer("node-0", None, 4096, [(0, 0, 10)], 2, 4096, 0.05, ("", 0), None, None).encode()
+    assert read_offers([good])[0].needs == ((0, 0, 10),)
+    with pytest.raises(DistributedError, match="rank 1: its shared-read offer has another shape"):
+        read_offers([good, msgpack.packb(["node-1", None, 4096])])

@@ -245,3 +245,17 @@ def test_an_offer_of_another_shape_is_a_typed_error_naming_its_rank() -> None:
     assert read_offers([good])[0].needs == ((0, 0, 10),)
     with pytest.raises(DistributedError, match="rank 1: its shared-read offer has another shape"):
         read_offers([good, msgpack.packb(["node-1", None, 4096])])
+
+
+def test_replicated_tensors_on_s3_are_fetched_once_over_the_job_and_load_bit_exact(s3_url) -> None:
+    # The object-store path of the exchange (range GETs into the readers' regions, every rank on this host linked):
+    # SeaweedFS started by the fixtures, the AWS variables reaching the ranks through the environment.
+    url = f"{s3_url}/ddp"
+    ok(run_ranks("ddp_save", 1, {"url": url}, worker=WORKER))
+    shared = ok(run_ranks("ddp_load", 4, {"url": url, "share": True, "budget": 64 << 10}, worker=WORKER))
+    alone = ok(run_ranks("ddp_load", 4, {"url": url, "share": False}, worker=WORKER))
+    assert all(result["equal"] for result in shared + alone)
+    assert sum(result["links"] for result in shared) == 4 * 3
+    one_copy = alone[0]["fetched"]  # every rank loads every tensor: what each fetched on its own
+    assert all(result["fetched"] == one_copy for result in alone) and one_copy > 0
+    assert sum(result["fetched"] for result in shared) <= 1.05 * one_copy  # before sharing: 4x

@@ -300,13 +300,14 @@ def scenario_ddp_load(args: dict[str, Any], rank: int, world: int) -> dict[str, 
         share = args["share_by_rank"][rank] if "share_by_rank" in args else args.get("share")
         try:
             budget = args["budget_by_rank"][rank] if "budget_by_rank" in args else args.get("budget", 256 << 20)
-            shardckpt.load(state, args["url"], share_reads=share, max_in_flight=budget)
+            stats = shardckpt.load(state, args["url"], share_reads=share, max_in_flight=budget)
         finally:
             left = leftovers()
             assert not left, left
     same = all(torch.equal(state["model"][k], v) for k, v in replicated(3).items())
     timing = [end - reads[0] for end in reads]
-    return {"equal": same, "read": read[0], "links": pairs[0], "reads": timing, "hinted": hinted[0], "setup": setup[0]}
+    result = {"equal": same, "read": read[0], "links": pairs[0], "reads": timing, "hinted": hinted[0]}
+    return {**result, "setup": setup[0], "fetched": stats.fetched_bytes}
 
 
 FLAT = [("w0", (300, 70)), ("w1", (129,)), ("w2", (64, 90)), ("w3", (7, 5))]  # 27,764 fp32 elements

@@ -87,7 +87,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
             line(
                 f"{action.checkpoint}: ",
                 status,
-                f" {len(action.objects)} object(s), {human_bytes(action.bytes)} ({action.kind}: {action.reason})",
+                f" {len(action.objects)} {_things(action)}, {human_bytes(action.bytes)}",
+                f" ({action.kind}: {action.reason})",
             ),
             soft_wrap=True,
         )
@@ -103,7 +104,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
 def _gc_progress(console: Console, action: Action) -> None:
     if action.deleted == len(action.objects):
-        console.print(line(f"gc: {action.checkpoint}: deleted {action.deleted} object(s) ({action.kind})"))
+        done = "aborted" if action.kind == "uploads" else "deleted"
+        console.print(line(f"gc: {action.checkpoint}: {done} {action.deleted} {_things(action)} ({action.kind})"))
+
+
+def _things(action: Action) -> str:
+    return "unfinished upload(s)" if action.kind == "uploads" else "object(s)"
 
 
 def _gc_summary(plan: GcPlan, dry_run: bool) -> dict[str, Any]:

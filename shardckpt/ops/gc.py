@@ -26,16 +26,19 @@ from shardckpt.errors import NotFoundError, ShardckptError, ShardckptUsageError
 from shardckpt.format import layout, limits
 from shardckpt.format.manifest import decode_global_manifest
 from shardckpt.storage import Storage, open_storage
+from shardckpt.storage.base import Upload
 
 DEFAULT_GRACE = knobs.GC_GRACE
 
 
 @dataclass(frozen=True)
 class Doomed:
-    """One object to delete: `path` relative to its checkpoint directory, with its size in bytes."""
+    """One object to delete: `path` relative to its checkpoint directory, with its size in bytes (or, with
+    `upload`, an unfinished upload of that object to abort: the bytes of its parts)."""
 
     path: str
     size: int
+    upload: Upload | None = None
 
 
 @dataclass
@@ -44,7 +47,9 @@ class Action:
 
     kind: "prune" (a committed checkpoint beyond keep_last: COMMITTED first, then everything the layout names),
     "incomplete" (never committed, untouched for longer than the grace period: everything the layout names), or
-    "leftovers" (files of failed attempts inside a committed checkpoint; the committed attempt is never touched).
+    "leftovers" (files of failed attempts inside a committed checkpoint; the committed attempt is never touched),
+    or "uploads" (an object store's unfinished multipart uploads of layout objects, no part added for the grace
+    period: what a save killed while uploading leaves, stored and billed but never an object; aborted).
     """
 
     checkpoint: str
@@ -140,6 +145,7 @@ def plan_gc(
         stale = [(p, attempt) for p, attempt in objects if attempt != entry.marker.attempt and not is_successor(p)]
         if stale:
             _plan_leftovers(plan, name, checkpoint, stale, now)
+    _plan_uploads(plan, root, listing, now)
     doomed = []
     parts = _by_job(listing) if keep_last is not None and not unknown else [listing]
     if keep_last is not None and unknown:
@@ -154,7 +160,8 @@ def plan_gc(
             if not (tiered and _newer_is_young(part, entry, grace, now))
         ]
     pruned = {entry.name for entry in doomed}
-    plan.actions = [action for action in plan.actions if action.checkpoint not in pruned]  # pruning covers them
+    # Pruning covers the other actions on a pruned checkpoint; its unfinished uploads are not objects it deletes.
+    plan.actions = [action for action in plan.actions if action.checkpoint not in pruned or action.kind == "uploads"]
     plan.skipped = [skipped for skipped in plan.skipped if skipped.checkpoint not in pruned]
     for entry in doomed:
         checkpoint = root.child(entry.name)
@@ -256,6 +263,12 @@ def collect(plan: GcPlan, progress: Callable[[Action, Doomed], None] | None = No
                 if progress is not None:
                     progress(action, by_path[path])
 
+            if action.kind == "uploads":
+                for doomed in action.objects:
+                    assert doomed.upload is not None
+                    plan.storage.abort_upload(doomed.upload)
+                    deleted(doomed.path)
+                continue
             paths = [doomed.path for doomed in action.objects]
             delete_objects(plan.storage, action.checkpoint, paths, directories=action.directories, after_each=deleted)
         except ShardckptError as exc:
@@ -341,6 +354,32 @@ def _plan_incomplete(plan: GcPlan, name: str, checkpoint: Storage, objects: list
     ]
     plan.actions.append(Action(name, "incomplete", reason, objects_sized, list(DIRECTORIES)))
     return True
+
+
+def _plan_uploads(plan: GcPlan, root: Storage, listing: Listing, now: float) -> None:
+    """Abort the unfinished uploads of layout objects under ROOT that no part reached for the grace period (a save
+    that still uploads adds parts; one paused longer fails on its next part, typed, and never commits)."""
+    not_owned = {entry.name for entry in listing.entries if entry.not_owned is not None}
+    by_checkpoint: dict[str, list[Doomed]] = {}
+    young: dict[str, int] = {}
+    for upload in root.unfinished_uploads():
+        name, _, path = upload.path.partition("/")
+        try:
+            attempt_of(path)  # a name the layout gives, in a directory directly under ROOT: else not ours
+        except ShardckptError:
+            continue
+        if not name or name in not_owned:
+            continue
+        age = math.nan if upload.modified is None else now - upload.modified
+        if not age >= plan.grace:
+            young[name] = young.get(name, 0) + 1
+            continue
+        by_checkpoint.setdefault(name, []).append(Doomed(path, upload.size, upload))
+    for name, count in sorted(young.items()):
+        plan.skipped.append(Skipped(name, f"{count} unfinished upload(s) with a part within the grace period"))
+    for name, doomed in sorted(by_checkpoint.items()):
+        reason = "unfinished uploads of a killed save: never objects, but stored and billed"
+        plan.actions.append(Action(name, "uploads", reason, doomed))
 
 
 def _references_in_progress(checkpoint: Storage, objects: list[tuple[str, str]]) -> set[str]:

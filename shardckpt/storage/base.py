@@ -9,6 +9,7 @@ import abc
 import datetime as dt
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from shardckpt.errors import FormatError, NotFoundError, StorageError, TruncatedError
@@ -208,8 +209,27 @@ class Storage(abc.ABC):
             raise StorageError(f"cannot stat {self.describe(path)}: {exc}") from exc
         return modified_time(info)
 
+    def unfinished_uploads(self) -> tuple[Upload, ...]:
+        """Uploads under this storage begun and never completed nor aborted (an object store's multipart uploads: a
+        save killed while uploading leaves them, stored and billed, never an object). Default: none."""
+        return ()
+
+    def abort_upload(self, upload: Upload) -> None:
+        """Abort one of unfinished_uploads(): its parts are deleted, no object ever appears."""
+        raise StorageError(f"{self.url} has no unfinished uploads to abort")
+
     def describe(self, path: str) -> str:
         return f"{self.url.rstrip('/')}/{path}"
+
+
+@dataclass(frozen=True)
+class Upload:
+    """An unfinished upload of object `path` (relative to the storage that listed it)."""
+
+    path: str
+    upload_id: str
+    size: int  # bytes of the parts uploaded so far
+    modified: float | None  # when its last part arrived (or it began), Unix seconds; None: unknown
 
 
 def check_length(storage: Storage, path: str, start: int, end: int, data: bytes) -> bytes:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import datetime
 import difflib
+import functools
 import inspect
 import posixpath
 import secrets
@@ -33,7 +35,7 @@ from shardckpt.errors import (
     StorageError,
     TruncatedError,
 )
-from shardckpt.storage.base import NewFile, SingleCoordinatorCommitWarning, Storage, check_length, modified_time
+from shardckpt.storage.base import NewFile, SingleCoordinatorCommitWarning, Storage, Upload, check_length, modified_time
 from shardckpt.storage.retry import RetryPolicy, retrying
 from shardckpt.storage.s3_upload import MAX_PART_SIZE, S3NewFile, as_body
 
@@ -501,6 +503,47 @@ class S3Storage(Storage):
 
     def delete(self, path: str) -> None:
         self.run(self.request, "delete_object", path, "DELETE")
+
+    def unfinished_uploads(self) -> tuple[Upload, ...]:
+        """The multipart uploads under this prefix, each with its parts' bytes and its last part's time."""
+        return self.run(self._unfinished_uploads)
+
+    async def _unfinished_uploads(self) -> tuple[Upload, ...]:
+        base = self.key("").strip("/")
+        base = f"{base}/" if base else ""
+        params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base}
+        found: list[tuple[str, str, float | None]] = []
+        while True:
+            page = await self.retried(
+                lambda _: self.requests.call("list_multipart_uploads", **params), f"LIST uploads {self.url}", ""
+            )
+            for entry in page.get("Uploads") or ():
+                key, initiated = str(entry["Key"]), entry.get("Initiated")
+                stamp = initiated.timestamp() if isinstance(initiated, datetime.datetime) else None
+                found.append((key[len(base) :], str(entry["UploadId"]), stamp))
+            if not page.get("IsTruncated"):
+                break
+            params["KeyMarker"], params["UploadIdMarker"] = page.get("NextKeyMarker"), page.get("NextUploadIdMarker")
+        return tuple(await gather_all([self._upload(path, upload_id, stamp) for path, upload_id, stamp in found]))
+
+    async def _upload(self, path: str, upload_id: str, initiated: float | None) -> Upload:
+        size, last = 0, initiated
+        params: dict[str, Any] = {"UploadId": upload_id}
+        while True:
+            page = await self.request("list_parts", path, "LIST parts of", **params)
+            for part in page.get("Parts") or ():
+                size += int(part.get("Size") or 0)
+                stamp = part.get("LastModified")
+                if isinstance(stamp, datetime.datetime):
+                    last = max(last or 0.0, stamp.timestamp())
+            if not page.get("IsTruncated"):
+                break
+            params["PartNumberMarker"] = page.get("NextPartNumberMarker")
+        return Upload(path, upload_id, size, last)
+
+    def abort_upload(self, upload: Upload) -> None:
+        abort = functools.partial(self.request, UploadId=upload.upload_id)
+        self.run(abort, "abort_multipart_upload", upload.path, "ABORT upload of")
 
 
 async def gather_all(coroutines: Sequence[Awaitable[T]]) -> list[T]:

@@ -302,3 +302,37 @@ def test_gc_on_s3_dates_objects_through_fsspec_info(s3_url: str) -> None:
     checkpoint = shardckpt.open(f"{s3_url}/step-2")
     for name, tensor in sample_state(2).items():
         assert torch.equal(checkpoint.read(name), tensor), name
+
+
+def _start_upload(storage, path: str) -> str:
+    """An unfinished multipart upload of `path` with one 5 MiB part, as a save killed while uploading leaves."""
+
+    async def begin() -> str:
+        key = storage.key(path)
+        started = await storage.requests.call("create_multipart_upload", Bucket=storage.bucket, Key=key)
+        upload_id = started["UploadId"]
+        body = b"\0" * (5 << 20)
+        await storage.requests.call(
+            "upload_part", Bucket=storage.bucket, Key=key, UploadId=upload_id, PartNumber=1, Body=body
+        )
+        return str(upload_id)
+
+    return storage.run(begin)
+
+
+def test_gc_aborts_the_unfinished_uploads_a_killed_save_left_on_s3_once_the_grace_period_passed(s3_url) -> None:
+    shardckpt.save(sample_state(), f"{s3_url}/step-1", step=1)
+    root = open_storage(s3_url)
+    ours = f"step-2/{layout.data_path(0, layout.new_attempt())}"
+    _start_upload(root, ours)
+    _start_upload(root, "step-2/notes.txt")  # not a name the layout gives: never touched
+    young = plan_gc(s3_url, grace=3600)
+    assert not young.actions and any("unfinished upload(s) with a part" in s.reason for s in young.skipped)
+    plan = plan_gc(s3_url, grace=3600, now=time.time() + 7200)
+    (action,) = plan.actions
+    assert (action.checkpoint, action.kind, [d.path for d in action.objects]) == ("step-2", "uploads", [ours[7:]])
+    assert action.bytes == 5 << 20 and plan.kept == ["step-1"]
+    collect(plan)
+    assert plan.ok and action.deleted == 1
+    assert [upload.path for upload in root.unfinished_uploads()] == ["step-2/notes.txt"]
+    shardckpt.load(sample_state(), f"{s3_url}/step-1")  # the committed checkpoint is untouched

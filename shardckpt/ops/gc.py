@@ -362,7 +362,12 @@ def _plan_uploads(plan: GcPlan, root: Storage, listing: Listing, now: float) -> 
     not_owned = {entry.name for entry in listing.entries if entry.not_owned is not None}
     by_checkpoint: dict[str, list[Doomed]] = {}
     young: dict[str, int] = {}
-    for upload in root.unfinished_uploads():
+    try:
+        uploads = root.unfinished_uploads()
+    except ShardckptError as exc:  # a store without ListMultipartUploads: the rest of gc still runs
+        plan.skipped.append(Skipped("(unfinished uploads)", f"not listed: {exc}"))
+        return
+    for upload in uploads:
         name, _, path = upload.path.partition("/")
         try:
             attempt_of(path)  # a name the layout gives, in a directory directly under ROOT: else not ours

@@ -336,3 +336,12 @@ def test_gc_aborts_the_unfinished_uploads_a_killed_save_left_on_s3_once_the_grac
     assert plan.ok and action.deleted == 1
     assert [upload.path for upload in root.unfinished_uploads()] == ["step-2/notes.txt"]
     shardckpt.load(sample_state(), f"{s3_url}/step-1")  # the committed checkpoint is untouched
+
+
+def test_a_store_that_cannot_list_unfinished_uploads_still_gets_the_rest_of_gc(root: Path, monkeypatch) -> None:
+    def refuse(self) -> tuple:
+        raise shardckpt.StorageError("injected: ListMultipartUploads not implemented")
+
+    monkeypatch.setattr(LocalStorage, "unfinished_uploads", refuse)
+    plan = plan_gc(str(root), grace=0)
+    assert plan.actions and any(s.checkpoint == "(unfinished uploads)" and "injected" in s.reason for s in plan.skipped)

@@ -249,6 +249,16 @@ def test_four_ranks_read_on_three_ranks() -> None:
     assert got == [array[0:3].tobytes(), array[3:6].tobytes(), array[6:8].tobytes()]
 
 
+def test_requests_are_never_smaller_than_a_checksum_block() -> None:
+    # max_request 4 bytes over 32-byte blocks: each 4-byte request read and checked its whole block, every block of
+    # the tensor eight times over (before); now one request per block at most, each byte read once.
+    table, files, array = _row_pieces([0, 8])
+    entries = {"w": tensor_entry("w", "F32", (8, 4), "box", table)}
+    plan = plan_reads(entries, [Target("w", Box((0, 0), (8, 4)))], block_size=32, max_gap=0, max_request=4)
+    assert plan.fetch_bytes == plan.needed_bytes == 8 * ROW
+    assert _run(plan.requests, files, [8 * ROW]) == [array.tobytes()]
+
+
 def test_column_pieces_read_as_row_blocks_use_strided_copies() -> None:
     # TP-style: two column halves [0:8, 0:2] and [0:8, 2:4], each (8, 2) F32 = 8 bytes per stored row, both in
     # file 0 (second one after the first). Reading rows 2..5 takes 3 strided runs of 8 bytes from each.

@@ -37,6 +37,11 @@ class Case:
     max_request: int
     plan: ReadPlan
 
+    @property
+    def request_bound(self) -> int:
+        """The largest request the planner makes: max_request, but never less than a checksum block."""
+        return max(self.max_request, self.block_size)
+
     def itemsize(self, target: int) -> int:
         return itemsize(self.ckpt.tensors[self.targets[target].name].entry.dtype)
 
@@ -124,8 +129,8 @@ def test_copies_are_well_formed(case: Case) -> None:
             assert len(copy.shape) >= 1
             assert all(n >= 1 for n in copy.shape)
             assert len(copy.src_strides) == len(copy.dst_strides) == len(copy.shape) - 1
-            assert copy.shape[-1] <= case.max_request
-            assert copy.src_end - copy.src <= case.max_request
+            assert copy.shape[-1] <= case.request_bound
+            assert copy.src_end - copy.src <= case.request_bound
             src = copy_offsets(copy, "src")
             assert int(src.max()) + 1 == copy.src_end
             # Source bytes of one copy are distinct: a copy never reads a byte twice.
@@ -181,9 +186,9 @@ def test_over_read_is_bounded_and_requests_lie_inside_their_files(case: Case) ->
         assert 0 <= request.start < request.end <= len(case.ckpt.files[request.file])
         # max_request bounds merging; a request of one copy may exceed it by the block rounding only.
         if len(request.copies) > 1:
-            assert request.size <= case.max_request
+            assert request.size <= case.request_bound
         else:
-            assert request.size <= case.max_request + 2 * (case.block_size - 1)
+            assert request.size <= case.request_bound + 2 * (case.block_size - 1)
     assert case.plan.fetch_bytes <= over_read_bound(case)
 
 

@@ -12,6 +12,7 @@ import mmap
 import os
 import secrets
 import socket
+import time
 from collections.abc import Iterator, Sequence
 
 import msgpack
@@ -22,6 +23,7 @@ from shardckpt.planner.share import Segment
 
 SHM_DIR = "/dev/shm"
 PREFIX = "shardckpt-share-"  # a file left by a rank killed in the few milliseconds before its peers map it
+ORPHAN_AGE = 600.0  # seconds after which a region file still named is a killed rank's (removed by the next read)
 
 
 def host_key() -> str | None:
@@ -191,6 +193,7 @@ class Region:
     @classmethod
     def create(cls, size: int) -> Region | None:
         """A new file of `size` bytes (sparse: nothing allocated), or None when this /dev/shm takes no file."""
+        _remove_orphans()
         name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(12)}"
         path = os.path.join(SHM_DIR, name)
         try:
@@ -226,6 +229,22 @@ class Region:
             os.unlink(os.path.join(SHM_DIR, self.name))
         os.close(self.fd)
         self.fd = -1
+
+
+def _remove_orphans(now: float | None = None) -> None:
+    """Delete the regions that ranks killed during a shared read's setup left (a region is unlinked within the
+    setup's collectives, seconds after it is made: one named for ORPHAN_AGE is no running read's). Never fails."""
+    now = time.time() if now is None else now
+    try:
+        names = [name for name in os.listdir(SHM_DIR) if name.startswith(PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(SHM_DIR, name)
+        with contextlib.suppress(OSError):
+            found = os.lstat(path)
+            if now - found.st_mtime > ORPHAN_AGE:
+                os.unlink(path)
 
 
 def _region_name(name: object) -> bool:

@@ -398,7 +398,8 @@ def load(
     plus requests still arriving). None (the default): share when the group spans several nodes (SHARDCKPT_NODE,
     else torchrun's GROUP_RANK, names each rank's node), where it saves the storage link. True: also on one node.
     Either way only when the ranks on their own would read over 1.05x the bytes (SHARDCKPT_SHARE_MIN_SAVING=0.05);
-    False: never.
+    False: never. A compressed checkpoint (save(..., compression=...)) is read unshared: its stored blocks are
+    checked by the rank that decodes them.
     """
     # A Stateful's state_dict() failing on one rank goes through the load's collectives like any other failure
     # of that rank, so that the other ranks raise with it instead of waiting for the group's timeout.

@@ -5,7 +5,9 @@ with the data-file bytes every rank read counted; a rank whose reads fail makes 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 from pathlib import Path
 
 import msgpack
@@ -13,6 +15,7 @@ import numpy as np
 import pytest
 
 import shardckpt
+from shardckpt.distributed import host_memory
 from shardckpt.distributed.shared_reads import Offer, _Assembly, read_offers
 from shardckpt.errors import DistributedError
 from shardckpt.planner import ReadRequest
@@ -259,3 +262,23 @@ def test_replicated_tensors_on_s3_are_fetched_once_over_the_job_and_load_bit_exa
     one_copy = alone[0]["fetched"]  # every rank loads every tensor: what each fetched on its own
     assert all(result["fetched"] == one_copy for result in alone) and one_copy > 0
     assert sum(result["fetched"] for result in shared) <= 1.05 * one_copy  # before sharing: 4x
+
+
+def test_a_region_a_killed_rank_left_in_dev_shm_is_removed_by_the_next_shared_read() -> None:
+    # kill -9 between making its region and the setup's last gather (outside attack ashare) left the file for good.
+    names = [f"{host_memory.PREFIX}999999999-{token}" for token in ("orphan", "young")]
+    for name in names:
+        with open(os.path.join(host_memory.SHM_DIR, name), "wb") as file:
+            file.write(b"x")
+    old = time.time() - host_memory.ORPHAN_AGE - 60
+    os.utime(os.path.join(host_memory.SHM_DIR, names[0]), (old, old))
+    try:
+        region = host_memory.Region.create(4096)
+        assert region is not None
+        region.release()
+        left = set(os.listdir(host_memory.SHM_DIR))
+        assert names[0] not in left and names[1] in left  # one made within ORPHAN_AGE may be a setup running now
+    finally:
+        for name in names:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(host_memory.SHM_DIR, name))

@@ -118,7 +118,9 @@ def plan_shared_reads(
         raise ShardckptUsageError(f"hosts names {len(hosts)} ranks, needs {world}")
     events: dict[int, list[tuple[int, int, int]]] = {}  # file -> (position, +1/-1, rank)
     for rank, ranges in enumerate(needs):
-        for file, start, end in _spans(rank, ranges):
+        for file, start, end in ranges:
+            if not 0 <= start < end:
+                raise ShardckptUsageError(f"rank {rank} needs an empty or negative range {start}:{end} of file {file}")
             events.setdefault(file, []).extend(((start, 1, rank), (end, -1, rank)))
     load = [0] * world
     homes: dict[tuple[int, ...], tuple[int, ...]] = {}  # consumers -> those of them on their home node
@@ -176,19 +178,3 @@ def _home(consumers: tuple[int, ...], nodes: Sequence[int] | None) -> tuple[int,
     best = max(counts.values())
     home = min(node for node, count in counts.items() if count == best)
     return tuple(rank for rank in consumers if nodes[rank] == home)
-
-
-def _spans(rank: int, ranges: Sequence[Range]) -> list[Range]:
-    """A rank's ranges as the fewest spans covering the same bytes: overlapping or touching ranges of a file as one
-    (a rank's read requests are cut at max_request, so its shard of a file is many touching ranges: one event pair
-    each made the sweep 2.2 s a rank at 16,384 ranks). Which bytes a rank needs is all the plan depends on."""
-    spans: list[Range] = []
-    for file, start, end in sorted(ranges):
-        if not 0 <= start < end:
-            raise ShardckptUsageError(f"rank {rank} needs an empty or negative range {start}:{end} of file {file}")
-        if spans and spans[-1][0] == file and start <= spans[-1][2]:
-            if end > spans[-1][2]:
-                spans[-1] = (file, spans[-1][1], end)
-            continue
-        spans.append((file, start, end))
-    return spans

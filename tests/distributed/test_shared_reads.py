@@ -19,7 +19,7 @@ from shardckpt.distributed import host_memory
 from shardckpt.distributed.shared_reads import Offer, _Assembly, read_offers
 from shardckpt.errors import DistributedError
 from shardckpt.planner import ReadRequest
-from shardckpt.planner.share import Segment
+from shardckpt.planner.share import plan_shared_reads
 from tests.helpers.launch import run_ranks
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "share_worker.py"
@@ -230,11 +230,11 @@ def test_overlapping_requests_of_one_rank_each_get_every_byte_of_a_shared_segmen
     reader than the segment before it, fills both (before: only the second; the first stayed incomplete and the
     load failed with "shared read left 1 requests incomplete")."""
     requests = [ReadRequest(0, 0, 100, (), ()), ReadRequest(0, 60, 200, (), ())]
-    # A new reader where request 1 starts (as a plan that cuts a rank's needs at its requests' edges gave them).
-    segments = [Segment(0, 0, 60, 0, (0, 1)), Segment(0, 60, 200, 1, (0, 1))]
+    share = plan_shared_reads([[(0, 0, 100), (0, 60, 200)], [(0, 0, 200)]], chunk=1000)
+    assert [(s.start, s.reader) for s in share.segments] == [(0, 0), (60, 1)]  # a new reader where request 1 starts
     stored = np.arange(200, dtype=np.uint8)
     assembly = _Assembly(requests)
-    for segment in segments:
+    for segment in share.segments:
         assembly.place(segment, stored, segment.start, False)
     done = dict(assembly.settle(keep=True))
     assert sorted(done) == [0, 1]

@@ -95,13 +95,6 @@ def test_what_sharing_saves_is_the_bytes_ranks_would_read_twice() -> None:
     assert (plan.total_bytes, plan.repeated_bytes) == (300, 900)
 
 
-def test_touching_ranges_of_one_rank_are_cut_as_one_span() -> None:
-    # A rank's shard read as requests of max_request (here 10 bytes): the pieces follow the chunk (25) from the
-    # shard's start, not every request's edge (before: 10-byte pieces, one reader each, then merged).
-    plan = plan_shared_reads([[(0, 0, 10), (0, 10, 20), (0, 20, 30), (0, 30, 40)]] * 2, chunk=25)
-    assert [(s.start, s.end, s.reader) for s in plan.segments] == [(0, 25, 0), (25, 40, 1)]
-
-
 def test_bad_input_is_a_usage_error() -> None:
     with pytest.raises(ShardckptUsageError, match="chunk"):
         plan_shared_reads([[(0, 0, 1)]], chunk=0)
@@ -110,17 +103,11 @@ def test_bad_input_is_a_usage_error() -> None:
 
 
 def _reference_plan(needs: list[list[tuple[int, int, int]]], chunk: int, nodes: list[int] | None) -> list[Segment]:
-    """The planner as first written (a Segment per piece cut at every boundary and chunk, then adjacent ones merged),
-    given each rank's touching or overlapping ranges as one: the faster one must make exactly its plan."""
+    """The planner as first written (a Segment per piece cut at every boundary and chunk, then adjacent ones merged):
+    the faster one must make exactly its plan, which every rank computes alike."""
     events: dict[int, list[tuple[int, int, int]]] = {}
     for rank, ranges in enumerate(needs):
-        spans: list[list[int]] = []
-        for file, start, end in sorted(ranges):
-            if spans and spans[-1][0] == file and start <= spans[-1][2]:
-                spans[-1][2] = max(spans[-1][2], end)
-            else:
-                spans.append([file, start, end])
-        for file, start, end in spans:
+        for file, start, end in ranges:
             events.setdefault(file, []).extend(((start, 1, rank), (end, -1, rank)))
     load, pieces = [0] * len(needs), []
     for file in sorted(events):

@@ -118,3 +118,12 @@ def any_rank(group: Group, flag: bool) -> bool:
     value = torch.tensor([int(flag)], dtype=torch.int64, device=group.device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group.handle)
     return bool(value.item())
+
+
+def any_and_least(group: Group, flag: bool, value: int) -> tuple[bool, int]:
+    """(True when `flag` is true on any rank, the smallest of every rank's `value`), on every rank: one small
+    collective."""
+    tensor = torch.tensor([int(flag), -value], dtype=torch.int64, device=group.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group.handle)
+    flagged, least = tensor.tolist()
+    return bool(flagged), -int(least)

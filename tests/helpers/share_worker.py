@@ -82,7 +82,7 @@ def dying_in_the_exchange() -> Iterator[None]:
     def die(*args: Any, **kwargs: Any) -> None:
         os._exit(3)
 
-    with mock.patch.object(shared_reads, "any_rank", die):
+    with mock.patch.object(shared_reads, "any_and_least", die):
         yield
 
 

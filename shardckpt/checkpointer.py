@@ -47,7 +47,6 @@ from shardckpt.errors import DistributedError, ShardckptError, ShardckptUsageErr
 from shardckpt.format.codec import check_codec
 from shardckpt.format.manifest import CommitMarker, GlobalManifest
 from shardckpt.local_tier import LocalTier, job_of
-from shardckpt.read.checkpoint import DEFAULT_MAX_IN_FLIGHT
 from shardckpt.statedict.staging import StagingBuffers, stage
 from shardckpt.storage import open_storage
 from shardckpt.write.encode_ahead import given_pace
@@ -133,12 +132,12 @@ class Checkpointer:
         max_every_steps: int | None = None,
         min_every_seconds: float = 0.0,
         max_every_seconds: float | None = None,
-        mtbf_prior_seconds: float = knobs.CADENCE_MTBF_PRIOR,
+        mtbf_prior_seconds: float | None = None,
         record_failures: bool | None = None,
         on_cadence: Callable[[Cadence], None] | None = None,
         clock: Callable[[], float] = time.time,
         incremental: bool = False,
-        full_every: int = knobs.FULL_EVERY,
+        full_every: int | None = None,
         run_names: bool = False,
         total_steps: int | None = None,
         local_root: str | None = None,
@@ -164,6 +163,9 @@ class Checkpointer:
                 f"every_steps (or default_every_steps with 'auto') must be >= 1, keep_last >= 1, got "
                 f"{every_steps!r}, {keep_last!r}"
             )
+        # The knobs' values when not given, read here (not at import, where a malformed one failed every load).
+        full_every = knobs.FULL_EVERY if full_every is None else full_every
+        mtbf_prior_seconds = knobs.CADENCE_MTBF_PRIOR if mtbf_prior_seconds is None else mtbf_prior_seconds
         if not isinstance(full_every, int) or full_every < 1:
             raise ShardckptUsageError(f"full_every must be an integer >= 1, got {full_every!r}")
         self.incremental, self.full_every = incremental, full_every
@@ -230,7 +232,7 @@ class Checkpointer:
         self,
         state: Mapping[str, Any],
         *,
-        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        max_in_flight: int | None = None,
         optional: Sequence[str] = (),
         cast: bool = False,
     ) -> int | None:

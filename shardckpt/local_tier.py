@@ -173,7 +173,7 @@ class LocalTier:
         newer_than: int | None,
         optional: Sequence[str] = (),
         cast: bool = False,
-        max_in_flight: int = knobs.MAX_IN_FLIGHT,
+        max_in_flight: int | None = None,
     ) -> TierRestore | None:
         """Fill `state` from the newest local checkpoint of this job above `newer_than` that the nodes hold between
         them; None (state untouched) when there is none or it fails (a LocalTierWarning says why)."""

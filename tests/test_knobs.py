@@ -69,7 +69,7 @@ def test_the_defaults_users_see_come_from_knobs() -> None:
     from shardckpt.ops import gc
 
     assert inspect.signature(shardckpt.save).parameters["block_size"].default is None  # knobs.BLOCK_SIZE, at the save
-    assert inspect.signature(shardckpt.load).parameters["max_gap"].default == knobs.MAX_GAP
+    assert inspect.signature(shardckpt.load).parameters["max_gap"].default is None  # knobs.MAX_GAP, at the load
     assert gc.DEFAULT_GRACE == knobs.GC_GRACE
     commands = next(a for a in build_parser()._actions if a.dest == "command").choices
     assert f"(default {knobs.GC_GRACE:g})" in " ".join(commands["gc"].format_help().split())
@@ -245,3 +245,24 @@ def test_shared_read_knobs_below_what_the_read_uses_are_refused_naming_the_varia
     env = {**os.environ, "SHARDCKPT_SHARE_ROUND": "4096", "SHARDCKPT_SHARE_DEPTH": "2", "SHARDCKPT_SHARE_CHECKERS": "1"}
     result = _knob(env, "knobs.SHARE_ROUND, knobs.SHARE_DEPTH, knobs.SHARE_CHECKERS")
     assert result.returncode == 0 and result.stdout.split() == ["4096", "2", "1"], result.stderr
+
+
+def test_a_malformed_read_knob_fails_loads_not_saves(tmp_path) -> None:
+    """Before, the read knobs were default arguments of the load (and the Checkpointer's cadence knobs of its
+    constructor), read when shardckpt's protocol module was imported: a malformed one failed saves as well."""
+    import os
+
+    bad = {"SHARDCKPT_MAX_GAP": "abc", "SHARDCKPT_MAX_IN_FLIGHT": "0", "SHARDCKPT_PREFETCH_AHEAD": "x"}
+    bad.update({"SHARDCKPT_FULL_EVERY": "?", "SHARDCKPT_CADENCE_MTBF_PRIOR": "soon"})
+    code = (
+        "import torch, shardckpt; from shardckpt import knobs; state = {'w': torch.arange(4.0)}\n"
+        f"shardckpt.save(state, {str(tmp_path / 'ckpt')!r}, step=1)\n"
+        f"shardckpt.Checkpointer({str(tmp_path / 'root')!r}, full_every=3, mtbf_prior_seconds=60.0)\n"
+        "print('saved')\n"
+        f"shardckpt.load(state, {str(tmp_path / 'ckpt')!r})\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **bad}, timeout=120
+    )
+    assert done.stdout.split() == ["saved"], done.stderr
+    assert "ShardckptUsageError: SHARDCKPT_MAX_IN_FLIGHT='0' is not valid" in done.stderr, done.stderr[-2000:]

@@ -357,10 +357,10 @@ def load(
     coordinator: int = 0,
     storage_options: dict[str, Any] | None = None,
     strict: bool = True,
-    max_in_flight: int = knobs.MAX_IN_FLIGHT,
+    max_in_flight: int | None = None,
     verify_first: bool = False,
     optional: Sequence[str] = (),
-    max_gap: int = knobs.MAX_GAP,
+    max_gap: int | None = None,
     cast: bool = False,
     share_reads: bool | None = None,
 ) -> ReadStats:
@@ -406,6 +406,9 @@ def load(
     failed: BaseException | None = None
     load_statefuls: Callable[[], None] | None = None
     try:
+        # The knobs' values when not given, read here (not at import, where a malformed one failed saves too).
+        max_in_flight = knobs.MAX_IN_FLIGHT if max_in_flight is None else max_in_flight
+        max_gap = knobs.MAX_GAP if max_gap is None else max_gap
         check_read_limits(max_in_flight, max_gap)  # before any storage is touched, on every rank alike
         state_dict, load_statefuls = loadable_states(state_dict)
     except Exception as exc:
@@ -437,10 +440,10 @@ def _load(
     coordinator: int,
     storage_options: dict[str, Any] | None,
     strict: bool,
-    max_in_flight: int,
+    max_in_flight: int | None,
     verify_first: bool,
     optional: Sequence[str],
-    max_gap: int,
+    max_gap: int | None,
     cast: bool,
     share_reads: bool | None,
     failed: BaseException | None = None,

@@ -81,7 +81,7 @@ def plan_exchange(
     only_across_nodes: bool,
     chunk: int | None = None,
     shared_memory: bool | None = None,
-    budget: int = knobs.MAX_IN_FLIGHT,
+    budget: int | None = None,
 ) -> Exchange | None:
     """Every rank's needs, gathered, turned into the one plan every rank computes alike; None (on every rank)
     when the ranks reading on their own would read at most SHARE_MIN_SAVING more bytes than once, or when
@@ -285,7 +285,7 @@ def fetch_shared(
     plan: ReadPlan,
     share: SharePlan,
     *,
-    budget: int = knobs.MAX_IN_FLIGHT,
+    budget: int | None = None,
     finish: Step | None = None,
     shared_memory: bool | None = None,
     exchange: Exchange | None = None,
@@ -313,7 +313,7 @@ def _fetch_shared(
     checkpoint: Checkpoint,
     plan: ReadPlan,
     share: SharePlan,
-    budget: int,
+    budget: int | None,
     finish: Step | None,
     shared_memory: bool | None,
     exchange: Exchange | None,
@@ -339,7 +339,7 @@ def _fetch_shared(
             refused, depth, round_bytes, checkers = exc, -1, -1, 1
         depth = smallest(group, depth)
         usable = depth > 0 and round_bytes > 0
-        round_bytes = smallest(group, max(1, min(budget // depth, round_bytes)) if usable else -1)
+        round_bytes = smallest(group, round_bytes if usable else -1)  # at most budget // depth: its own depth
         if depth < 0 or round_bytes < 0:
             if refused is not None:
                 raise refused
@@ -523,9 +523,10 @@ def _checkers(jobs: int, limit: int) -> int:
     return max(1, min(cores, jobs, limit))
 
 
-def _knob_choices(budget: int, chunk: int | None) -> tuple[int, int, int, int]:
+def _knob_choices(budget: int | None, chunk: int | None) -> tuple[int, int, int, int]:
     """This rank's rounds in flight, bytes a round, largest segment (chunk, else MAX_REQUEST) and checking threads:
-    its knobs, each of which may be refused (ShardckptUsageError naming the variable)."""
+    its knobs (budget None: MAX_IN_FLIGHT), each of which may be refused (ShardckptUsageError naming the variable)."""
+    budget = knobs.MAX_IN_FLIGHT if budget is None else budget
     depth = max(2, knobs.SHARE_DEPTH)
     rounds = max(1, min(budget // depth, knobs.SHARE_ROUND))
     return depth, rounds, knobs.MAX_REQUEST if chunk is None else chunk, knobs.SHARE_CHECKERS

@@ -77,7 +77,7 @@ def restore_local(
     strict: bool = True,
     optional: Sequence[str] = (),
     cast: bool = False,
-    max_in_flight: int = knobs.MAX_IN_FLIGHT,
+    max_in_flight: int | None = None,
 ) -> TierRestore | None:
     """Fill `state` from the newest local save of `job` above step `newer_than` that the ranks' nodes hold between
     them; None (state untouched) when there is none. Collective. LocalTierError (state untouched) when the
@@ -152,7 +152,7 @@ def restore_local(
                 received = sum(s.size for s in share.segments if s.reader != group.rank and group.rank in s.consumers)
             else:
                 kept, local_bytes, received = _fetch(
-                    group, checkpoint, where, pending.plan.requests, share, max_in_flight
+                    group, checkpoint, where, pending.plan.requests, share, checkpoint.max_in_flight
                 )
         except Exception as exc:
             error = exc
@@ -194,7 +194,7 @@ class _TierCheckpoint(Checkpoint):
         return
 
 
-def _checkpoint(scratch: Storage, where: Storage, opening: Mapping[str, Any], max_in_flight: int) -> Checkpoint:
+def _checkpoint(scratch: Storage, where: Storage, opening: Mapping[str, Any], max_in_flight: int | None) -> Checkpoint:
     """The chosen copy's metadata, checked against its COMMITTED, in an in-memory checkpoint the planner reads; its
     data files read from `where` (this rank's node's copy: a rank reads only the files its node holds)."""
     marker = decode_commit_marker(opening["marker"], "the local tier's COMMITTED")

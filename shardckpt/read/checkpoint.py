@@ -44,7 +44,6 @@ from shardckpt.read import fetching
 from shardckpt.storage import RangeReader, Storage, open_storage
 from shardckpt.torch_bytes import check_destination, host_staging, torch_dtype, writable_bytes
 
-DEFAULT_MAX_IN_FLIGHT = knobs.MAX_IN_FLIGHT
 ByteArray = npt.NDArray[np.uint8]
 
 
@@ -70,7 +69,6 @@ RESIDENT_PROBES = 8  # requests probed to decide whether a plan's bytes are in m
 
 # How far past the request being read the ordered reader announces ranges that do not follow on (a disk serves a
 # jump at full speed only when it is asked early; sequential runs are left to the kernel's own read-ahead).
-PREFETCH_AHEAD = knobs.PREFETCH_AHEAD
 
 
 class Checkpoint(StoredCheckpoint):
@@ -86,13 +84,16 @@ class Checkpoint(StoredCheckpoint):
         marker: CommitMarker,
         manifest: GlobalManifest,
         *,
-        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-        max_gap: int = knobs.MAX_GAP,
+        max_in_flight: int | None = None,
+        max_gap: int | None = None,
         max_request: int | None = None,
     ) -> None:
         """max_request: the largest range read; None picks it per read (knobs.MAX_REQUEST from storage,
         knobs.RESIDENT_MAX_REQUEST when the storage says the bytes are in memory already)."""
         super().__init__(storage, marker, manifest)
+        # Read here, not as default arguments at import: a malformed read knob must not fail a save.
+        max_in_flight = knobs.MAX_IN_FLIGHT if max_in_flight is None else max_in_flight
+        max_gap = knobs.MAX_GAP if max_gap is None else max_gap
         check_read_limits(max_in_flight, max_gap, max_request)
         self.max_in_flight, self.max_gap, self.max_request = max_in_flight, max_gap, max_request
         self._buffer: ByteArray | None = None  # the read buffer, faulted in once and reused by every read
@@ -274,11 +275,12 @@ class Checkpoint(StoredCheckpoint):
             read = functools.partial(self.read_request, reader)
             requests = plan.requests
             hinted = [0]  # requests up to this number have been hinted (or need no hint)
+            prefetch_ahead = knobs.PREFETCH_AHEAD
 
             def prefetch(number: int) -> None:
                 """Hint the requests within PREFETCH_AHEAD bytes after this one that jump (read-ahead misses them)."""
                 ahead, following = 0, number + 1
-                while following < len(requests) and ahead < PREFETCH_AHEAD:
+                while following < len(requests) and ahead < prefetch_ahead:
                     if following > hinted[0]:
                         before, request = requests[following - 1], requests[following]
                         if request.file != before.file or request.start != before.end:
@@ -527,8 +529,8 @@ def open_checkpoint(
     url: str | Storage,
     *,
     storage_options: dict[str, Any] | None = None,
-    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-    max_gap: int = knobs.MAX_GAP,
+    max_in_flight: int | None = None,
+    max_gap: int | None = None,
     max_request: int | None = None,
     head_only: bool = False,
 ) -> Checkpoint:

@@ -14,10 +14,13 @@ pytestmark = pytest.mark.unit
 
 
 @st.composite
-def needs(draw: st.DrawFn) -> list[list[tuple[int, int, int]]]:
-    world = draw(st.integers(1, 6))
-    ranges = st.tuples(st.integers(0, 2), st.integers(0, 200), st.integers(1, 60))
-    return [[(f, s, s + n) for f, s, n in draw(st.lists(ranges, max_size=6))] for _ in range(world)]
+def needs(
+    draw: st.DrawFn, worlds: int = 6, files: int = 3, starts: int = 200, lengths: int = 60, per_rank: int = 6
+) -> list[list[tuple[int, int, int]]]:
+    """Up to `worlds` ranks, each with up to `per_rank` ranges of `files` files."""
+    world = draw(st.integers(1, worlds))
+    ranges = st.tuples(st.integers(0, files - 1), st.integers(0, starts), st.integers(1, lengths))
+    return [[(f, s, s + n) for f, s, n in draw(st.lists(ranges, max_size=per_rank))] for _ in range(world)]
 
 
 @settings(max_examples=300, deadline=None)
@@ -147,15 +150,8 @@ def _reference_plan(needs: list[list[tuple[int, int, int]]], chunk: int, nodes: 
     return merged
 
 
-@st.composite
-def wider_needs(draw: st.DrawFn) -> list[list[tuple[int, int, int]]]:
-    world = draw(st.integers(1, 12))
-    ranges = st.tuples(st.integers(0, 3), st.integers(0, 300), st.integers(1, 90))
-    return [[(f, s, s + n) for f, s, n in draw(st.lists(ranges, max_size=8))] for _ in range(world)]
-
-
 @settings(max_examples=400, deadline=None)
-@given(wider_needs(), st.integers(1, 100), st.integers(0, 4))
+@given(needs(worlds=12, files=4, starts=300, lengths=90, per_rank=8), st.integers(1, 100), st.integers(0, 4))
 def test_the_plan_is_exactly_the_first_planners(wanted, chunk, per_node) -> None:
     nodes = [rank // per_node for rank in range(len(wanted))] if per_node else None
     assert list(plan_shared_reads(wanted, chunk=chunk, nodes=nodes).segments) == _reference_plan(wanted, chunk, nodes)
